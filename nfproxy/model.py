@@ -1,0 +1,175 @@
+"""The one service model every backend compiles from.
+
+Values are immutable so a ClusterState can be shared between the sync loop, the renderers and the
+analysis without copies, and so two states can be compared to find what changed. Addresses are
+kept as validated, canonical strings (what the renderers print), not ipaddress objects: the
+sources validate once, the renderers then format 100 000 endpoints without converting back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+
+class Protocol(enum.Enum):
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+    @property
+    def lower(self) -> str:
+        return self.value.lower()
+
+
+class IPFamily(enum.IntEnum):
+    V4 = 4
+    V6 = 6
+
+
+class ServiceType(enum.Enum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+DEFAULT_AFFINITY_TIMEOUT = 10800
+MASQUERADE_MARK = 0x4000
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """Identity of one port of one service, as kube-proxy names it (protocol kept beside it)."""
+
+    namespace: str
+    name: str
+    port: str
+    protocol: Protocol = field(compare=True)
+
+    def __str__(self) -> str:
+        base = f"{self.namespace}/{self.name}"
+        return f"{base}:{self.port}" if self.port else base
+
+
+ServicePortKey = tuple[ServicePortName, IPFamily]
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """One port of one service in one IP family: the unit every backend renders."""
+
+    name: ServicePortName
+    family: IPFamily
+    type: ServiceType
+    cluster_ip: str
+    port: int
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    load_balancer_source_ranges: tuple[str, ...] = ()
+    # ClientIP affinity timeout in seconds; 0 means no session affinity.
+    affinity_timeout: int = 0
+    external_policy_local: bool = False
+    internal_policy_local: bool = False
+    health_check_node_port: int = 0
+
+    @property
+    def key(self) -> ServicePortKey:
+        return (self.name, self.family)
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.name.protocol
+
+    @property
+    def externally_accessible(self) -> bool:
+        return bool(self.node_port or self.load_balancer_ips or self.external_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        """Whether any traffic class is routed by Cluster policy (kube-proxy's UsesClusterEndpoints)."""
+        return not self.internal_policy_local or (
+            self.externally_accessible and not self.external_policy_local
+        )
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        return self.internal_policy_local or (
+            self.externally_accessible and self.external_policy_local
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One backend address of a service port, with the conditions categorisation needs."""
+
+    ip: str
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str = ""
+    zone: str = ""
+    zone_hints: frozenset[str] = frozenset()
+    node_hints: frozenset[str] = frozenset()
+
+    @property
+    def address(self) -> str:
+        """`ip:port`, IPv6 bracketed: the string kube-proxy sorts by and hashes."""
+        if ":" in self.ip:
+            return f"[{self.ip}]:{self.port}"
+        return f"{self.ip}:{self.port}"
+
+    @property
+    def family(self) -> IPFamily:
+        return IPFamily.V6 if ":" in self.ip else IPFamily.V4
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """What the proxy knows about the node it programs."""
+
+    name: str = ""
+    ips: tuple[str, ...] = ()
+    # Pod CIDRs: traffic to a cluster IP from outside them is masqueraded.
+    cluster_cidrs: tuple[str, ...] = ()
+    masquerade_all: bool = False
+    zone: str = ""
+    # CIDRs whose local addresses accept NodePort traffic; empty means every local address.
+    nodeport_addresses: tuple[str, ...] = ()
+
+    def ips_of(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(ip for ip in self.ips if (":" in ip) == (family is IPFamily.V6))
+
+    def cluster_cidrs_of(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(c for c in self.cluster_cidrs if (":" in c) == (family is IPFamily.V6))
+
+    def nodeport_addresses_of(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(
+            c for c in self.nodeport_addresses if (":" in c) == (family is IPFamily.V6)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """Everything a sync renders: the node, its services and their endpoints.
+
+    `endpoints[key]` is sorted by `Endpoint.address` (string order, as kube-proxy sorts), which
+    is the order of the random cascade and of the numgen slots.
+    """
+
+    node: NodeConfig = NodeConfig()
+    services: Mapping[ServicePortKey, ServicePort] = field(default_factory=dict)
+    endpoints: Mapping[ServicePortKey, tuple[Endpoint, ...]] = field(default_factory=dict)
+
+    def service_ports(self, family: IPFamily) -> Iterator[tuple[ServicePort, tuple[Endpoint, ...]]]:
+        """Service ports of one family in a stable order (by name), with their endpoints."""
+        keys = sorted(k for k in self.services if k[1] is family)
+        for key in keys:
+            yield self.services[key], self.endpoints.get(key, ())
+
+
+
+def sort_endpoints(endpoints: list[Endpoint] | tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+    return tuple(sorted(endpoints, key=lambda e: e.address))
