@@ -1,0 +1,49 @@
+"""iptables-restore / iptables-save, legacy or nft flavour, in a chosen namespace.
+
+Writes go through `iptables-restore --noflush -w`: one atomic restore per table set, holding
+the xtables lock, leaving every chain nfproxy does not own untouched.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from nfproxy.kernel.process import KernelError, find_tool, run
+from nfproxy.model import IPFamily
+
+
+class Flavour(enum.Enum):
+    LEGACY = "legacy"
+    NFT = "nft"
+
+
+def detect_flavour() -> Flavour:
+    """Which iptables the host's plain `iptables` command is (what other software uses)."""
+    try:
+        version = run(["iptables", "--version"])
+    except KernelError:
+        return Flavour.NFT
+    return Flavour.LEGACY if "legacy" in version else Flavour.NFT
+
+
+class IptablesRunner:
+    def __init__(
+        self, family: IPFamily, netns: str | None = None, flavour: Flavour | None = None
+    ) -> None:
+        self.family = family
+        self.netns = netns
+        self.flavour = flavour or detect_flavour()
+        stem = "iptables" if family is IPFamily.V4 else "ip6tables"
+        self.restore_cmd = f"{stem}-{self.flavour.value}-restore"
+        self.save_cmd = f"{stem}-{self.flavour.value}-save"
+        find_tool(self.restore_cmd)
+
+    def restore(self, payload: str, *, noflush: bool = True) -> None:
+        argv = [self.restore_cmd, "-w", "5"]
+        if noflush:
+            argv.append("--noflush")
+        run(argv, netns=self.netns, stdin=payload)
+
+    def save(self, table: str | None = None) -> str:
+        argv = [self.save_cmd] + (["-t", table] if table else [])
+        return run(argv, netns=self.netns)
