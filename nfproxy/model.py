@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
-class Protocol(enum.Enum):
+class Protocol(str, enum.Enum):
     TCP = "TCP"
     UDP = "UDP"
     SCTP = "SCTP"
@@ -88,10 +88,12 @@ class ServicePort:
 
     @property
     def uses_cluster_endpoints(self) -> bool:
-        """Whether any traffic class is routed by Cluster policy (kube-proxy's UsesClusterEndpoints)."""
-        return not self.internal_policy_local or (
-            self.externally_accessible and not self.external_policy_local
-        )
+        """Whether Cluster-policy endpoints are needed (kube-proxy's UsesClusterEndpoints).
+
+        Any externally accessible port needs them, even under eTP=Local: traffic from pods
+        and from the node itself short-circuits to the Cluster chain.
+        """
+        return not self.internal_policy_local or self.externally_accessible
 
     @property
     def uses_local_endpoints(self) -> bool:

@@ -1,0 +1,984 @@
+"""Kubernetes objects (Service, EndpointSlice, Node) -> ClusterState, read as kube-proxy reads them.
+
+Two doors lead in: `load` reads manifest files (what `nfproxy render/compare/lab` and
+`--manifests` use) and `load_objects` takes already-decoded objects (what the API source feeds
+from list/watch). Both end in the same validation, so a watched object cannot reach the renderers
+through a path the files never exercised.
+
+Validation granularity, chosen so a mistake never widens what the rules allow:
+
+- A problem in a field that applies to the whole object (metadata, type, cluster IPs, external
+  IPs, source ranges, affinity, traffic policies, LB status; a slice's service label, address type
+  or ports list; anything in a Node) skips the whole object. Dropping only, say, a malformed
+  `loadBalancerSourceRanges` entry would open the load balancer wider than its author meant.
+- A problem in one entry of `spec.ports` skips that service port; a problem in one slice port or
+  one slice endpoint skips just that entry. Each skip fails closed: the port or backend is absent.
+- Every problem is reported as an `ObjectError` naming the field path; nothing raises except
+  `load` on a path that does not exist or from which nothing at all could be read.
+
+Semantics follow upstream kube-proxy (pkg/proxy/endpointslicecache.go, serviceport.go and
+pkg/api/v1/service/util.go) rather than the API documentation where they differ; each such choice
+is noted where it is made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from nfproxy.model import (
+    DEFAULT_AFFINITY_TIMEOUT,
+    ClusterState,
+    Endpoint,
+    IPFamily,
+    NodeConfig,
+    Protocol,
+    ServicePort,
+    ServicePortKey,
+    ServicePortName,
+    ServiceType,
+    sort_endpoints,
+)
+from nfproxy.sources import validation as v
+from nfproxy.sources.validation import FieldError, show, type_name
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+
+_SERVICE = ("v1", "Service")
+_SLICE = ("discovery.k8s.io/v1", "EndpointSlice")
+_NODE = ("v1", "Node")
+_GROUPS = {"Service": "", "EndpointSlice": "discovery.k8s.io", "Node": ""}
+_PROTOCOLS = tuple(p.value for p in Protocol)
+_SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+_POLICIES = ("Cluster", "Local")
+# The API server accepts at most 100 addresses per endpoint; only the first is ever used.
+_MAX_ADDRESSES = 100
+
+_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+T = TypeVar("T")
+
+
+class ManifestError(Exception):
+    """Nothing usable could be read: the path is missing, or every file in it is unreadable."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectError:
+    """One problem in one object, located by field path (and by file and line when known).
+
+    `kind`, `namespace` and `name` are display forms: an invalid name is shown quoted and
+    truncated, so printing an error can never forge log lines.
+    """
+
+    kind: str
+    namespace: str
+    name: str
+    field: str
+    message: str
+    source: str = ""
+
+    def __str__(self) -> str:
+        parts = []
+        if self.source:
+            parts.append(self.source)
+        if self.kind:
+            ident = f"{self.namespace}/{self.name}" if self.namespace else self.name
+            parts.append(f"{self.kind} {ident}".rstrip())
+        if self.field:
+            parts.append(self.field)
+        parts.append(self.message)
+        return ": ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    state: ClusterState
+    errors: tuple[ObjectError, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What a Node object tells the proxy about itself, before the command line has its say."""
+
+    name: str
+    zone: str = ""
+    ips: tuple[str, ...] = ()
+    pod_cidrs: tuple[str, ...] = ()
+
+
+def merge_node(given: NodeConfig | None, found: NodeInfo | None) -> NodeConfig:
+    """The caller's settings (flags) win field by field; the Node object fills in the rest.
+
+    The pod CIDRs become `cluster_cidrs` only when none were given: that is kube-proxy's NodeCIDR
+    local-traffic detection, which needs no cluster-wide flag.
+    """
+    given = given if given is not None else NodeConfig()
+    if found is None:
+        return given
+    return replace(
+        given,
+        name=given.name or found.name,
+        zone=given.zone or found.zone,
+        ips=given.ips or found.ips,
+        cluster_cidrs=given.cluster_cidrs or found.pod_cidrs,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading files
+
+
+@dataclass(frozen=True, slots=True)
+class _Document:
+    obj: object
+    source: str = ""
+    # Line of each `items` entry of a List document, for error locations.
+    item_sources: tuple[str, ...] = ()
+
+
+class _FileError(Exception):
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line
+
+
+def load(path: str | os.PathLike[str], node: NodeConfig | None = None) -> LoadResult:
+    """Read a manifest file or a directory tree of them.
+
+    A file that cannot be read or parsed is reported and left out as a whole (a half-read file
+    could hold a Service without its EndpointSlices); the other files are still used.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ManifestError(f"{root}: no such file or directory")
+    files = [root] if root.is_file() else _manifest_files(root)
+    if not files:
+        raise ManifestError(f"{root}: no *.yaml, *.yml or *.json files found")
+    documents: list[_Document] = []
+    file_errors: list[ObjectError] = []
+    read = 0
+    for file in files:
+        try:
+            documents.extend(_read_file(file))
+            read += 1
+        except _FileError as exc:
+            source = f"{file}:{exc.line}" if exc.line else str(file)
+            file_errors.append(ObjectError("", "", "", "", str(exc), source))
+    if not read:
+        raise ManifestError("nothing could be read: " + "; ".join(map(str, file_errors)))
+    result = _build(documents, node)
+    return LoadResult(result.state, tuple(file_errors) + result.errors)
+
+
+def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> LoadResult:
+    """Build the state from decoded objects (camelCase JSON form, as `kubectl get -o json`).
+
+    Each object needs `apiVersion` and `kind`. The API leaves them out of list items, so the
+    API source sets them; `kind: *List` objects here fill them in from the list's own kind.
+    """
+    return _build((_Document(obj) for obj in objects), node)
+
+
+def _manifest_files(root: Path) -> list[Path]:
+    """Manifest files below `root`, sorted, skipping hidden entries.
+
+    Hidden entries are skipped so editor swap files and `.git` are not read, and so a ConfigMap
+    volume (whose `..data` directory holds the same files as the visible symlinks) is read once.
+    """
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for filename in filenames:
+            if not filename.startswith(".") and filename.endswith(MANIFEST_SUFFIXES):
+                found.append(Path(dirpath) / filename)
+    return sorted(found)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _read_file(path: Path) -> list[_Document]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise _FileError(f"not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise _FileError(f"cannot read: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            return [_Document(json.loads(text), f"{path}:1")]
+        return _read_yaml(text, path)
+    except json.JSONDecodeError as exc:
+        raise _FileError(f"invalid JSON: {exc.msg}", exc.lineno) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "syntax error"
+        line = mark.line + 1 if mark is not None else None
+        raise _FileError(f"invalid YAML: {_one_line(problem)}", line) from None
+    except yaml.YAMLError as exc:
+        raise _FileError(f"invalid YAML: {_one_line(str(exc))}") from None
+    except RecursionError:
+        raise _FileError("nested too deeply to be a Kubernetes object") from None
+    except (ValueError, OverflowError) as exc:
+        # Scalars the YAML resolver accepts but Python cannot build: a 5000-digit integer, a
+        # timestamp on February 30th.
+        raise _FileError(f"a value cannot be read: {_one_line(str(exc))}") from None
+
+
+def _read_yaml(text: str, path: Path) -> list[_Document]:
+    """Every document of a YAML stream, each with the line it starts on."""
+    documents = []
+    loader = _Loader(text)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if node is None:
+                continue
+            obj = loader.construct_document(node)
+            documents.append(
+                _Document(obj, f"{path}:{node.start_mark.line + 1}", _item_sources(node, path))
+            )
+    finally:
+        loader.dispose()
+    return documents
+
+
+def _item_sources(node: yaml.Node, path: Path) -> tuple[str, ...]:
+    if not isinstance(node, yaml.MappingNode):
+        return ()
+    for key, value in node.value:
+        if key.value == "items" and isinstance(value, yaml.SequenceNode):
+            return tuple(f"{path}:{item.start_mark.line + 1}" for item in value.value)
+    return ()
+
+
+# --------------------------------------------------------------------------------------------
+# Per-object problem collection
+
+
+class _Report:
+    """The problems found in one object, reported under that object's identity."""
+
+    def __init__(self, kind: str, obj: dict[str, Any], source: str, errors: list[ObjectError]):
+        meta = obj.get("metadata")
+        meta = meta if isinstance(meta, dict) else {}
+        self.kind = kind
+        namespaced = kind not in ("Node", "") and not kind.endswith("List")
+        self.namespace = show(meta.get("namespace") or "default") if namespaced else ""
+        self.name = show(meta["name"]) if meta.get("name") is not None else "<unnamed>"
+        self.source = source
+        self._errors = errors
+        self.count = 0
+
+    def add(self, path: str, message: str) -> None:
+        self.count += 1
+        self._errors.append(
+            ObjectError(self.kind, self.namespace, self.name, path, message, self.source)
+        )
+
+    def check(self, path: str, validator: Callable[..., T], value: object, *args: Any) -> T | None:
+        try:
+            return validator(value, *args)
+        except FieldError as exc:
+            self.add(path, str(exc))
+            return None
+
+    def get(
+        self, parent: dict[str, Any], key: str, path: str, kind: type, required: bool = False
+    ) -> Any:
+        """`parent[key]` if it has type `kind`; None (and a problem) if it has another type.
+
+        Absent and null are the same (JSON from the API spells unset as null); both are
+        reported only when `required`.
+        """
+        value = parent.get(key)
+        if value is None:
+            if required:
+                self.add(path, "required field is missing")
+            return None
+        if not isinstance(value, kind):
+            self.add(path, f"expected a {type_name(kind())}, got {type_name(value)} {show(value)}")
+            return None
+        return value
+
+    def items(
+        self, parent: dict[str, Any], key: str, path: str, required: bool = False
+    ) -> Iterator[tuple[str, Any]]:
+        """(path, entry) for each entry of a list field."""
+        entries = self.get(parent, key, path, list, required)
+        for i, entry in enumerate(entries or ()):
+            yield f"{path}[{i}]", entry
+
+    def mappings(
+        self, parent: dict[str, Any], key: str, path: str, required: bool = False
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(path, entry) for each mapping entry of a list field; other entries are problems."""
+        for entry_path, entry in self.items(parent, key, path, required):
+            if isinstance(entry, dict):
+                yield entry_path, entry
+            else:
+                self.add(entry_path, f"expected a mapping, got {type_name(entry)} {show(entry)}")
+
+
+def _metadata(
+    obj: dict[str, Any], r: _Report, name_validator: Callable[[object], str], namespaced: bool
+) -> tuple[str, str, dict[str, Any] | None]:
+    """(namespace, name, labels); namespace defaults to `default` as kubectl apply does.
+
+    Labels are None when `metadata.labels` is not a mapping (already reported).
+    """
+    meta = r.get(obj, "metadata", "metadata", dict)
+    if meta is None:
+        if obj.get("metadata") is None:
+            r.add("metadata.name", "required field is missing")
+        return "", "", None
+    name = None
+    if meta.get("name") is None:
+        r.add("metadata.name", "required field is missing")
+    else:
+        name = r.check("metadata.name", name_validator, meta["name"])
+    namespace = ""
+    if namespaced:
+        raw = meta.get("namespace")
+        namespace = (
+            r.check("metadata.namespace", v.dns_label, raw) if raw is not None else "default"
+        )
+    labels = r.get(meta, "labels", "metadata.labels", dict)
+    if labels is None and meta.get("labels") is None:
+        labels = {}
+    return namespace or "", name or "", labels
+
+
+def _optional(parent: dict[str, Any], key: str, default: T) -> Any:
+    value = parent.get(key)
+    return default if value is None else value
+
+
+# --------------------------------------------------------------------------------------------
+# Services
+
+
+def _service(
+    obj: dict[str, Any], r: _Report
+) -> tuple[tuple[str, str], tuple[ServicePort, ...]] | None:
+    """The service's ports in each family it has a cluster IP for; None if it is skipped."""
+    namespace, name, _ = _metadata(obj, r, v.dns1035_label, namespaced=True)
+    spec = r.get(obj, "spec", "spec", dict, required=True)
+    if spec is None or r.count:
+        return None
+    svc_type = r.check("spec.type", v.one_of, _optional(spec, "type", "ClusterIP"), _SERVICE_TYPES)
+    if svc_type == "ExternalName":
+        log.debug("Service %s/%s: type ExternalName is not proxied", namespace, name)
+        return None
+
+    cluster_ips = _cluster_ips(spec, r)
+    if cluster_ips is None:
+        return None  # headless
+    external_ips = [
+        ip
+        for path, raw in r.items(spec, "externalIPs", "spec.externalIPs")
+        if (ip := r.check(path, v.endpoint_address, raw)) is not None
+    ]
+    source_ranges = [
+        c
+        for path, raw in r.items(spec, "loadBalancerSourceRanges", "spec.loadBalancerSourceRanges")
+        # Upstream trims whitespace here because API validation once let padding through.
+        if (c := r.check(path, v.cidr, raw.strip() if isinstance(raw, str) else raw)) is not None
+    ]
+    affinity_timeout = _affinity(spec, r)
+    etp = r.check(
+        "spec.externalTrafficPolicy",
+        v.one_of,
+        _optional(spec, "externalTrafficPolicy", "Cluster"),
+        _POLICIES,
+    )
+    itp = r.check(
+        "spec.internalTrafficPolicy",
+        v.one_of,
+        _optional(spec, "internalTrafficPolicy", "Cluster"),
+        _POLICIES,
+    )
+    health_port = None
+    if spec.get("healthCheckNodePort") is not None:
+        health_port = r.check("spec.healthCheckNodePort", v.port, spec["healthCheckNodePort"])
+    lb_ips = _load_balancer_ips(obj, r) if svc_type == "LoadBalancer" else []
+    service_level = r.count
+    ports = _service_ports(spec, r, svc_type or "ClusterIP")
+    if service_level or svc_type is None:
+        return None
+    if not cluster_ips:
+        log.info(
+            "Service %s/%s has no cluster IP (not allocated yet?): not proxied", namespace, name
+        )
+        return None
+
+    # pkg/api/v1/service/util.go ExternalPolicyLocal: a ClusterIP service with external IPs is
+    # externally accessible too, so its eTP: Local counts.
+    externally_accessible = svc_type in ("NodePort", "LoadBalancer") or bool(external_ips)
+    external_local = externally_accessible and etp == "Local"
+    health_check_node_port = 0
+    if svc_type == "LoadBalancer" and external_local:
+        if health_port is None:
+            log.warning("Service %s/%s has no healthCheckNodePort", namespace, name)
+        health_check_node_port = health_port or 0
+
+    result = []
+    for family, cluster_ip in sorted(cluster_ips.items()):
+        for port_name, protocol, port, node_port in ports:
+            result.append(
+                ServicePort(
+                    name=ServicePortName(namespace, name, port_name, protocol),
+                    family=family,
+                    type=ServiceType(svc_type),
+                    cluster_ip=cluster_ip,
+                    port=port,
+                    node_port=node_port,
+                    external_ips=_of_family(external_ips, family),
+                    load_balancer_ips=_of_family(lb_ips, family),
+                    load_balancer_source_ranges=_of_family(source_ranges, family),
+                    affinity_timeout=affinity_timeout or 0,
+                    external_policy_local=external_local,
+                    internal_policy_local=itp == "Local",
+                    health_check_node_port=health_check_node_port,
+                )
+            )
+    return (namespace, name), tuple(result)
+
+
+def _port_label(name: str) -> str:
+    return show(name) if name else "(unnamed)"
+
+
+def _of_family(addresses: list[str], family: IPFamily) -> tuple[str, ...]:
+    return tuple(a for a in addresses if v.family_of(a) is family)
+
+
+def _cluster_ips(spec: dict[str, Any], r: _Report) -> dict[IPFamily, str] | None:
+    """Cluster IP by family ({} if none is allocated); None for a headless service.
+
+    Pairs `clusterIPs[i]` with `ipFamilies[i]` as GetClusterIPByFamily does, falling back to
+    `clusterIP` for manifests written before dual-stack.
+    """
+    single = spec.get("clusterIP")
+    listed = r.get(spec, "clusterIPs", "spec.clusterIPs", list)
+    if single == "None" or (listed and listed[0] == "None"):
+        return None
+    if listed:
+        raw = [(f"spec.clusterIPs[{i}]", ip) for i, ip in enumerate(listed)]
+    elif single is not None and single != "":
+        raw = [("spec.clusterIP", single)]
+    else:
+        raw = []
+    ips = [(path, r.check(path, v.ip_address, ip)) for path, ip in raw]
+    if listed and single not in (None, ""):
+        first = r.check("spec.clusterIP", v.ip_address, single)
+        if first is not None and ips[0][1] is not None and first != ips[0][1]:
+            r.add("spec.clusterIP", f"{show(single)} differs from spec.clusterIPs[0] {ips[0][1]}")
+    if len(ips) > 2:
+        r.add("spec.clusterIPs", f"at most 2 cluster IPs (one per family), got {len(ips)}")
+
+    families = []
+    for path, raw_family in r.items(spec, "ipFamilies", "spec.ipFamilies"):
+        family = r.check(path, v.ip_family, raw_family)
+        if family is not None and family in families:
+            r.add(path, f"duplicate IP family {raw_family}")
+        families.append(family)
+
+    by_family: dict[IPFamily, str] = {}
+    for i, (path, ip) in enumerate(ips):
+        if ip is None:
+            continue
+        family = v.family_of(ip)
+        if families:
+            if i >= len(families):
+                r.add(path, f"{ip} has no matching spec.ipFamilies[{i}] entry")
+                continue
+            if families[i] is not None and families[i] is not family:
+                want = "IPv6" if families[i] is IPFamily.V6 else "IPv4"
+                r.add(path, f"{ip} is not an {want} address (spec.ipFamilies[{i}] is {want})")
+                continue
+        if family in by_family:
+            r.add(path, f"{ip} is a second cluster IP of the same family")
+            continue
+        by_family[family] = ip
+    return by_family
+
+
+def _affinity(spec: dict[str, Any], r: _Report) -> int | None:
+    """ClientIP timeout in seconds, 0 without affinity (the API server defaults the timeout)."""
+    mode = r.check(
+        "spec.sessionAffinity",
+        v.one_of,
+        _optional(spec, "sessionAffinity", "None"),
+        ("None", "ClientIP"),
+    )
+    if mode != "ClientIP":
+        return 0
+    timeout: object = DEFAULT_AFFINITY_TIMEOUT
+    config = r.get(spec, "sessionAffinityConfig", "spec.sessionAffinityConfig", dict)
+    client_ip = r.get(config or {}, "clientIP", "spec.sessionAffinityConfig.clientIP", dict)
+    if client_ip and client_ip.get("timeoutSeconds") is not None:
+        timeout = client_ip["timeoutSeconds"]
+    return r.check(
+        "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+        v.integer,
+        timeout,
+        v.MIN_AFFINITY_TIMEOUT,
+        v.MAX_AFFINITY_TIMEOUT,
+        "affinity timeout",
+    )
+
+
+def _load_balancer_ips(obj: dict[str, Any], r: _Report) -> list[str]:
+    """VIP-mode ingress IPs. `ipMode: Proxy` ones are skipped: that LB does not preserve the
+    destination, so kube-proxy installs no rules for it. Only LoadBalancer services are read,
+    so a stale status left on a service whose type changed cannot open anything."""
+    status = r.get(obj, "status", "status", dict) or {}
+    balancer = r.get(status, "loadBalancer", "status.loadBalancer", dict) or {}
+    ips = []
+    for path, ingress in r.mappings(balancer, "ingress", "status.loadBalancer.ingress"):
+        mode = r.check(
+            f"{path}.ipMode", v.one_of, _optional(ingress, "ipMode", "VIP"), ("VIP", "Proxy")
+        )
+        if ingress.get("ip") in (None, ""):
+            continue  # hostname-only ingress: nothing for a proxy to match
+        ip = r.check(f"{path}.ip", v.ip_address, ingress["ip"])
+        if ip is not None and mode == "VIP":
+            ips.append(ip)
+    return ips
+
+
+def _service_ports(
+    spec: dict[str, Any], r: _Report, svc_type: str
+) -> list[tuple[str, Protocol, int, int]]:
+    """(name, protocol, port, nodePort) of each valid port; a bad or duplicate entry is skipped."""
+    ports: list[tuple[str, Protocol, int, int]] = []
+    seen_names: dict[str, str] = {}
+    seen_ports: dict[tuple[int, Protocol], str] = {}
+    seen_node_ports: dict[tuple[int, Protocol], str] = {}
+    entries = list(r.mappings(spec, "ports", "spec.ports", required=True))
+    if not entries and isinstance(spec.get("ports"), list) and not spec["ports"]:
+        r.add("spec.ports", "at least one port is required")
+    for path, entry in entries:
+        before = r.count
+        name = r.check(f"{path}.name", v.string, _optional(entry, "name", ""))
+        if name:
+            name = r.check(f"{path}.name", v.dns_label, name)
+        protocol = r.check(
+            f"{path}.protocol", v.one_of, _optional(entry, "protocol", "TCP"), _PROTOCOLS
+        )
+        if entry.get("port") is None:
+            r.add(f"{path}.port", "required field is missing")
+            number = None
+        else:
+            number = r.check(f"{path}.port", v.port, entry["port"])
+        node_port = 0
+        if entry.get("nodePort") is not None:
+            if svc_type == "ClusterIP":
+                r.add(f"{path}.nodePort", "may not be set when spec.type is ClusterIP")
+            else:
+                node_port = r.check(f"{path}.nodePort", v.port, entry["nodePort"]) or 0
+        if r.count > before or name is None or protocol is None or number is None:
+            continue
+        proto = Protocol(protocol)
+        if name in seen_names:
+            r.add(
+                f"{path}.name",
+                f"duplicate port name {_port_label(name)} (also {seen_names[name]})",
+            )
+            continue
+        if (number, proto) in seen_ports:
+            r.add(
+                f"{path}.port",
+                f"duplicate port {number}/{protocol} (also {seen_ports[number, proto]})",
+            )
+            continue
+        if node_port and (node_port, proto) in seen_node_ports:
+            r.add(
+                f"{path}.nodePort",
+                f"duplicate node port {node_port}/{protocol}"
+                f" (also {seen_node_ports[node_port, proto]})",
+            )
+            continue
+        seen_names[name] = path
+        seen_ports[number, proto] = path
+        if node_port:
+            seen_node_ports[node_port, proto] = path
+        ports.append((name, proto, number, node_port))
+    return ports
+
+
+# --------------------------------------------------------------------------------------------
+# EndpointSlices
+
+
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    namespace: str
+    name: str
+    service: str
+    family: IPFamily
+    ports: tuple[tuple[str, Protocol, int], ...]
+    # Port numbers come from `ports`; these carry 0 until paired with one.
+    endpoints: tuple[Endpoint, ...]
+
+
+def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | None:
+    """The slice's usable ports and endpoints; None if it is skipped (FQDN, or invalid)."""
+    namespace, name, labels = _metadata(obj, r, v.dns_subdomain, namespaced=True)
+    label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
+    service = None
+    if labels is not None and labels.get(SERVICE_NAME_LABEL) is None:
+        r.add(label_path, "required label is missing: the slice belongs to no service")
+    elif labels is not None:
+        service = r.check(label_path, v.dns1035_label, labels[SERVICE_NAME_LABEL])
+    address_type = None
+    if obj.get("addressType") is None:
+        r.add("addressType", "required field is missing")
+    else:
+        address_type = r.check(
+            "addressType", v.one_of, obj["addressType"], ("IPv4", "IPv6", "FQDN")
+        )
+    if address_type == "FQDN":
+        log.debug("EndpointSlice %s/%s: FQDN slices are not proxied", namespace, name)
+        return None
+    # The lists themselves are slice-level; a bad entry in them is not.
+    r.get(obj, "ports", "ports", list)
+    r.get(obj, "endpoints", "endpoints", list)
+    if r.count or address_type is None or service is None:
+        return None
+    port_entries = list(r.mappings(obj, "ports", "ports"))
+    endpoint_entries = list(r.mappings(obj, "endpoints", "endpoints"))
+    family = IPFamily.V6 if address_type == "IPv6" else IPFamily.V4
+
+    ports: list[tuple[str, Protocol, int]] = []
+    seen: dict[tuple[str, Protocol], str] = {}
+    for path, entry in port_entries:
+        before = r.count
+        # Upstream skips a port whose name is nil; the EndpointSlice controller always sets
+        # one ("" for an unnamed service port), so a hand-written slice without a name means
+        # the unnamed port.
+        port_name = r.check(f"{path}.name", v.string, _optional(entry, "name", ""))
+        if port_name:
+            port_name = r.check(f"{path}.name", v.dns_label, port_name)
+        protocol = r.check(
+            f"{path}.protocol", v.one_of, _optional(entry, "protocol", "TCP"), _PROTOCOLS
+        )
+        number = None
+        if entry.get("port") is not None:
+            number = r.check(f"{path}.port", v.port, entry["port"])
+        if r.count > before or port_name is None or protocol is None:
+            continue
+        if number is None:
+            log.debug("EndpointSlice %s/%s: %s has no port number: ignored", namespace, name, path)
+            continue
+        key = (port_name, Protocol(protocol))
+        if key in seen:
+            r.add(
+                f"{path}.name",
+                f"duplicate port {_port_label(port_name)}/{protocol} (also {seen[key]})",
+            )
+            continue
+        seen[key] = path
+        ports.append((port_name, Protocol(protocol), number))
+
+    endpoints = []
+    for path, entry in endpoint_entries:
+        endpoint = _endpoint(entry, path, family, r)
+        if endpoint is not None:
+            endpoints.append(endpoint)
+    return (namespace, name), _Slice(
+        namespace, name, service, family, tuple(ports), tuple(endpoints)
+    )
+
+
+def _endpoint(entry: dict[str, Any], path: str, family: IPFamily, r: _Report) -> Endpoint | None:
+    """One slice endpoint, or None (reported) if any of its fields is invalid.
+
+    Conditions follow upstream's cache: `ready` and `serving` default to true when unset (the
+    API docs suggest serving should default to ready's value; kube-proxy does not do that),
+    `terminating` is true only when set.
+    """
+    before = r.count
+    addresses = []
+    for address_path, raw in r.items(entry, "addresses", f"{path}.addresses", required=True):
+        # Another family's address: upstream ignores it silently; we skip it too, but say so,
+        # since the API server would have refused the slice.
+        addresses.append(r.check(address_path, v.endpoint_address, raw, family))
+    if isinstance(entry.get("addresses"), list):
+        if not entry["addresses"]:
+            r.add(f"{path}.addresses", "at least one address is required")
+        elif len(entry["addresses"]) > _MAX_ADDRESSES:
+            r.add(
+                f"{path}.addresses",
+                f"at most {_MAX_ADDRESSES} addresses, got {len(entry['addresses'])}",
+            )
+    conditions = r.get(entry, "conditions", f"{path}.conditions", dict) or {}
+    flags = {}
+    for condition, default in (("ready", True), ("serving", True), ("terminating", False)):
+        raw = conditions.get(condition)
+        flags[condition] = (
+            default if raw is None else r.check(f"{path}.conditions.{condition}", v.boolean, raw)
+        )
+    node_name = ""
+    if entry.get("nodeName") is not None:
+        node_name = r.check(f"{path}.nodeName", v.dns_subdomain, entry["nodeName"])
+    zone = ""
+    if entry.get("zone") is not None:
+        zone = r.check(f"{path}.zone", v.label_value, entry["zone"])
+    hints = r.get(entry, "hints", f"{path}.hints", dict) or {}
+    zone_hints = [
+        r.check(f"{hint_path}.name", v.label_value, hint.get("name"))
+        for hint_path, hint in r.mappings(hints, "forZones", f"{path}.hints.forZones")
+    ]
+    node_hints = [
+        r.check(f"{hint_path}.name", v.dns_subdomain, hint.get("name"))
+        for hint_path, hint in r.mappings(hints, "forNodes", f"{path}.hints.forNodes")
+    ]
+    if r.count > before:
+        return None
+    return Endpoint(
+        ip=addresses[0],
+        port=0,
+        ready=flags["ready"],
+        serving=flags["serving"],
+        terminating=flags["terminating"],
+        node_name=node_name or "",
+        zone=zone or "",
+        zone_hints=frozenset(h for h in zone_hints if h),
+        node_hints=frozenset(h for h in node_hints if h),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes
+
+
+def _node(obj: dict[str, Any], r: _Report) -> tuple[str, NodeInfo] | None:
+    """The Node's zone, IPs and pod CIDRs; any problem skips the Node (we would rather not guess
+    our own addresses)."""
+    _, name, labels = _metadata(obj, r, v.dns_subdomain, namespaced=False)
+    labels = labels or {}
+    zone = ""
+    if labels.get(ZONE_LABEL) is not None:
+        zone = r.check(f"metadata.labels[{ZONE_LABEL}]", v.label_value, labels[ZONE_LABEL]) or ""
+    status = r.get(obj, "status", "status", dict) or {}
+    by_type: dict[str, list[str]] = {"InternalIP": [], "ExternalIP": []}
+    for path, address in r.mappings(status, "addresses", "status.addresses"):
+        kind = r.check(f"{path}.type", v.string, address.get("type"))
+        if kind in by_type:
+            ip = r.check(f"{path}.address", v.ip_address, address.get("address"))
+            if ip is not None:
+                by_type[kind].append(ip)
+    spec = r.get(obj, "spec", "spec", dict) or {}
+    cidrs = [r.check(path, v.cidr, raw) for path, raw in r.items(spec, "podCIDRs", "spec.podCIDRs")]
+    if not cidrs and spec.get("podCIDR") not in (None, ""):
+        cidrs = [r.check("spec.podCIDR", v.cidr, spec["podCIDR"])]
+    if r.count:
+        return None
+    ips = _node_ips(by_type["InternalIP"] + by_type["ExternalIP"])
+    return name, NodeInfo(name, zone, ips, tuple(c for c in cidrs if c))
+
+
+def _node_ips(candidates: list[str]) -> tuple[str, ...]:
+    """The primary IP and the first of the other family, as GetNodeHostIPs picks them
+    (InternalIPs before ExternalIPs)."""
+    if not candidates:
+        return ()
+    primary = candidates[0]
+    other = next((ip for ip in candidates if v.family_of(ip) is not v.family_of(primary)), None)
+    return (primary,) if other is None else (primary, other)
+
+
+# --------------------------------------------------------------------------------------------
+# Putting it together
+
+
+@dataclass(slots=True)
+class _Collected:
+    services: dict[tuple[str, str], tuple[ServicePort, ...]] = field(default_factory=dict)
+    slices: dict[tuple[str, str], _Slice] = field(default_factory=dict)
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    # Where each kept object came from, to point at the first of two duplicates.
+    sources: dict[tuple[str, Any], str] = field(default_factory=dict)
+    errors: list[ObjectError] = field(default_factory=list)
+
+
+def _objects(
+    documents: Iterable[_Document], errors: list[ObjectError]
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each object with its source, `kind: List` (and `*List`) documents opened one level."""
+    for doc in documents:
+        obj = doc.obj
+        if obj is None:
+            continue  # an empty YAML document
+        if not isinstance(obj, dict):
+            errors.append(
+                ObjectError(
+                    "",
+                    "",
+                    "",
+                    "",
+                    f"expected a Kubernetes object (a mapping), got {type_name(obj)}",
+                    doc.source,
+                )
+            )
+            continue
+        kind = obj.get("kind")
+        if not (isinstance(kind, str) and kind.endswith("List") and "items" in obj):
+            yield obj, doc.source
+            continue
+        items = obj.get("items")
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            errors.append(
+                ObjectError(
+                    show(kind),
+                    "",
+                    "",
+                    "items",
+                    f"expected a list, got {type_name(items)}",
+                    doc.source,
+                )
+            )
+            continue
+        # `ServiceList` from the raw API has items without kind and apiVersion: imply them.
+        item_kind = kind[: -len("List")]
+        for i, item in enumerate(items):
+            source = doc.item_sources[i] if i < len(doc.item_sources) else doc.source
+            if not isinstance(item, dict):
+                errors.append(
+                    ObjectError(
+                        show(kind),
+                        "",
+                        "",
+                        f"items[{i}]",
+                        f"expected a Kubernetes object (a mapping), got {type_name(item)}",
+                        source,
+                    )
+                )
+                continue
+            if item_kind and "kind" not in item:
+                item = {**item, "kind": item_kind, "apiVersion": obj.get("apiVersion")}
+            nested = item.get("kind")
+            if isinstance(nested, str) and nested.endswith("List") and "items" in item:
+                errors.append(
+                    ObjectError(
+                        show(nested),
+                        "",
+                        "",
+                        f"items[{i}]",
+                        "a List inside a List is not supported",
+                        source,
+                    )
+                )
+                continue
+            yield item, source
+
+
+def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
+    kind, api_version = obj.get("kind"), obj.get("apiVersion")
+    if kind is None:
+        into.errors.append(ObjectError("", "", "", "kind", "required field is missing", source))
+        return
+    if not isinstance(kind, str) or kind not in _GROUPS:
+        log.debug("%s: ignoring object of kind %s", source or "object", show(kind))
+        return
+    r = _Report(kind, obj, source, into.errors)
+    if (api_version, kind) not in (_SERVICE, _SLICE, _NODE):
+        # Same group, other version: ours, but a schema we would misread. Another group
+        # (a Knative Service, say): not ours at all.
+        if not isinstance(api_version, str):
+            r.add(
+                "apiVersion",
+                "required field is missing"
+                if api_version is None
+                else f"expected a string, got {type_name(api_version)}",
+            )
+        elif api_version.rpartition("/")[0] == _GROUPS[kind]:
+            r.add("apiVersion", f"{show(api_version)} is not supported for {kind}")
+        else:
+            log.debug(
+                "%s: ignoring %s of apiVersion %s", source or "object", kind, show(api_version)
+            )
+        return
+
+    parsed: tuple[Any, Any] | None
+    table: dict[Any, Any]
+    if kind == "Service":
+        parsed, table = _service(obj, r), into.services
+    elif kind == "EndpointSlice":
+        parsed, table = _slice(obj, r), into.slices
+    else:
+        parsed, table = _node(obj, r), into.nodes
+    if parsed is None:
+        return
+    identity, value = parsed
+    if identity in table:
+        where = f" at {into.sources[kind, identity]}" if into.sources[kind, identity] else ""
+        r.add("metadata.name", f"duplicate {kind}: already defined{where}")
+        return
+    table[identity] = value
+    into.sources[kind, identity] = source
+
+
+def _pick_node(given: NodeConfig | None, nodes: dict[str, NodeInfo]) -> NodeInfo | None:
+    if given is not None and given.name:
+        return nodes.get(given.name)
+    if len(nodes) == 1:
+        return next(iter(nodes.values()))
+    if nodes:
+        log.info(
+            "%d Node objects and no node name given: node settings not taken from any", len(nodes)
+        )
+    return None
+
+
+def _endpoints(
+    slices: dict[tuple[str, str], _Slice],
+    services: dict[ServicePortKey, ServicePort],
+    node_name: str,
+) -> dict[ServicePortKey, tuple[Endpoint, ...]]:
+    """Merge every slice's endpoints per service port, as the EndpointSliceCache does.
+
+    Slices are matched by port name and protocol. A duplicate `ip:port` keeps the first seen,
+    except that a local one replaces it. Upstream walks slices in map (random) order; walking
+    them by name makes the winner reproducible.
+    """
+    merged: dict[ServicePortKey, dict[str, Endpoint]] = {}
+    for _, sl in sorted(slices.items()):
+        for port_name, protocol, number in sl.ports:
+            key = (ServicePortName(sl.namespace, sl.service, port_name, protocol), sl.family)
+            if key not in services:
+                continue
+            bucket = merged.setdefault(key, {})
+            for template in sl.endpoints:
+                endpoint = replace(template, port=number)
+                local = bool(node_name) and endpoint.node_name == node_name
+                if local or endpoint.address not in bucket:
+                    bucket[endpoint.address] = endpoint
+    return {key: sort_endpoints(list(bucket.values())) for key, bucket in merged.items() if bucket}
+
+
+def _build(documents: Iterable[_Document], given: NodeConfig | None) -> LoadResult:
+    collected = _Collected()
+    for obj, source in _objects(documents, collected.errors):
+        _collect(obj, source, collected)
+    node = merge_node(given, _pick_node(given, collected.nodes))
+    services = {sp.key: sp for ports in collected.services.values() for sp in ports}
+    endpoints = _endpoints(collected.slices, services, node.name)
+    return LoadResult(ClusterState(node, services, endpoints), tuple(collected.errors))
