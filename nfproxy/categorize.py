@@ -72,7 +72,11 @@ class Routing:
 
     @property
     def uses_firewall(self) -> bool:
-        return bool(self.service.load_balancer_ips and self.service.load_balancer_source_ranges)
+        """Source ranges are enforced only while there are endpoints (kube-proxy's usesFWChain):
+        with none, every source gets the same REJECT, from both backends alike."""
+        return self.has_endpoints and bool(
+            self.service.load_balancer_ips and self.service.load_balancer_source_ranges
+        )
 
 
 def _topology_mode(endpoints: tuple[Endpoint, ...], node: NodeConfig) -> Topology:
