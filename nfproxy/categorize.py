@@ -124,7 +124,10 @@ def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeConf
 
     if svc.uses_cluster_endpoints:
         mode = _topology_mode(endpoints, node)
-        cluster = tuple(e for e in endpoints if e.ready and _available(e, mode, node))
+        if mode is Topology.NONE:
+            cluster = tuple(e for e in endpoints if e.ready)
+        else:
+            cluster = tuple(e for e in endpoints if e.ready and _available(e, mode, node))
         if not cluster:
             # No ready endpoint anywhere (topology would have been dropped otherwise):
             # fall back to endpoints that still serve while terminating.

@@ -20,7 +20,8 @@ class Protocol(str, enum.Enum):
 
     @property
     def lower(self) -> str:
-        return self.value.lower()
+        # str.lower on the member itself: Enum's `.value` descriptor is slow on a hot path.
+        return str.lower(self)
 
 
 class IPFamily(enum.IntEnum):

@@ -1,0 +1,24 @@
+"""Pure renderers: ClusterState in, structured rules (and their text) out."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one render.
+
+    A large render allocates ~100 000 containers that stay alive; each batch of them triggers
+    collections that walk the caller's whole heap (the ClusterState alone is ~200 000 objects):
+    a third of the render time, for nothing, since rendering creates no reference cycles.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from nfproxy.backends import gc_paused
 from nfproxy.categorize import NoEndpoints, Routing, categorize
 from nfproxy.model import (
     MASQUERADE_MARK,
@@ -626,11 +627,16 @@ def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, 
 
 def _service_order(key: ServicePortKey) -> tuple[str, str, str, str]:
     spn = key[0]
-    return (spn.namespace, spn.name, spn.port, spn.protocol.value)
+    return (spn.namespace, spn.name, spn.port, spn.protocol)
 
 
 def render(state: ClusterState, family: IPFamily) -> NftRuleset:
     """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`."""
+    with gc_paused():
+        return _render(state, family)
+
+
+def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
     ctx, cluster_cidrs = _context(state.node, family)
     chains, sets, unused, elements = _static(ctx, cluster_cidrs)
 
