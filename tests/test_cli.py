@@ -1,0 +1,83 @@
+"""The command line as a user meets it: output, exit status, error messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nfproxy.cli import main
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nfproxy.cli", *argv], capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize("backend", ["iptables", "nft"])
+def test_render_examples(backend: str) -> None:
+    proc = run("render", "--backend", backend, str(EXAMPLES))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    if backend == "iptables":
+        assert proc.stdout.count("*nat\n") == 2 and proc.stdout.count("COMMIT\n") == 4
+        assert proc.stdout.index("# IPv4") < proc.stdout.index("# IPv6")
+        assert "--probability 0.3333333333" in proc.stdout
+    else:
+        assert "add table ip nfproxy" in proc.stdout and "add table ip6 nfproxy" in proc.stdout
+        assert "numgen random mod 3 vmap" in proc.stdout
+
+
+def test_render_reports_bad_objects_and_keeps_the_rest(tmp_path: Path) -> None:
+    (tmp_path / "good.yaml").write_text((EXAMPLES / "shop.yaml").read_text())
+    (tmp_path / "bad.yaml").write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: broken, namespace: default}\n"
+        "spec: {clusterIP: 10.96.9.9, ports: [{port: 70000}]}\n"
+    )
+    proc = run("render", "--backend", "nft", str(tmp_path))
+    assert proc.returncode == 0
+    assert "Service default/broken" in proc.stderr and "spec.ports[0].port" in proc.stderr
+    assert "numgen random" in proc.stdout
+
+
+def test_render_missing_path_fails() -> None:
+    proc = run("render", "--backend", "nft", "/nonexistent/manifests")
+    assert proc.returncode != 0
+    assert "/nonexistent/manifests" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--node-ip", "300.1.1.1"], "--node-ip"),
+        (["--cluster-cidr", "10.0.0.0/33"], "--cluster-cidr"),
+        (["--cluster-cidr", "10.0.0.0/8,10.1.0.0/16"], "more than one IPv4"),
+        (["--node-name", "Bad_Name"], "--node-name"),
+        (["--nodeport-addresses", "nope"], "--nodeport-addresses"),
+    ],
+)
+def test_bad_flags_are_named(flags: list[str], message: str) -> None:
+    proc = run("render", "--backend", "nft", *flags, str(EXAMPLES))
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_node_flags_change_the_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "--backend", "iptables", "--masquerade-all", str(EXAMPLES)]) == 0
+    out = capsys.readouterr().out
+    assert "! -s " not in out.split("# IPv6")[0], "masquerade-all replaces the pod-CIDR test"
+
+
+def test_validate_examples(netns: str) -> None:  # noqa: ARG001 - the fixture asserts root
+    proc = run("validate", str(EXAMPLES))
+    assert proc.returncode == 0, proc.stderr
+    assert "every ruleset was accepted by the kernel" in proc.stdout
+    for line in ("iptables IPv4", "iptables IPv6", "nft      IPv4", "nft      IPv6"):
+        assert line in proc.stdout
+    assert "nfp-validate" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
