@@ -1334,3 +1334,19 @@ def test_any_value_anywhere_is_handled(target, value):
 def test_any_document_is_handled(documents):
     result = load_objects(documents)
     assert result.state.services == {}
+
+
+def test_node_with_two_pod_cidrs_of_one_family_is_rejected() -> None:
+    """Both backends must see one pod CIDR per family, as the API server guarantees."""
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": "node-a"},
+        "spec": {"podCIDRs": ["10.244.0.0/24", "10.245.0.0/24"]},
+    }
+    result = load_objects([node])
+    assert [(e.kind, e.field) for e in result.errors] == [("Node", "spec.podCIDRs")]
+    assert "more than one IPv4 CIDR" in result.errors[0].message
+    assert result.state.node.cluster_cidrs == ()
+    ok = load_objects([{**node, "spec": {"podCIDRs": ["10.244.0.0/24", "fd00:10::/64"]}}])
+    assert ok.errors == () and ok.state.node.cluster_cidrs == ("10.244.0.0/24", "fd00:10::/64")

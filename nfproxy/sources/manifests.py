@@ -787,6 +787,12 @@ def _node(obj: dict[str, Any], r: _Report) -> tuple[str, NodeInfo] | None:
     cidrs = [r.check(path, v.cidr, raw) for path, raw in r.items(spec, "podCIDRs", "spec.podCIDRs")]
     if not cidrs and spec.get("podCIDR") not in (None, ""):
         cidrs = [r.check("spec.podCIDR", v.cidr, spec["podCIDR"])]
+    for family in IPFamily:
+        # As the API server: at most one per family. Both backends then agree on the one
+        # CIDR that decides masquerading (iptables cannot negate a list of sources in one rule).
+        of = [c for c in cidrs if c and v.family_of(c.split("/")[0]) is family]
+        if len(of) > 1:
+            r.add("spec.podCIDRs", f"more than one IPv{family.value} CIDR: {', '.join(of)}")
     if r.count:
         return None
     ips = _node_ips(by_type["InternalIP"] + by_type["ExternalIP"])
