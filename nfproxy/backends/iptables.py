@@ -498,11 +498,11 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
             if not svc.external_policy_local:
                 comment = quote_comment(f"masquerade traffic for {name} external destinations")
                 rules.append(f"-A {ext_chain} -m comment --comment {comment} -j KUBE-MARK-MASQ")
-            elif cluster:
+            else:
                 # Short-circuits: pod and host traffic to an external address is treated as if
                 # it had gone out to the load balancer and come back, i.e. by Cluster policy.
-                # kube-proxy always has the SVC chain here; the guard is for categorize(), which
-                # today yields no cluster endpoints when both policies are Local.
+                # The SVC chain exists: an externally accessible port with endpoints always has
+                # Cluster endpoints (ServicePort.uses_cluster_endpoints).
                 if pod_cidr:
                     comment = quote_comment(f"pod traffic for {name} external destinations")
                     rules.append(

@@ -560,9 +560,10 @@ def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, 
         if not svc.external_policy_local:
             # Cluster policy may forward to another node: the reply must come back through us.
             ext.append(f"jump {MARK_MASQ_CHAIN}")
-        elif cluster_chain in chains:
+        else:
             # Pods and the node itself reaching an external address behave as if they went out
             # to the load balancer and came back in: neither traffic policy applies to them.
+            # (The service chain exists: see ServicePort.uses_cluster_endpoints.)
             if ctx.from_pod:
                 ext.append(f'{ctx.from_pod} goto {cluster_chain} comment "short-circuit pod traffic"')
             ext.append(f'fib saddr type local jump {MARK_MASQ_CHAIN} comment "masquerade local traffic"')
