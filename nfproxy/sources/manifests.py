@@ -561,6 +561,18 @@ def _load_balancer_ips(obj: dict[str, Any], r: _Report) -> list[str]:
     return ips
 
 
+def _port_identity(entry: dict[str, Any], path: str, r: _Report) -> tuple[str | None, str | None]:
+    """A port's name ("" when unnamed) and protocol (default TCP): the pair that matches a
+    slice port to a service port. None for a part that is invalid (and reported)."""
+    name = r.check(f"{path}.name", v.string, _optional(entry, "name", ""))
+    if name:
+        name = r.check(f"{path}.name", v.dns_label, name)
+    protocol = r.check(
+        f"{path}.protocol", v.one_of, _optional(entry, "protocol", "TCP"), _PROTOCOLS
+    )
+    return name, protocol
+
+
 def _service_ports(
     spec: dict[str, Any], r: _Report, svc_type: str
 ) -> list[tuple[str, Protocol, int, int]]:
@@ -574,12 +586,7 @@ def _service_ports(
         r.add("spec.ports", "at least one port is required")
     for path, entry in entries:
         before = r.count
-        name = r.check(f"{path}.name", v.string, _optional(entry, "name", ""))
-        if name:
-            name = r.check(f"{path}.name", v.dns_label, name)
-        protocol = r.check(
-            f"{path}.protocol", v.one_of, _optional(entry, "protocol", "TCP"), _PROTOCOLS
-        )
+        name, protocol = _port_identity(entry, path, r)
         if entry.get("port") is None:
             r.add(f"{path}.port", "required field is missing")
             number = None
@@ -668,15 +675,9 @@ def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | 
     seen: dict[tuple[str, Protocol], str] = {}
     for path, entry in port_entries:
         before = r.count
-        # Upstream skips a port whose name is nil; the EndpointSlice controller always sets
-        # one ("" for an unnamed service port), so a hand-written slice without a name means
-        # the unnamed port.
-        port_name = r.check(f"{path}.name", v.string, _optional(entry, "name", ""))
-        if port_name:
-            port_name = r.check(f"{path}.name", v.dns_label, port_name)
-        protocol = r.check(
-            f"{path}.protocol", v.one_of, _optional(entry, "protocol", "TCP"), _PROTOCOLS
-        )
+        # Upstream skips a slice port whose name is nil; the EndpointSlice controller always
+        # sets one ("" for an unnamed service port), so a missing name means the unnamed port.
+        port_name, protocol = _port_identity(entry, path, r)
         number = None
         if entry.get("port") is not None:
             number = r.check(f"{path}.port", v.port, entry["port"])
