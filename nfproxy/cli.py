@@ -3,70 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
-import os
+import pkgutil
 import sys
 from collections.abc import Sequence
 
-from nfproxy.config import FlagError, add_node_flags, node_config_from_args
-from nfproxy.model import ClusterState, IPFamily
-
-BACKENDS = ("iptables", "nft")
-
-
-def _load(args: argparse.Namespace) -> ClusterState:
-    """Load manifests; report each bad object on stderr and go on with the rest."""
-    from nfproxy.sources import manifests
-
-    node = node_config_from_args(args)
-    result = manifests.load(args.manifests, node=node)
-    for err in result.errors:
-        print(f"nfproxy: skipped: {err}", file=sys.stderr)
-    return result.state
-
-
-def render_text(backend: str, state: ClusterState) -> str:
-    if backend == "iptables":
-        from nfproxy.backends import iptables
-
-        parts = []
-        for family in IPFamily:
-            tool = "iptables-restore" if family is IPFamily.V4 else "ip6tables-restore"
-            parts.append(f"# IPv{family.value}: {tool} --noflush\n")
-            parts.append(iptables.render(state, family).restore_text(with_jumps=True))
-        return "".join(parts)
-    from nfproxy.backends import nft
-
-    return "".join(nft.render(state, family).script() for family in IPFamily)
-
-
-def cmd_render(args: argparse.Namespace) -> int:
-    state = _load(args)
-    sys.stdout.write(render_text(args.backend, state))
-    return 0
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    from nfproxy.validate import validate
-
-    if os.geteuid() != 0:
-        print("nfproxy validate: needs root (it creates network namespaces)", file=sys.stderr)
-        return 1
-    state = _load(args)
-    backends = tuple(b for b in args.backends.split(",") if b)
-    for b in backends:
-        if b not in BACKENDS:
-            raise FlagError(f"--backends: unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
-    n_services = len(state.services)
-    n_endpoints = sum(len(e) for e in state.endpoints.values())
-    print(f"{n_services} service ports, {n_endpoints} endpoints, node {state.node.name or '(unnamed)'}")
-    for r in validate(state, backends):
-        print(
-            f"  {r.backend:8} IPv{r.family.value}: applied in {r.seconds * 1000:7.1f} ms "
-            f"({r.detail}); kernel holds {r.inventory.summary()}"
-        )
-    print("every ruleset was accepted by the kernel; the namespaces are gone")
-    return 0
+from nfproxy import commands
+from nfproxy.config import FlagError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,22 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("render", help="print the full ruleset a backend would apply")
-    p.add_argument("--backend", choices=BACKENDS, required=True)
-    add_node_flags(p)
-    p.add_argument("manifests", metavar="MANIFESTS", help="a YAML file or a directory of them")
-    p.set_defaults(func=cmd_render)
-
-    p = sub.add_parser(
-        "validate",
-        help="render each backend and apply it in a throwaway network namespace (root)",
-    )
-    p.add_argument("--backends", default=",".join(BACKENDS), metavar="LIST",
-                   help="comma-separated backends to validate (default: iptables,nft)")
-    add_node_flags(p)
-    p.add_argument("manifests", metavar="MANIFESTS", help="a YAML file or a directory of them")
-    p.set_defaults(func=cmd_validate)
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)
     return parser
 
 
