@@ -1,0 +1,32 @@
+"""Sources produce model state; they never touch the kernel.
+
+Every source (manifest files, the Kubernetes API) offers the same small interface, so the
+proxier's sync loop does not care where services come from: it is told *that* something changed
+and later asks for the state as it is *now*. Coalescing many changes into one sync is the
+loop's job (bounded frequency), not the source's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from nfproxy.sources.manifests import LoadResult
+
+
+class Source(Protocol):
+    def start(self, notify: Callable[[], None]) -> None:
+        """Begin watching in the background; call `notify()` (from any thread) after a change.
+
+        `notify` must be cheap and non-blocking; it may be called many times per sync.
+        """
+
+    def snapshot(self) -> LoadResult:
+        """The whole current state, plus the objects that were rejected (with reasons)."""
+
+    def ready(self) -> bool:
+        """True once the first complete state is known (before that, syncing would wipe rules)."""
+
+    def stop(self) -> None:
+        """Stop watching; idempotent."""
