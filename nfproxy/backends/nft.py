@@ -218,6 +218,9 @@ class NftRuleset:
     unused_sets: Mapping[str, SetDecl]
     elements: Mapping[str, Mapping[str, Element]]
     services: Mapping[ServicePortKey, ServiceRules]
+    # (map, key) pairs that more than one service port claims: the first one in name order
+    # owns the element, and a partial sync that touches one of them falls back to a full one.
+    contested: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def nft_family(self) -> str:
@@ -644,6 +647,7 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
     services: dict[ServicePortKey, ServiceRules] = {}
     all_endpoints = state.endpoints
     svc_map = state.services
+    contested: set[tuple[str, str]] = set()
     # Sorted by plain string tuples: far cheaper than the dataclass ordering at 10 000 services.
     keys = sorted((k for k in svc_map if k[1] is family), key=_service_order)
     for key in keys:
@@ -652,7 +656,11 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         for map_name, elem_key, element in rules.elements:
             # A key claimed twice (e.g. one external IP on two services) would make nft fail
             # the whole transaction ("File exists"); the first service port keeps it.
-            elements[map_name].setdefault(elem_key, element)
+            held = elements[map_name]
+            if elem_key in held:
+                contested.add((map_name, elem_key))
+            else:
+                held[elem_key] = element
 
     return NftRuleset(
         family=family,
@@ -663,4 +671,176 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         unused_sets=MappingProxyType(unused),
         elements=MappingProxyType({k: MappingProxyType(v) for k, v in elements.items()}),
         services=MappingProxyType(services),
+        contested=frozenset(contested),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Partial syncs: re-render only what changed, and say it to the kernel as a delta.
+
+
+class NeedsFullSync(Exception):
+    """A partial update cannot be expressed safely; the caller must do a full sync instead."""
+
+
+def render_update(
+    previous: NftRuleset, state: ClusterState, keys: Iterable[ServicePortKey]
+) -> NftRuleset:
+    """`previous` with the service ports in `keys` (of this family) rendered again from `state`.
+
+    Equal to `render(state, family)` as long as only those ports changed and the node did not
+    (the caller checks the node: a changed node means a full render). Contested element keys
+    (an address claimed by two services) move between owners in ways only a full render gets
+    right, so touching one raises NeedsFullSync.
+    """
+    with gc_paused():
+        family = previous.family
+        ctx, _ = _context(state.node, family)
+        services = dict(previous.services)
+        elements: dict[str, Mapping[str, Element]] = dict(previous.elements)
+        copied: dict[str, dict[str, Element]] = {}
+
+        def writable(name: str) -> dict[str, Element]:
+            m = copied.get(name)
+            if m is None:
+                m = copied[name] = dict(elements[name])
+                elements[name] = m
+            return m
+
+        contested = previous.contested
+        removed: list[tuple[str, str, Element]] = []
+        added: list[tuple[str, str, Element]] = []
+        for key in keys:
+            if key[1] is not family:
+                continue
+            old = services.pop(key, None)
+            if old is not None:
+                removed.extend(old.elements)
+            svc = state.services.get(key)
+            if svc is not None:
+                rules = _render_service(ctx, svc, state.endpoints.get(key, ()))
+                services[key] = rules
+                added.extend(rules.elements)
+        for map_name, elem_key, _el in removed:
+            if (map_name, elem_key) in contested:
+                raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
+            writable(map_name).pop(elem_key, None)
+        for map_name, elem_key, el in added:
+            if (map_name, elem_key) in contested:
+                raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
+            target = writable(map_name)
+            if elem_key in target:
+                raise NeedsFullSync(f"element {elem_key} of map {map_name} would be claimed twice")
+            target[elem_key] = el
+        return NftRuleset(
+            family=family,
+            table=previous.table,
+            base_chains=previous.base_chains,
+            chains=previous.chains,
+            sets=previous.sets,
+            unused_sets=previous.unused_sets,
+            elements=MappingProxyType(
+                {k: v if isinstance(v, MappingProxyType) else MappingProxyType(v) for k, v in elements.items()}
+            ),
+            services=MappingProxyType(services),
+            contested=contested,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NftDelta:
+    """One partial sync's transaction, and what it leaves for a later one.
+
+    `commands` are nft commands (one per line, no trailing newline) forming one atomic
+    transaction; an empty tuple means there is nothing to send. `stale_chains` and
+    `stale_sets` were emptied by this transaction but are still named by the previous
+    transaction's elements or rules in flight: they are deleted by the next sync (kube-proxy's
+    nftables mode does the same, because deleting a chain in the transaction that deletes the
+    last element jumping to it can fail with EBUSY).
+    """
+
+    commands: tuple[str, ...]
+    stale_chains: tuple[str, ...]
+    stale_sets: tuple[str, ...]
+
+    def script(self) -> str:
+        return "\n".join(self.commands) + "\n" if self.commands else ""
+
+
+def _element_text(key: str, el: Element) -> str:
+    comment = f" comment {nft_comment(el.comment)}" if el.comment else ""
+    value = f" : {el.value}" if el.value else ""
+    return f"{key}{comment}{value}"
+
+
+def delta(
+    previous: NftRuleset,
+    new: NftRuleset,
+    keys: Iterable[ServicePortKey],
+    *,
+    delete_chains: Iterable[str] = (),
+    delete_sets: Iterable[str] = (),
+) -> NftDelta:
+    """The transaction that turns the kernel's `previous` into `new`, for changed `keys` only.
+
+    `delete_chains`/`delete_sets` are the stale objects an earlier delta left behind; they are
+    deleted first unless `new` uses those names again.
+    """
+    t = f"{new.nft_family} {new.table}"
+    cmds: list[str] = []
+    live_sets = {name for svc in new.services.values() for name in svc.affinity_sets} if delete_sets else set()
+    live_chains = {name for svc in new.services.values() for name in svc.chains} if delete_chains else set()
+    for name in delete_chains:
+        if name not in live_chains:
+            cmds.append(f"delete chain {t} {nft_name(name)}")
+    for name in delete_sets:
+        if name not in live_sets:
+            cmds.append(f"delete set {t} {nft_name(name)}")
+
+    stale_chains: list[str] = []
+    stale_sets: list[str] = []
+    adds: list[str] = []
+    rules_out: list[str] = []
+    old_elements: dict[tuple[str, str], Element] = {}
+    new_elements: dict[tuple[str, str], Element] = {}
+    empty = ServiceRules(MappingProxyType({}), MappingProxyType({}), ())
+    for key in keys:
+        if key[1] is not new.family:
+            continue
+        old = previous.services.get(key, empty)
+        cur = new.services.get(key, empty)
+        if old is cur:
+            continue
+        for name, spec in cur.affinity_sets.items():
+            if name not in old.affinity_sets:
+                adds.append(f"add set {t} {name} {{ {spec} }}")
+        stale_sets.extend(name for name in old.affinity_sets if name not in cur.affinity_sets)
+        for name, rules in cur.chains.items():
+            before = old.chains.get(name)
+            if before == rules:
+                continue
+            if before is None:
+                adds.append(f"add chain {t} {name}")
+            else:
+                rules_out.append(f"flush chain {t} {name}")
+            rules_out.extend([f"add rule {t} {name} {rule}" for rule in rules])
+        for name in old.chains:
+            if name not in cur.chains:
+                rules_out.append(f"flush chain {t} {name}")
+                stale_chains.append(name)
+        for map_name, elem_key, el in old.elements:
+            old_elements[(map_name, elem_key)] = el
+        for map_name, elem_key, el in cur.elements:
+            new_elements[(map_name, elem_key)] = el
+    cmds.extend(adds)
+    cmds.extend(rules_out)
+    # Elements: deletes before adds, so that a changed element (same key, other verdict or
+    # comment) is replaced inside the one transaction. Only elements the maps actually hold
+    # are deleted: a contested key never reaches here (render_update refused it).
+    for (map_name, elem_key), el in old_elements.items():
+        if new_elements.get((map_name, elem_key)) != el:
+            cmds.append(f"delete element {t} {map_name} {{ {elem_key} }}")
+    for (map_name, elem_key), el in new_elements.items():
+        if old_elements.get((map_name, elem_key)) != el:
+            cmds.append(f"add element {t} {map_name} {{ {_element_text(elem_key, el)} }}")
+    return NftDelta(tuple(cmds), tuple(stale_chains), tuple(stale_sets))

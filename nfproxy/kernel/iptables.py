@@ -36,6 +36,7 @@ class IptablesRunner:
         stem = "iptables" if family is IPFamily.V4 else "ip6tables"
         self.restore_cmd = f"{stem}-{self.flavour.value}-restore"
         self.save_cmd = f"{stem}-{self.flavour.value}-save"
+        self.cmd = f"{stem}-{self.flavour.value}"
         find_tool(self.restore_cmd)
 
     def restore(self, payload: str, *, noflush: bool = True) -> None:
@@ -47,3 +48,30 @@ class IptablesRunner:
     def save(self, table: str | None = None) -> str:
         argv = [self.save_cmd] + (["-t", table] if table else [])
         return run(argv, netns=self.netns)
+
+    def ensure_rule(self, table: str, chain: str, spec: list[str]) -> bool:
+        """Insert `spec` at the top of a built-in chain unless an identical rule is there.
+
+        The jumps from built-in chains are shared with every other user of the host's
+        firewall, so they are never written by a restore (which would duplicate or reorder
+        them) but checked and inserted one by one, as kube-proxy's EnsureRule does. True when
+        the rule had to be inserted.
+        """
+        base = [self.cmd, "-w", "5", "-t", table]
+        try:
+            run([*base, "-C", chain, *spec], netns=self.netns)
+            return False
+        except KernelError:
+            run([*base, "-I", chain, "1", *spec], netns=self.netns)
+            return True
+
+    def delete_rule(self, table: str, chain: str, spec: list[str]) -> bool:
+        """Delete every copy of `spec` from `chain`; True when at least one was there."""
+        base = [self.cmd, "-w", "5", "-t", table]
+        deleted = False
+        while True:
+            try:
+                run([*base, "-D", chain, *spec], netns=self.netns)
+                deleted = True
+            except KernelError:
+                return deleted

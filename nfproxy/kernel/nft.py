@@ -42,11 +42,12 @@ class NftSession:
     def uses_bindings(self) -> bool:
         return self._ctx is not None
 
-    def _cmd(self, text: str, *, json_output: bool = False) -> str:
+    def _cmd(self, text: str, *, json_output: bool = False, terse: bool = False) -> str:
         if self._ctx is None:
-            argv = ["nft", "-j", "-f", "-"] if json_output else ["nft", "-f", "-"]
+            argv = ["nft", *(["-j"] if json_output else []), *(["-t"] if terse else []), "-f", "-"]
             return run(argv, netns=self.netns, stdin=text)
         self._ctx.set_json_output(json_output)
+        self._ctx.set_terse_output(terse)
         rc, out, err = self._ctx.cmd(text)
         if rc != 0:
             where = f" in netns {self.netns}" if self.netns else ""
@@ -57,15 +58,36 @@ class NftSession:
         """Run a whole script as one atomic transaction: all of it takes effect, or none."""
         self._cmd(script)
 
-    def list_table(self, family: str, table: str) -> dict[str, Any] | None:
-        """`nft -j list table`, or None when the table does not exist."""
+    def list_table(self, family: str, table: str, *, terse: bool = False) -> dict[str, Any] | None:
+        """`nft -j list table` (`terse`: without set elements), or None when there is no table."""
         try:
-            out = self._cmd(f"list table {family} {table}", json_output=True)
+            out = self._cmd(f"list table {family} {table}", json_output=True, terse=terse)
         except KernelError as exc:
             if "No such file or directory" in str(exc):
                 return None
             raise
         return json.loads(out)
+
+    def object_names(self, family: str, table: str) -> tuple[set[str], set[str]] | None:
+        """Names of the chains and of the sets/maps in one table, without rules or elements.
+
+        A full sync needs them to find chains and sets left by services that vanished while
+        nfproxy was not running; listing the whole table would also fetch every rule.
+        """
+        if self.list_table(family, table, terse=True) is None:
+            return None
+        chains = json.loads(self._cmd(f"list chains {family}", json_output=True))
+        sets = json.loads(self._cmd(f"list sets {family}", json_output=True, terse=True))
+        chain_names = {
+            o["chain"]["name"] for o in chains.get("nftables", ()) if "chain" in o and o["chain"]["table"] == table
+        }
+        set_names = {
+            body["name"]
+            for o in sets.get("nftables", ())
+            for kind in ("set", "map")
+            if (body := o.get(kind)) is not None and body["table"] == table
+        }
+        return chain_names, set_names
 
     def list_ruleset(self) -> dict[str, Any]:
         return json.loads(self._cmd("list ruleset", json_output=True))
