@@ -25,11 +25,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _default_to_run(argv: list[str]) -> list[str]:
+    """`nfproxy --backend nft …` is the daemon, as `kube-proxy --proxy-mode …` is."""
+    for i, arg in enumerate(argv):
+        if arg in ("-v", "--verbose"):
+            continue
+        if arg.startswith("-") and arg not in ("-h", "--help"):
+            return argv[:i] + ["run"] + argv[i:]
+        break
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_default_to_run(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG if args.verbose else (logging.INFO if args.command == "run" else logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from nfproxy.kernel.process import KernelError

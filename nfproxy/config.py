@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 from nfproxy.model import IPFamily, NodeConfig
@@ -66,3 +67,23 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         masquerade_all=bool(args.masquerade_all),
         nodeport_addresses=_each("--nodeport-addresses", args.nodeport_addresses, cidr),
     )
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(flag: str, text: str) -> float:
+    """A Go duration ("1s", "500ms", "1h30m"), as kube-proxy's flags take them, in seconds."""
+    value = text.strip()
+    if value == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    for m in _DURATION_RE.finditer(value):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT[m.group(2)]
+        pos = m.end()
+    if not value or pos != len(value):
+        raise FlagError(f"{flag}: not a duration: {text!r} (examples: 1s, 500ms, 1h30m)")
+    return total

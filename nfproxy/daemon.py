@@ -1,0 +1,155 @@
+"""The node daemon: a source, a proxier, the sync loop and the servers, wired together.
+
+Kept apart from the command line so tests can run a daemon in-process against a throwaway
+namespace, and from the proxier so the proxier stays usable without any server.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+from nfproxy.categorize import categorize
+from nfproxy.healthcheck import ServiceHealthServer, service_health
+from nfproxy.metrics import ProxyMetrics
+from nfproxy.model import ClusterState, IPFamily
+from nfproxy.proxier import Proxier, SyncLoop, SyncResult
+from nfproxy.server import ProxierHealth, Servers, serve
+from nfproxy.sources import Source
+
+log = logging.getLogger("nfproxy.daemon")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    backend: str
+    netns: str | None = None
+    min_sync_period: float = 1.0
+    sync_period: float = 3600.0
+    healthz_bind_address: str = "0.0.0.0:10256"
+    metrics_bind_address: str = "127.0.0.1:10249"
+    conntrack: bool = True
+
+
+def no_local_endpoints(state: ClusterState, family: IPFamily) -> tuple[int, int]:
+    """Service ports whose Local traffic policy finds no local endpoint (internal, external)."""
+    internal = external = 0
+    for svc, eps in state.service_ports(family):
+        if not eps:
+            continue
+        r = categorize(svc, eps, state.node)
+        if svc.internal_policy_local and not r.local:
+            internal += 1
+        if svc.externally_accessible and svc.external_policy_local and not r.local:
+            external += 1
+    return internal, external
+
+
+class Daemon:
+    def __init__(self, source: Source, config: DaemonConfig, proxier: Proxier | None = None) -> None:
+        self.config = config
+        self.source = source
+        self.proxier = proxier or Proxier(config.backend, netns=config.netns)
+        self.metrics = ProxyMetrics()
+        # kube-proxy: healthz fails when a queued update waits longer than 2 x sync period.
+        self.health = ProxierHealth(max(2 * config.sync_period, 1.0))
+        self.health_checks = ServiceHealthServer(config.netns, health=self.health)
+        self.loop = SyncLoop(
+            source,
+            self.proxier,
+            min_sync_period=config.min_sync_period,
+            sync_period=config.sync_period,
+        )
+        self.loop.on_queued.append(self._queued)
+        self.proxier.hooks.on_synced.append(self._synced)
+        self.proxier.hooks.on_failed.append(self._failed)
+        self.servers: Servers | None = None
+        self._stopped = threading.Event()
+
+    # ---- hooks
+
+    def _queued(self) -> None:
+        self.health.queued_update()
+        self.metrics.queued()
+
+    def _synced(self, previous: ClusterState | None, state: ClusterState, result: SyncResult) -> None:
+        self.health.updated()
+        if result.kind == "noop":
+            return
+        for family in IPFamily:
+            self.metrics.observe_sync(
+                result.kind,
+                result.seconds,
+                family=family,
+                services_changed=result.services_changed,
+                endpoints_changed=result.endpoints_changed,
+                operations=result.operations,
+            )
+            internal, external = no_local_endpoints(state, family)
+            self.metrics.set_no_local_endpoints(internal, external, family=family)
+        sh = service_health(state)
+        self.health_checks.sync_services(sh.ports)
+        self.health_checks.sync_endpoints(sh.local_endpoints)
+        if self.config.conntrack and previous is not None:
+            self._clear_conntrack(previous, state)
+
+    def _clear_conntrack(self, previous: ClusterState, state: ClusterState) -> None:
+        from nfproxy.conntrack import stale_flows
+        from nfproxy.kernel import conntrack as kernel_conntrack
+
+        flows = stale_flows(previous, state)
+        if not flows:
+            return
+        try:
+            deleted = kernel_conntrack.delete(flows, self.config.netns)
+            self.metrics.conntrack_cleaned(deleted, family=IPFamily.V4)
+            log.info("conntrack: deleted %d stale UDP entries (%d filters)", deleted, len(flows))
+        except Exception as exc:  # noqa: BLE001 - a failed cleanup must not fail the sync
+            self.metrics.conntrack_failed(family=IPFamily.V4)
+            log.warning("conntrack cleanup failed: %s", exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        for family in IPFamily:
+            self.metrics.apply_failed(self.config.backend, family=family)  # type: ignore[arg-type]
+
+    # ---- life cycle
+
+    def start(self) -> None:
+        self.servers = serve(
+            self.health,
+            self.metrics,
+            self.config.healthz_bind_address,
+            self.config.metrics_bind_address,
+            proxy_mode=self.config.backend,
+        )
+        self.loop.start()
+
+    def once(self) -> SyncResult:
+        """Sync once, fully, and return (`--once`): no servers, no loop."""
+        try:
+            return self.loop.run_once()
+        finally:
+            self.health_checks.close()
+
+    def run_until_signalled(self) -> None:
+        """Serve until SIGTERM or SIGINT; the rules stay in place, as kube-proxy leaves them."""
+
+        def stop(signum: int, _frame: object) -> None:
+            log.info("received %s: stopping, rules stay in place", signal.Signals(signum).name)
+            self._stopped.set()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        self.start()
+        try:
+            self._stopped.wait()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.health_checks.close()
+        if self.servers is not None:
+            self.servers.close()
