@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Sync benchmark: full, one-service and no-op syncs through the proxier, as ratios from one run.
+
+Every measurement runs in a fresh throwaway network namespace, through `Proxier.sync` (the code
+a node runs: render, delta, kernel transaction), on the benchmark shape of tests/clusters.py:
+IPv4 TCP ClusterIP services with N endpoints each. The table compares:
+
+- a full nft sync of S x N against a full iptables sync of the same services, with
+  iptables-legacy and iptables-nft (the issue's target: nft at most the legacy time, aim half);
+- a one-service change (one endpoint added to one service) at S x N against the same change at
+  100 x N (target: <= 50 ms and <= 1.5x);
+- a no-op sync (target: <= 5 ms).
+
+Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nfproxy.kernel import netns  # noqa: E402
+from nfproxy.kernel.iptables import Flavour  # noqa: E402
+from nfproxy.model import ClusterState, Endpoint, sort_endpoints  # noqa: E402
+from nfproxy.proxier import Proxier  # noqa: E402
+from tests.clusters import uniform_cluster  # noqa: E402
+
+
+def full_sync(backend: str, state: ClusterState, flavour: Flavour | None = None) -> float:
+    with netns.throwaway("nfp-bench") as ns:
+        proxier = Proxier(backend, netns=ns, flavour=flavour)
+        gc.collect()
+        start = time.perf_counter()
+        result = proxier.sync(state)
+        elapsed = time.perf_counter() - start
+        assert result.kind == "full"
+        return elapsed
+
+
+def one_service_changes(state: ClusterState, repeat: int) -> tuple[list[float], list[float], list[int]]:
+    """(one-service change times, no-op times, kernel operations per change) after a full sync."""
+    keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
+    changes, noops, ops = [], [], []
+    with netns.throwaway("nfp-bench") as ns:
+        proxier = Proxier("nft", netns=ns)
+        proxier.sync(state)
+        proxier.sync(state)
+        current = state
+        for i in range(repeat):
+            key = keys[(i * 7919) % len(keys)]
+            eps = list(current.endpoints[key])
+            eps.append(Endpoint(ip=f"10.255.{i // 250}.{i % 250 + 1}", port=8080, node_name="node-b"))
+            endpoints = dict(current.endpoints)
+            endpoints[key] = sort_endpoints(eps)
+            current = dataclasses.replace(current, endpoints=endpoints)
+            gc.collect()
+            start = time.perf_counter()
+            result = proxier.sync(current)
+            changes.append(time.perf_counter() - start)
+            assert result.kind == "partial", result
+            ops.append(result.operations)
+            start = time.perf_counter()
+            result = proxier.sync(current)
+            noops.append(time.perf_counter() - start)
+            assert result.operations == 0 or result.kind == "partial"
+    return changes, noops, ops
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--services", type=int, default=10_000)
+    ap.add_argument("--endpoints", type=int, default=10)
+    ap.add_argument("--small", type=int, default=100, help="the small cluster of the change ratio")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--skip-iptables-nft", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/sync.py: needs root (network namespaces)", file=sys.stderr)
+        return 1
+    S, N = args.services, args.endpoints
+    big = uniform_cluster(S, N)
+    small = uniform_cluster(args.small, N)
+
+    print(f"# sync benchmark: {S} x {N} (and {args.small} x {N}), IPv4 ClusterIP, one run", flush=True)
+    nft_full = full_sync("nft", big)
+    print(f"nft full sync: {nft_full:.2f} s", flush=True)
+    legacy_full = full_sync("iptables", big, Flavour.LEGACY)
+    print(f"iptables-legacy full sync: {legacy_full:.2f} s", flush=True)
+    xnft_full = None
+    if not args.skip_iptables_nft:
+        xnft_full = full_sync("iptables", big, Flavour.NFT)
+        print(f"iptables-nft full sync: {xnft_full:.2f} s", flush=True)
+
+    big_changes, big_noops, big_ops = one_service_changes(big, args.repeat)
+    small_changes, small_noops, small_ops = one_service_changes(small, args.repeat)
+    med = statistics.median
+    big_change, small_change = med(big_changes), med(small_changes)
+    noop = max(med(big_noops), med(small_noops))
+
+    rows = [
+        ("nft full sync / iptables-legacy full sync", nft_full / legacy_full, "<= 1.0 (aim 0.5)", nft_full / legacy_full <= 1.0),
+    ]
+    if xnft_full is not None:
+        rows.append(("nft full sync / iptables-nft full sync", nft_full / xnft_full, "(reference)", True))
+    rows += [
+        (f"one-service change at {S} / at {args.small}", big_change / small_change, "<= 1.5", big_change / small_change <= 1.5),
+        (f"one-service change at {S} (ms)", big_change * 1000, "<= 50", big_change <= 0.050),
+        ("no-op sync (ms)", noop * 1000, "<= 5", noop <= 0.005),
+    ]
+    print()
+    print(f"| measure | value | target | met |")
+    print(f"|---|---|---|---|")
+    for name, value, target, met in rows:
+        print(f"| {name} | {value:.3f} | {target} | {'yes' if met else 'NO'} |")
+    print()
+    print(f"full syncs: nft {nft_full:.2f} s, iptables-legacy {legacy_full:.2f} s"
+          + (f", iptables-nft {xnft_full:.2f} s" if xnft_full is not None else ""))
+    print(f"one-service change: {S} x {N}: median {big_change * 1000:.1f} ms "
+          f"(min {min(big_changes) * 1000:.1f}, max {max(big_changes) * 1000:.1f}, {med(big_ops):.0f} nft commands); "
+          f"{args.small} x {N}: median {small_change * 1000:.1f} ms")
+    print(f"no-op sync: median {med(big_noops) * 1e6:.0f} us at {S}, {med(small_noops) * 1e6:.0f} us at {args.small}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
