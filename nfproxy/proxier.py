@@ -141,8 +141,11 @@ class NftSync:
             wanted_chains = {name for svc in new.services.values() for name in svc.chains}
             wanted_sets = {name for svc in new.services.values() for name in svc.affinity_sets}
             stray_chains = sorted(c for c in chains if "/" in c and c not in wanted_chains)
+            wanted_sets |= set(new.shard_users)
             stray_sets = sorted(
-                s for s in sets if s.startswith(nft_backend.AFFINITY_PREFIX) and s not in wanted_sets
+                s
+                for s in sets
+                if s.startswith((nft_backend.AFFINITY_PREFIX, nft_backend.SHARD_PREFIX)) and s not in wanted_sets
             )
         t = f"{new.nft_family} {new.table}"
         if stray_chains:

@@ -42,7 +42,8 @@ def expected_chains(state: ClusterState, family: IPFamily) -> dict[str, Counter[
             ipt[kinds[0]] += present
             nft[kinds[1]] += present
         ipt["KUBE-SEP-"] += len(r.reachable)
-        nft["endpoint-"] += len(r.reachable)
+        # nft keeps per-endpoint chains only where affinity needs them (layout s elsewhere).
+        nft["endpoint-"] += len(r.reachable) if svc.affinity_timeout else 0
     return {"iptables": +ipt, "nft": +nft}
 
 
@@ -66,6 +67,16 @@ def expected_elements(state: ClusterState, family: IPFamily) -> Counter[str]:
             out["firewall-ips"] += len(svc.load_balancer_ips)
         if svc.affinity_timeout:
             out["affinity-sets"] += len(r.reachable)
+        else:
+            # One slot per endpoint of each endpoint-selecting chain, in the shard maps.
+            out["slots"] += len(r.cluster) + len(r.local)
+    hairpin = {
+        ep.ip
+        for svc, eps in state.service_ports(family)
+        if not svc.affinity_timeout
+        for ep in categorize(svc, eps, state.node).reachable
+    }
+    out["hairpin"] = len(hairpin)
     return out
 
 
@@ -100,6 +111,9 @@ def check_nft(state: ClusterState, ns: str) -> None:
             )
         affinity_sets = sum(1 for n in inv.elements if n.startswith("affinity-"))
         assert affinity_sets == elements["affinity-sets"]
+        slots = sum(v for n, v in inv.elements.items() if n.startswith("endpoints-"))
+        assert slots == elements["slots"], f"IPv{family.value}: {slots} slots != {elements['slots']}"
+        assert inv.elements.get("hairpin", 0) == elements["hairpin"]
         for base in ("nat-prerouting", "nat-output", "nat-postrouting", "filter-input",
                      "filter-forward", "filter-output", "services"):
             assert base in inv.chain_names, base

@@ -427,9 +427,14 @@ def test_structure_is_split_per_service() -> None:
         "local-42NFTM6N-ns2/svc2/tcp/p80",
         "external-42NFTM6N-ns2/svc2/tcp/p80",
         "firewall-42NFTM6N-ns2/svc2/tcp/p80",
-        "endpoint-SGOXE6O3-ns2/svc2/tcp/p80__10.180.0.2/80",
-        "endpoint-" + endpoint_chain_base(key[0], Endpoint("10.180.0.3", 80)),
     ]
+    # No endpoint chains: slots in a shared data map, one block per endpoint-selecting chain.
+    assert dict(owned.blocks) == {
+        "service-42NFTM6N-ns2/svc2/tcp/p80": (0, 16),
+        "local-42NFTM6N-ns2/svc2/tcp/p80": (16, 16),
+    }
+    assert owned.shards == ("endpoints-tcp-0", "endpoints-tcp-0")
+    assert set(owned.hairpin) == {"10.180.0.2", "10.180.0.3"}
     assert rs.elements["service-nodeports"] == {
         "tcp . 3001": Element("goto external-42NFTM6N-ns2/svc2/tcp/p80")
     }
@@ -452,6 +457,7 @@ def test_duplicate_element_key_first_service_wins() -> None:
 _REF = re.compile(r"(?:goto|jump) (\S+)")
 _SETREF = re.compile(r"@([A-Za-z0-9_./-]+)")
 _NUMGEN = re.compile(r"numgen random mod (\d+) vmap \{ (.*) \}$")
+_DNAT_MAP = re.compile(r"dnat ip6? to numgen random mod (\d+) offset (\d+) map @(\S+)$")
 PROPS = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -463,7 +469,7 @@ def _all_chains(rs: NftRuleset) -> list[str]:
 
 
 def _all_sets(rs: NftRuleset) -> list[str]:
-    names = list(rs.sets)
+    names = list(rs.sets) + list(rs.shard_users)
     for owned in rs.services.values():
         names += list(owned.affinity_sets)
     return names
@@ -497,7 +503,7 @@ def test_every_reference_is_declared_and_names_are_unique(state: ClusterState) -
             for ref in _SETREF.findall(text):
                 assert ref in declared_sets, text
         for name in rs.elements:
-            assert name in rs.sets
+            assert name in rs.sets or name in rs.shard_users
         for name in chains + sets:
             nft_name(name)
 
@@ -515,6 +521,18 @@ def test_numgen_covers_each_endpoint_once(state: ClusterState) -> None:
                 chain = prefix + base
                 if not eps:
                     assert chain not in owned.chains
+                    continue
+                if not svc.affinity_timeout:
+                    # Layout s: slots offset..offset+n-1 of one shard map, in endpoint order.
+                    (m,) = [m for rule in owned.chains[chain] if (m := _DNAT_MAP.search(rule))]
+                    n, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
+                    assert n == len(eps)
+                    assert owned.blocks[chain][0] == first and owned.blocks[chain][1] >= n
+                    held = rs.elements[shard]
+                    assert [held[str(first + i)].value for i in range(n)] == [
+                        f"{ep.ip} . {ep.port}" for ep in eps
+                    ]
+                    assert first // nft.SHARD_SLOTS == (first + owned.blocks[chain][1] - 1) // nft.SHARD_SLOTS
                     continue
                 (m,) = [m for rule in owned.chains[chain] if (m := _NUMGEN.search(rule))]
                 n = int(m.group(1))
@@ -563,8 +581,8 @@ def _kernel_states() -> list[tuple[str, ClusterState]]:
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not _have_kernel_tools(), reason="needs root, nft and ip")
 def test_kernel_accepts_scripts() -> None:
+    assert _have_kernel_tools(), "needs root, nft and ip"
     for label, state in _kernel_states():
         rulesets = [render(state, family) for family in IPFamily]
         listing = _apply_in_netns("".join(rs.script() for rs in rulesets))
@@ -576,7 +594,9 @@ def test_kernel_accepts_scripts() -> None:
             maps = {o["map"]["name"] for o in objects if "map" in o and o["map"]["family"] == fam}
             assert chains == set(_all_chains(rs)), label
             assert sets | maps == set(_all_sets(rs)), label
+            (hp,) = [o["set"] for o in objects if "set" in o and o["set"]["name"] == "hairpin" and o["set"]["family"] == fam]
+            assert len(hp.get("elem", [])) == len(rs.hairpin_refs), label
             for name, elements in rs.elements.items():
-                kind = "map" if rs.sets[name].kind == "map" else "set"
+                kind = "map" if name in rs.shard_users or rs.sets[name].kind == "map" else "set"
                 (obj,) = [o[kind] for o in objects if kind in o and o[kind]["name"] == name and o[kind]["family"] == fam]
                 assert len(obj.get("elem", [])) == len(elements), (label, name)

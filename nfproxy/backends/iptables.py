@@ -575,10 +575,15 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
             f" -m addrtype --dst-type LOCAL{not_loopback} -j KUBE-NODEPORTS"
         )
     else:
+        # One rule takes one -d: iptables-restore refuses "-d CIDR ! -d 127.0.0.0/8". Loopback is
+        # excluded by a RETURN in front when some CIDR reaches into it, else it cannot match.
+        loopback = ipaddress.ip_network("::1/128" if v6 else "127.0.0.0/8")
+        if any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in nodeport_cidrs):
+            n_services.append(f"-A KUBE-SERVICES -d {loopback} -j RETURN")
         for cidr in nodeport_cidrs:
             n_services.append(
                 f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
-                f" -d {cidr} -m addrtype --dst-type LOCAL{not_loopback} -j KUBE-NODEPORTS"
+                f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
             )
 
     f_forward.append("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP")

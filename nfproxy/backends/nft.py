@@ -21,7 +21,7 @@ import ipaddress
 import re
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from nfproxy.backends import gc_paused
@@ -55,6 +55,13 @@ FIREWALL_IPS_MAP = "firewall-ips"
 FIREWALL_CHECK_CHAIN = "firewall-check"
 MARK_MASQ_CHAIN = "mark-for-masquerade"
 MASQUERADING_CHAIN = "masquerading"
+HAIRPIN_SET = "hairpin"
+# Endpoint slots: every endpoint-selecting chain owns a block of consecutive integers, and a
+# data map `endpoints-M` (M = block start // SHARD_SLOTS) turns a slot into the endpoint's
+# address and port. Why shards and blocks: see docs/design.md ("The nft layout at scale").
+SHARD_PREFIX = "endpoints-"
+SHARD_SLOTS = 1024
+BLOCK_MIN = 16
 
 # Per service port / per endpoint name prefixes (kube-proxy's; none longer than 16 characters,
 # which is what keeps prefix + hashAndTruncate's 240-character base within nft's 256).
@@ -197,6 +204,56 @@ class ServiceRules:
     chains: Mapping[str, tuple[str, ...]]
     affinity_sets: Mapping[str, str]
     elements: tuple[tuple[str, str, Element], ...]
+    # Slot blocks (chain name -> (first slot, size)) and the endpoint IPs this port adds to the
+    # shared hairpin set; both empty for ports that keep per-endpoint chains (affinity).
+    blocks: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
+    shards: tuple[str, ...] = ()  # the data map of each block, in the same order
+    hairpin: tuple[str, ...] = ()
+
+
+def block_size(n: int) -> int:
+    """Slots reserved for a chain of n endpoints: room to grow without moving, and a power of
+    two so that aligned blocks never straddle a shard (1 024 slots)."""
+    return max(BLOCK_MIN, 1 << (max(n, 1) - 1).bit_length())
+
+
+def shard_of(base: int, proto: str) -> str:
+    """The data map holding slot `base`. One set of shards per protocol: a map's data type
+    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port."""
+    return f"{SHARD_PREFIX}{proto}-{base // SHARD_SLOTS}"
+
+
+def _shard_order(name: str) -> tuple[str, int]:
+    proto, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
+    return proto, int(index)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAllocator:
+    """Where the next block of slots goes: a bump pointer plus free lists per block size.
+
+    Immutable, so that a ruleset keeps the allocator state it was rendered with and a failed
+    sync can simply forget the new one. Blocks are aligned to their size.
+    """
+
+    next_slot: int = 0
+    free: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def allocate(self, size: int) -> tuple[int, SlotAllocator]:
+        spare = self.free.get(size)
+        if spare:
+            free = dict(self.free)
+            free[size] = spare[1:]
+            return spare[0], SlotAllocator(self.next_slot, MappingProxyType(free))
+        base = -(-self.next_slot // size) * size
+        if base + size > 1 << 32:
+            raise ValueError("nft endpoint slots exhausted (2^32): restart nfproxy to compact them")
+        return base, SlotAllocator(base + size, self.free)
+
+    def release(self, base: int, size: int) -> SlotAllocator:
+        free = dict(self.free)
+        free[size] = (*free.get(size, ()), base)
+        return SlotAllocator(self.next_slot, MappingProxyType(free))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +278,21 @@ class NftRuleset:
     # (map, key) pairs that more than one service port claims: the first one in name order
     # owns the element, and a partial sync that touches one of them falls back to a full one.
     contested: frozenset[tuple[str, str]] = frozenset()
+    # Endpoint IP -> number of service ports that put it in the hairpin set.
+    hairpin_refs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Shard map name -> number of slot blocks in it; the allocator's state for partial syncs.
+    shard_users: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    allocator: SlotAllocator | None = None
 
     @property
     def nft_family(self) -> str:
         return "ip" if self.family is IPFamily.V4 else "ip6"
+
+    def shard_spec(self, name: str) -> str:
+        """Key: the numgen slot (a 32-bit integer: `type mark` is refused for a numgen key);
+        data: address . port of the shard's protocol."""
+        proto = _shard_order(name)[0]
+        return f"typeof numgen random mod 1 : {self.nft_family} daddr . {proto} dport ;"
 
     def script(self) -> str:
         """A complete `nft -f` script: one atomic transaction.
@@ -259,6 +327,8 @@ class NftRuleset:
             out.append(f"add {decl.kind} {t} {name} {{ {decl.spec} }}\nflush {decl.kind} {t} {name}\n")
         for name, decl in self.unused_sets.items():
             out.append(f"add {decl.kind} {t} {name} {{ {decl.spec} }}\ndelete {decl.kind} {t} {name}\n")
+        for name in sorted(self.shard_users, key=_shard_order):
+            out.append(f"add map {t} {name} {{ {self.shard_spec(name)} }}\nflush map {t} {name}\n")
         for name, rules in self.chains.items():
             for rule in rules:
                 out.append(f"{add_rule}{name} {rule}\n")
@@ -273,6 +343,9 @@ class NftRuleset:
                 for rule in rules:
                     out.append(f"{add_rule}{name} {rule}\n")
 
+        if self.hairpin_refs:
+            pairs = ",\n".join(f"\t{ip} . {ip}" for ip in self.hairpin_refs)
+            out.append(f"\nadd element {t} {HAIRPIN_SET} {{\n{pairs}\n}}\n")
         for name, elements in self.elements.items():
             if not elements:
                 continue
@@ -392,6 +465,12 @@ def _static(
         REJECT_CHAIN,
     ):
         chains[name] = []
+    # Hairpin: a pod that reaches its own service through a data-map DNAT must be masqueraded
+    # or it would answer itself directly. After DNAT to E the source equals E exactly then, so
+    # one rule and a set of E . E pairs do what kube-proxy's per-endpoint `ip saddr E` rules do.
+    chains["nat-postrouting"].append(
+        f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN_SET} jump {MARK_MASQ_CHAIN}"
+    )
     for target, base, gate in _JUMPS:
         chains[base].append(f"{gate}jump {target}")
     chains[MARK_MASQ_CHAIN].append(f"meta mark set meta mark or {_MARK}")
@@ -428,11 +507,14 @@ def _static(
             "map", f"type {ip_key} ; comment {nft_comment('ClusterIP, ExternalIP and LoadBalancer IP traffic')} ;"
         ),
         SERVICE_NODEPORTS_MAP: SetDecl("map", f"type {port_key} ; comment {nft_comment('NodePort traffic')} ;"),
+        HAIRPIN_SET: SetDecl(
+            "set", f"type {addr} . {addr} ; comment {nft_comment('endpoint E . E: a pod reaching itself through a service')} ;"
+        ),
     }
     nodeport_decl = SetDecl(
         "set", f"type {addr} ; flags interval ; comment {nft_comment('CIDRs whose local IPs accept NodePort traffic')} ;"
     )
-    elements: dict[str, dict[str, Element]] = {name: {} for name in sets}
+    elements: dict[str, dict[str, Element]] = {name: {} for name in sets if name != HAIRPIN_SET}
     unused: dict[str, SetDecl] = {}
     if nodeport_cidrs:
         sets[NODEPORT_IPS_SET] = nodeport_decl
@@ -479,7 +561,33 @@ def _pick(
     return [chains[i] for i in picked], [sets[i] for i in picked] if sets else []
 
 
-def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, ...]) -> ServiceRules:
+class _Slots:
+    """Hands out slot blocks during one render, keeping a chain's previous block when its size
+    still fits (so a partial sync rewrites as few elements as possible)."""
+
+    def __init__(self, allocator: SlotAllocator, previous: Mapping[str, tuple[int, int]] = MappingProxyType({})) -> None:
+        self.allocator = allocator
+        self.previous = previous
+        self.kept: set[str] = set()
+
+    def take(self, chain: str, n: int) -> tuple[int, int]:
+        size = block_size(n)
+        prev = self.previous.get(chain)
+        if prev is not None and prev[1] == size and chain not in self.kept:
+            self.kept.add(chain)
+            return prev
+        base, self.allocator = self.allocator.allocate(size)
+        return base, size
+
+    def release_unkept(self) -> None:
+        for chain, (base, size) in self.previous.items():
+            if chain not in self.kept:
+                self.allocator = self.allocator.release(base, size)
+
+
+def _render_service(
+    ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, ...], slots: _Slots
+) -> ServiceRules:
     r: Routing = categorize(svc, endpoints, ctx.node)
     spn = svc.name
     ipx = ctx.ipx
@@ -495,8 +603,31 @@ def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, 
     cluster_ip = _address(svc.cluster_ip)
     port = svc.port
 
-    # The hot loop (100 000 endpoints at scale): names once per endpoint, everything inlined.
     reachable = r.reachable
+    blocks: dict[str, tuple[int, int]] = {}
+    shards: list[str] = []
+    slot_elements: list[tuple[str, str, Element]] = []
+    hairpin: tuple[str, ...] = ()
+    if not affinity:
+        for ep in reachable:
+            if not ep.ip or ep.ip.strip(_IP_CHARS):
+                raise ValueError(f"not an endpoint address: {ep.ip!r}")
+        hairpin = tuple(dict.fromkeys(ep.ip for ep in reachable))
+
+    def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
+        """Layout s: one random slot, looked up in a shared data map; no per-endpoint chains."""
+        block = slots.take(chain, len(subset))
+        blocks[chain] = block
+        first = block[0]
+        shard = shard_of(first, proto)
+        shards.append(shard)
+        slot_elements.extend(
+            (shard, str(first + i), Element(f"{ep.ip} . {ep.port}")) for i, ep in enumerate(subset)
+        )
+        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
+
+    # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
+    # per-endpoint chains. The hot loop (names once per endpoint) runs only for them.
     ep_chain_names: list[str] = []
     ep_set_names: list[str] = []
     ep_chains: dict[str, tuple[str, ...]] = {}
@@ -509,7 +640,7 @@ def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, 
     sha256 = hashlib.sha256
     pairs = _B32_PAIRS
     unpack = _FIRST_8_BYTES
-    for ep in reachable:
+    for ep in reachable if affinity else ():
         ip = ep.ip
         ep_port = ep.port
         text = f"{svc_part}{ip.replace(':', '.')}/{ep_port}"
@@ -543,19 +674,25 @@ def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, 
     internal_local = svc.internal_policy_local
     chains: dict[str, tuple[str, ...]] = {}
     if r.cluster:
-        chains[cluster_chain] = _policy_rules(
-            ipx,
-            "" if internal_local else masquerade,
-            *_pick(r.cluster, reachable, ep_chain_names, ep_set_names),
-            affinity,
-        )
+        masq = "" if internal_local else masquerade
+        if affinity:
+            chains[cluster_chain] = _policy_rules(
+                ipx, masq, *_pick(r.cluster, reachable, ep_chain_names, ep_set_names), affinity
+            )
+        else:
+            chains[cluster_chain] = (masq, selection(cluster_chain, r.cluster)) if masq else (
+                selection(cluster_chain, r.cluster),
+            )
     if r.local:
-        chains[local_chain] = _policy_rules(
-            ipx,
-            masquerade if internal_local else "",
-            *_pick(r.local, reachable, ep_chain_names, ep_set_names),
-            affinity,
-        )
+        masq = masquerade if internal_local else ""
+        if affinity:
+            chains[local_chain] = _policy_rules(
+                ipx, masq, *_pick(r.local, reachable, ep_chain_names, ep_set_names), affinity
+            )
+        else:
+            chains[local_chain] = (masq, selection(local_chain, r.local)) if masq else (
+                selection(local_chain, r.local),
+            )
 
     external_no_endpoints = r.external_no_endpoints
     if r.uses_external_chain:
@@ -622,10 +759,14 @@ def _render_service(ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, 
         if no_external is not None:
             elements.append((NO_ENDPOINT_NODEPORTS_MAP, key, no_external))
 
+    elements.extend(slot_elements)
     return ServiceRules(
         chains=MappingProxyType(chains),
         affinity_sets=MappingProxyType(affinity_sets),
         elements=tuple(elements),
+        blocks=MappingProxyType(blocks),
+        shards=tuple(shards),
+        hairpin=hairpin,
     )
 
 
@@ -648,15 +789,24 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
     all_endpoints = state.endpoints
     svc_map = state.services
     contested: set[tuple[str, str]] = set()
+    slots = _Slots(SlotAllocator())
+    hairpin_refs: dict[str, int] = {}
+    shard_users: dict[str, int] = {}
     # Sorted by plain string tuples: far cheaper than the dataclass ordering at 10 000 services.
     keys = sorted((k for k in svc_map if k[1] is family), key=_service_order)
     for key in keys:
-        rules = _render_service(ctx, svc_map[key], all_endpoints.get(key, ()))
+        rules = _render_service(ctx, svc_map[key], all_endpoints.get(key, ()), slots)
         services[key] = rules
+        for ip in rules.hairpin:
+            hairpin_refs[ip] = hairpin_refs.get(ip, 0) + 1
+        for shard in rules.shards:
+            shard_users[shard] = shard_users.get(shard, 0) + 1
         for map_name, elem_key, element in rules.elements:
             # A key claimed twice (e.g. one external IP on two services) would make nft fail
             # the whole transaction ("File exists"); the first service port keeps it.
-            held = elements[map_name]
+            held = elements.get(map_name)
+            if held is None:
+                held = elements[map_name] = {}
             if elem_key in held:
                 contested.add((map_name, elem_key))
             else:
@@ -672,6 +822,9 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         elements=MappingProxyType({k: MappingProxyType(v) for k, v in elements.items()}),
         services=MappingProxyType(services),
         contested=frozenset(contested),
+        hairpin_refs=MappingProxyType(hairpin_refs),
+        shard_users=MappingProxyType(shard_users),
+        allocator=slots.allocator,
     )
 
 
@@ -688,10 +841,11 @@ def render_update(
 ) -> NftRuleset:
     """`previous` with the service ports in `keys` (of this family) rendered again from `state`.
 
-    Equal to `render(state, family)` as long as only those ports changed and the node did not
-    (the caller checks the node: a changed node means a full render). Contested element keys
-    (an address claimed by two services) move between owners in ways only a full render gets
-    right, so touching one raises NeedsFullSync.
+    Equivalent to `render(state, family)` as long as only those ports changed and the node did
+    not (the caller checks the node: a changed node means a full render); slot numbers may
+    differ, since a port keeps its block while it fits. Contested element keys (an address
+    claimed by two services) move between owners in ways only a full render gets right, so
+    touching one raises NeedsFullSync.
     """
     with gc_paused():
         family = previous.family
@@ -703,24 +857,44 @@ def render_update(
         def writable(name: str) -> dict[str, Element]:
             m = copied.get(name)
             if m is None:
-                m = copied[name] = dict(elements[name])
+                m = copied[name] = dict(elements.get(name, {}))
                 elements[name] = m
             return m
 
         contested = previous.contested
+        allocator = previous.allocator or SlotAllocator()
+        hairpin = dict(previous.hairpin_refs)
+        shard_users = dict(previous.shard_users)
         removed: list[tuple[str, str, Element]] = []
         added: list[tuple[str, str, Element]] = []
-        for key in keys:
-            if key[1] is not family:
-                continue
+        for key in sorted((k for k in keys if k[1] is family), key=_service_order):
             old = services.pop(key, None)
+            old_blocks: Mapping[str, tuple[int, int]] = MappingProxyType({})
             if old is not None:
                 removed.extend(old.elements)
+                old_blocks = old.blocks
+                for ip in old.hairpin:
+                    left = hairpin[ip] - 1
+                    if left:
+                        hairpin[ip] = left
+                    else:
+                        del hairpin[ip]
+                for shard in old.shards:
+                    shard_users[shard] -= 1
+                    if not shard_users[shard]:
+                        del shard_users[shard]
             svc = state.services.get(key)
+            slots = _Slots(allocator, old_blocks)
             if svc is not None:
-                rules = _render_service(ctx, svc, state.endpoints.get(key, ()))
+                rules = _render_service(ctx, svc, state.endpoints.get(key, ()), slots)
                 services[key] = rules
                 added.extend(rules.elements)
+                for ip in rules.hairpin:
+                    hairpin[ip] = hairpin.get(ip, 0) + 1
+                for shard in rules.shards:
+                    shard_users[shard] = shard_users.get(shard, 0) + 1
+            slots.release_unkept()
+            allocator = slots.allocator
         for map_name, elem_key, _el in removed:
             if (map_name, elem_key) in contested:
                 raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
@@ -732,6 +906,8 @@ def render_update(
             if elem_key in target:
                 raise NeedsFullSync(f"element {elem_key} of map {map_name} would be claimed twice")
             target[elem_key] = el
+        for name in [n for n, m in elements.items() if n.startswith(SHARD_PREFIX) and not m]:
+            del elements[name]
         return NftRuleset(
             family=family,
             table=previous.table,
@@ -744,6 +920,9 @@ def render_update(
             ),
             services=MappingProxyType(services),
             contested=contested,
+            hairpin_refs=MappingProxyType(hairpin),
+            shard_users=MappingProxyType(shard_users),
+            allocator=allocator,
         )
 
 
@@ -788,7 +967,11 @@ def delta(
     """
     t = f"{new.nft_family} {new.table}"
     cmds: list[str] = []
-    live_sets = {name for svc in new.services.values() for name in svc.affinity_sets} if delete_sets else set()
+    live_sets = (
+        {name for svc in new.services.values() for name in svc.affinity_sets} | set(new.shard_users)
+        if delete_sets
+        else set()
+    )
     live_chains = {name for svc in new.services.values() for name in svc.chains} if delete_chains else set()
     for name in delete_chains:
         if name not in live_chains:
@@ -798,8 +981,11 @@ def delta(
             cmds.append(f"delete set {t} {nft_name(name)}")
 
     stale_chains: list[str] = []
-    stale_sets: list[str] = []
-    adds: list[str] = []
+    stale_sets: list[str] = [n for n in previous.shard_users if n not in new.shard_users]
+    adds: list[str] = [
+        f"add map {t} {n} {{ {new.shard_spec(n)} }}" for n in new.shard_users if n not in previous.shard_users
+    ]
+    hairpin_ips: set[str] = set()
     rules_out: list[str] = []
     old_elements: dict[tuple[str, str], Element] = {}
     new_elements: dict[tuple[str, str], Element] = {}
@@ -828,6 +1014,8 @@ def delta(
             if name not in cur.chains:
                 rules_out.append(f"flush chain {t} {name}")
                 stale_chains.append(name)
+        hairpin_ips.update(old.hairpin)
+        hairpin_ips.update(cur.hairpin)
         for map_name, elem_key, el in old.elements:
             old_elements[(map_name, elem_key)] = el
         for map_name, elem_key, el in cur.elements:
@@ -843,4 +1031,10 @@ def delta(
     for (map_name, elem_key), el in new_elements.items():
         if old_elements.get((map_name, elem_key)) != el:
             cmds.append(f"add element {t} {map_name} {{ {_element_text(elem_key, el)} }}")
+    for ip in sorted(hairpin_ips):
+        was, now = ip in previous.hairpin_refs, ip in new.hairpin_refs
+        if was and not now:
+            cmds.append(f"delete element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
+        elif now and not was:
+            cmds.append(f"add element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
     return NftDelta(tuple(cmds), tuple(stale_chains), tuple(stale_sets))
