@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import enum
 import errno
 import ipaddress
@@ -54,7 +55,8 @@ from nfproxy.kernel.process import KernelError
 Proto = Literal["tcp", "udp"]
 ProtoLike = str | enum.Enum
 """"tcp"/"udp" in any case, or the model's Protocol enum."""
-Kind = Literal["ok", "refused", "timeout", "unreachable", "reset", "error"]
+Kind = Literal["ok", "refused", "timeout", "unreachable", "reset", "denied", "error"]
+"""`denied`: the node's own output path dropped what the node itself sent (EPERM at once)."""
 
 NODE = "node"
 """Client name for connections opened from the node namespace itself."""
@@ -237,6 +239,10 @@ class Outcome:
     source_port: int | None = None
     seconds: float = 0.0
     detail: str = ""
+    client_port: int | None = None
+    """The port the client sent from. With `source`, what tells masquerade apart even when
+    the client is the node itself: SNAT to the node's own address still changes the port
+    (kube-proxy masquerades with --random-fully)."""
 
     @property
     def ok(self) -> bool:
@@ -277,10 +283,29 @@ def _failure(err: int, started: float) -> Outcome:
         kind = "reset"
     elif err == errno.ETIMEDOUT:
         kind = "timeout"
+    elif err == errno.EPERM:
+        kind = "denied"
     else:
         kind = "error"
     name = errno.errorcode.get(err, str(err))
     return Outcome(kind, seconds=time.monotonic() - started, detail=name)
+
+
+def _send_error(sock: socket.socket, exc: OSError) -> int:
+    """The errno a failed datagram send stands for.
+
+    A packet the node's own output path drops fails the send with EPERM, whether a rule
+    dropped or rejected it; a reject also queues the ICMP error it generated on the socket.
+    Reading that pending error tells the node's UDP "rejected" (refused) from "dropped"
+    (denied), as a remote client would see them.
+    """
+    err = exc.errno or 0
+    if err == errno.EPERM:
+        with contextlib.suppress(OSError):
+            pending = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if pending:
+                return pending
+    return err
 
 
 def _answer(line: bytes, started: float) -> Outcome:
@@ -430,6 +455,7 @@ class _Flow:
     deadline: float
     connecting: bool
     buf: bytes = b""
+    local_port: int | None = None
 
 
 class Connection:
@@ -477,7 +503,7 @@ class Connection:
             self._sock.settimeout(timeout or self.timeout)
             self._sock.send(b"?\n")
         except OSError as exc:
-            return _failure(exc.errno or 0, started)
+            return _failure(_send_error(self._sock, exc), started)
         return self._read_line(started, timeout or self.timeout)
 
     def close(self) -> None:
@@ -496,6 +522,11 @@ class Connection:
 # --------------------------------------------------------------------------------------------
 # The sandbox
 
+
+# pyroute2 creates a namespace in a forked helper and talks to it over a pipe; helpers forked
+# by several threads at once lose each other's answers ("no response from the child"). Sandboxes
+# built in parallel (the compat corpus) take turns for that one step.
+_CREATE_LOCK = threading.Lock()
 
 # Strong references: a sandbox dropped without close() must still be cleaned up at exit.
 _live: set[Sandbox] = set()
@@ -656,7 +687,8 @@ class Sandbox:
 
     def _create_ns(self, name: str) -> None:
         self._created.append(name)  # first: a half-made namespace must be removed too
-        netns_mod.create(name)
+        with _CREATE_LOCK:
+            netns_mod.create(name)
         # Before any link exists, so every interface made here inherits them. ICMP errors are
         # not rate limited: past a burst of six per peer a `reject` would turn into a timeout.
         settings: dict[str, str | int] = {
@@ -853,6 +885,8 @@ class Sandbox:
             with contextlib.suppress(KeyError, ValueError):
                 sel.unregister(flow.sock)
             flow.sock.close()
+            if flow.local_port is not None:
+                outcome = dataclasses.replace(outcome, client_port=flow.local_port)
             results[flow.index] = outcome
 
         try:
@@ -874,12 +908,13 @@ class Sandbox:
                         sock = self._fresh_udp_socket(client, family)
                         sock.setblocking(False)
                         flow = _Flow(i, sock, now, now + timeout, False)
+                        flow.local_port = sock.getsockname()[1]
                         active[i] = flow
                         try:
                             sock.connect(addr)
                             sock.send(b"?\n")
                         except OSError as exc:
-                            finish(flow, _failure(exc.errno or 0, now))
+                            finish(flow, _failure(_send_error(sock, exc), now))
                             continue
                         sel.register(sock, R, flow)
                 if not active:
@@ -896,6 +931,7 @@ class Sandbox:
                             finish(flow, _failure(err, flow.started))
                             continue
                         flow.connecting = False
+                        flow.local_port = flow.sock.getsockname()[1]
                         sel.modify(flow.sock, R, flow)
                         continue
                     try:

@@ -299,3 +299,44 @@ def test_two_thousand_tcp_connections_in_a_few_seconds() -> None:
     assert sum(summarize(outcomes).values()) == 2000 and all(o.ok for o in outcomes)
     print(f"\n2000 TCP connections through DNAT in {elapsed:.2f}s: {2000 / elapsed:.0f}/s")
     assert elapsed < 4.0
+
+
+def test_outcomes_carry_the_client_port_masquerade_would_change() -> None:
+    with Sandbox(SPEC) as sb:
+        for client in ("outside", "node"):
+            for proto in ("tcp", "udp"):
+                outcomes = sb.connect(client, EPS4[0], 8080, proto, count=20)
+                assert all(o.ok and o.client_port for o in outcomes)
+                assert all(o.client_port == o.source_port for o in outcomes), (client, proto)
+        NftSession(sb.node_ns).apply(
+            NUMGEN
+            + 'table ip m {\n chain post {\n type nat hook postrouting priority srcnat;\n'
+            + ' oifname "ep*" masquerade fully-random\n }\n}\n'
+        )
+        # The node masqueraded to its own address: only the port shows it.
+        outcomes = sb.connect("node", "10.96.0.10", 80, "tcp", count=30)
+        assert {o.source for o in outcomes} == {"192.168.0.2"}
+        assert sum(o.client_port != o.source_port for o in outcomes) >= 28
+
+
+def test_node_udp_rejected_is_refused_and_dropped_is_denied() -> None:
+    """The node's own datagrams stopped in its output path fail the send (EPERM) either way;
+    a reject also queues its ICMP error on the socket, which tells the two apart."""
+    with Sandbox(SPEC) as sb:
+        NftSession(sb.node_ns).apply(
+            """
+            table ip o {
+                chain out {
+                    type filter hook output priority filter; policy accept;
+                    ip daddr 10.96.0.40 udp dport 53 reject
+                    ip daddr 10.96.0.41 udp dport 53 drop
+                }
+            }
+            """
+        )
+        o = _only(sb.connect("node", "10.96.0.40", 53, "udp", count=3))
+        assert o.kind == "refused" and o.seconds < 0.5
+        o = _only(sb.connect("node", "10.96.0.41", 53, "udp", count=3))
+        assert o.kind == "denied" and o.seconds < 0.5
+        with sb.open("node", "10.96.0.40", 53, "udp") as conn:
+            assert conn.exchange().kind == "refused"
