@@ -11,6 +11,8 @@ import ctypes
 import ctypes.util
 import os
 import secrets
+import signal
+import threading
 from collections.abc import Iterator
 
 from pyroute2 import IPRoute, netns
@@ -32,11 +34,34 @@ def exists(name: str) -> bool:
     return name in netns.listnetns()
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the block, then deliver them.
+
+    pyroute2 creates and removes a namespace from a forked helper: an interrupt landing while
+    we wait for it lets the helper finish after our cleanup looked, and the namespace leaks.
+    Only the main thread can set handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _f: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 def create(name: str) -> None:
     """Create a namespace with its loopback up (conntrack and local routes need it)."""
     if exists(name):
         raise KernelError(f"network namespace {name} already exists")
-    netns.create(name)
+    with signals_held():
+        netns.create(name)
     with entered(name), IPRoute() as ipr:
         lo = ipr.link_lookup(ifname="lo")
         if lo:
@@ -45,7 +70,8 @@ def create(name: str) -> None:
 
 def remove(name: str) -> None:
     if exists(name):
-        netns.remove(name)
+        with signals_held():
+            netns.remove(name)
 
 
 @contextlib.contextmanager
@@ -77,8 +103,8 @@ def entered(name: str) -> Iterator[None]:
 def throwaway(prefix: str = "nfp") -> Iterator[str]:
     """A fresh namespace with a unique name, removed when the block ends, however it ends."""
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
-    create(name)
     try:
+        create(name)
         yield name
     finally:
         remove(name)
