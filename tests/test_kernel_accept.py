@@ -61,7 +61,7 @@ def expected_elements(state: ClusterState, family: IPFamily) -> Counter[str]:
             out["service-ips"] += external
             out["service-nodeports"] += bool(svc.node_port)
         if r.external_no_endpoints is not None:
-            out["no-endpoint-services"] += external
+            out["no-endpoint-external-ips"] += external
             out["no-endpoint-nodeports"] += bool(svc.node_port)
         if r.uses_firewall:
             out["firewall-ips"] += len(svc.load_balancer_ips)
@@ -105,7 +105,7 @@ def check_nft(state: ClusterState, ns: str) -> None:
         assert got == want, f"IPv{family.value} nft: chains {dict(got)} != {dict(want)}"
         elements = expected_elements(state, family)
         for name in ("service-ips", "service-nodeports", "no-endpoint-services",
-                     "no-endpoint-nodeports", "firewall-ips"):
+                     "no-endpoint-external-ips", "no-endpoint-nodeports", "firewall-ips"):
             assert inv.elements.get(name, 0) == elements[name], (
                 f"IPv{family.value} map {name}: {inv.elements.get(name, 0)} != {elements[name]}"
             )

@@ -50,6 +50,12 @@ SERVICE_ENDPOINTS_CHECK_CHAIN = "service-endpoints-check"
 NODEPORT_ENDPOINTS_CHECK_CHAIN = "nodeport-endpoints-check"
 NO_ENDPOINT_SERVICES_MAP = "no-endpoint-services"
 NO_ENDPOINT_NODEPORTS_MAP = "no-endpoint-nodeports"
+# External and LoadBalancer IPs without endpoints, checked on input and forward only: the node's
+# own traffic to them is left alone, as kube-proxy's iptables mode (KUBE-EXTERNAL-SERVICES is not
+# hooked on OUTPUT) leaves it, so that both backends agree and the eTP=Local short-circuit for
+# the node's own traffic still works. Upstream's nftables mode checks them on output too.
+NO_ENDPOINT_EXTERNAL_MAP = "no-endpoint-external-ips"
+EXTERNAL_ENDPOINTS_CHECK_CHAIN = "external-endpoints-check"
 REJECT_CHAIN = "reject-chain"
 FIREWALL_IPS_MAP = "firewall-ips"
 FIREWALL_CHECK_CHAIN = "firewall-check"
@@ -380,6 +386,8 @@ BASE_CHAINS = (
 _JUMPS = (
     (NODEPORT_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
+    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
+    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output", "ct state new "),
     (FIREWALL_CHECK_CHAIN, "filter-prerouting", "ct state new "),
@@ -458,6 +466,7 @@ def _static(
     for name in (
         NODEPORT_ENDPOINTS_CHECK_CHAIN,
         SERVICE_ENDPOINTS_CHECK_CHAIN,
+        EXTERNAL_ENDPOINTS_CHECK_CHAIN,
         FIREWALL_CHECK_CHAIN,
         SERVICES_CHAIN,
         MASQUERADING_CHAIN,
@@ -483,6 +492,7 @@ def _static(
     dispatch = f"{ipx} daddr . meta l4proto . th dport vmap"
     chains[FIREWALL_CHECK_CHAIN].append(f"{dispatch} @{FIREWALL_IPS_MAP}")
     chains[SERVICE_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_SERVICES_MAP}")
+    chains[EXTERNAL_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_EXTERNAL_MAP}")
     chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(
         f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}"
     )
@@ -502,6 +512,9 @@ def _static(
         ),
         NO_ENDPOINT_SERVICES_MAP: SetDecl(
             "map", f"type {ip_key} ; comment {nft_comment('vmap to drop or reject packets to services with no endpoints')} ;"
+        ),
+        NO_ENDPOINT_EXTERNAL_MAP: SetDecl(
+            "map", f"type {ip_key} ; comment {nft_comment('vmap to drop or reject packets to external IPs with no endpoints')} ;"
         ),
         SERVICE_IPS_MAP: SetDecl(
             "map", f"type {ip_key} ; comment {nft_comment('ClusterIP, ExternalIP and LoadBalancer IP traffic')} ;"
@@ -743,7 +756,7 @@ def _render_service(
         if r.has_endpoints:
             elements.append((SERVICE_IPS_MAP, key, to_external))
         if no_external is not None:
-            elements.append((NO_ENDPOINT_SERVICES_MAP, key, no_external))
+            elements.append((NO_ENDPOINT_EXTERNAL_MAP, key, no_external))
     for ip in svc.load_balancer_ips:
         key = _address(ip) + suffix
         if r.has_endpoints:
@@ -751,7 +764,7 @@ def _render_service(
         if r.uses_firewall:
             elements.append((FIREWALL_IPS_MAP, key, Element(f"goto {firewall_chain}", comment)))
         if no_external is not None:
-            elements.append((NO_ENDPOINT_SERVICES_MAP, key, no_external))
+            elements.append((NO_ENDPOINT_EXTERNAL_MAP, key, no_external))
     if svc.node_port:
         key = f"{proto} . {svc.node_port}"
         if r.has_endpoints:
