@@ -1,0 +1,429 @@
+"""`check`: what a node's rules do per service port, and what is wrong with them.
+
+Public API: `check(ruleset, *, node_ips=(), mode="kernel") -> Report`; `Report.services`
+(`ServiceReport`: endpoints with exact probabilities, worst deviation from 1/n in parts per
+billion, affinity timeout) and `Report.problems` (`Problem(kind, where, detail)`).
+
+Service ports are found by what their chains do, not by their names: a chain that makes a random
+choice (a statistic match, a numgen expression) and leads to DNATs is an endpoint-selection
+chain. Each is walked with the exact interpreter from its first rule, for a client with no
+affinity history, so the numbers are the kernel's. Problem kinds:
+
+- `cascade-probability`: a statistic rule's threshold differs from 1/(n-i) for its position;
+- `last-rule-probability`: the last rule of a cascade carries a probability (traffic falls through);
+- `numgen-slots`: a numgen modulus or the slots of the map it indexes differ from the endpoints
+  (some values find no slot, or some slots can never be drawn);
+- `fallthrough`: some probability leaves a selection chain without an endpoint, other causes;
+- `unreachable-endpoint`: an endpoint (DNAT) chain no path can reach;
+- `missing-chain`: a jump, goto or verdict-map entry names a chain that does not exist;
+- `ungated-filter-jump`: a filter base chain jumps to a chain that can drop or reject, without
+  a `ct state new` gate (it would then drop packets of established connections);
+- `uninterpretable`: a rule the interpreter does not understand sits on a service's path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from nfproxy.analysis import quantize
+from nfproxy.analysis.interpret import InterpretError, Mode, Packet, walk_chain
+from nfproxy.analysis.ir import (
+    AnonSet,
+    Bitwise,
+    Chain,
+    Concat,
+    Const,
+    Ct,
+    Dnat,
+    Expr,
+    MapLookup,
+    MarkSet,
+    Match,
+    Numgen,
+    Rule,
+    Ruleset,
+    SetRef,
+    Statistic,
+    Table,
+    Verdict,
+    VerdictMap,
+)
+
+PPB = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    kind: str
+    where: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.where}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceReport:
+    name: str
+    table: str
+    chain: str
+    protocol: str
+    endpoints: tuple[tuple[str, Fraction], ...]
+    fallthrough: Fraction
+    affinity_timeout: int
+
+    @property
+    def worst_deviation_ppb(self) -> float:
+        n = len(self.endpoints)
+        if n == 0:
+            return 0.0
+        return float(max(abs(p - Fraction(1, n)) for _, p in self.endpoints) * PPB)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    services: tuple[ServiceReport, ...] = ()
+    problems: tuple[Problem, ...] = field(default_factory=tuple)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+
+def _where(table: Table, chain: str, rule: int | None = None) -> str:
+    text = f"{table.family} {table.name} {chain}"
+    return text if rule is None else f"{text} rule {rule + 1}"
+
+
+def _exprs(expr: Expr) -> Iterator[Expr]:
+    yield expr
+    if isinstance(expr, Concat):
+        for item in expr.items:
+            yield from _exprs(item)
+    elif isinstance(expr, Bitwise):
+        yield from _exprs(expr.left)
+    elif isinstance(expr, MapLookup):
+        yield from _exprs(expr.key)
+
+
+def _rule_exprs(rule: Rule) -> Iterator[Expr]:
+    for st in rule.statements:
+        if isinstance(st, Match):
+            yield from _exprs(st.left)
+        elif isinstance(st, VerdictMap):
+            yield from _exprs(st.key)
+        elif isinstance(st, MarkSet):
+            yield from _exprs(st.value)
+        elif isinstance(st, Dnat):
+            yield from _exprs(st.addr)
+            if st.port is not None:
+                yield from _exprs(st.port)
+
+
+def _is_random(rule: Rule) -> bool:
+    return any(isinstance(s, Statistic) for s in rule.statements) or any(
+        isinstance(e, Numgen) for e in _rule_exprs(rule)
+    )
+
+
+def _targets(table: Table, rule: Rule) -> Iterator[Verdict]:
+    """Every jump/goto/drop/reject a rule can take, named verdict maps included."""
+    yield from rule.verdicts()
+    for st in rule.statements:
+        if isinstance(st, VerdictMap) and isinstance(st.map, SetRef):
+            sdef = table.sets.get(st.map.name)
+            if sdef is not None:
+                for el in sdef.elements:
+                    if isinstance(el.data, Verdict):
+                        yield el.data
+
+
+def _has_dnat(chain: Chain) -> bool:
+    return any(isinstance(s, Dnat) for r in chain.rules for s in r.statements)
+
+
+def _label(table: Table, chain: Chain) -> str:
+    for rule in chain.rules:
+        if " -> " in rule.comment:
+            return rule.comment.split(" -> ")[0]
+    if "/" in chain.name and "-" in chain.name:
+        # nft: kind-HASH-ns/name/proto/port
+        ident = chain.name.split("-", 2)[-1]
+        parts = ident.split("/")
+        if len(parts) == 4:
+            ns, name, proto, port = parts
+            return f"{ns}/{name}:{port}" if port else f"{ns}/{name}"
+        return ident
+    for rule in chain.rules:
+        if rule.comment:
+            return rule.comment.removesuffix(" cluster IP")
+    return chain.name
+
+
+def _probe(table: Table) -> tuple[str, str]:
+    if table.family == "ip6":
+        return "2001:db8:ffff::fe", "2001:db8:ffff::fd"
+    return "203.0.113.254", "203.0.113.253"
+
+
+def check(ruleset: Ruleset, *, node_ips: Sequence[str] = (), mode: Mode = "kernel") -> Report:
+    services: list[ServiceReport] = []
+    problems: list[Problem] = []
+    for table in ruleset.tables:
+        problems.extend(_missing_chains(table))
+        problems.extend(_ungated(table))
+        problems.extend(_undrawable_slots(table))
+        reached: set[str] = set()
+        referenced: set[str] = set()
+        for chain in table.chains.values():
+            for rule in chain.rules:
+                for v in _targets(table, rule):
+                    if v.kind in ("jump", "goto"):
+                        referenced.add(v.target)
+        for chain in table.chains.values():
+            if not _selects(table, chain):
+                continue
+            report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode)
+            problems.extend(found)
+            reached |= reached_here
+            if report is not None:
+                services.append(report)
+        for chain in table.chains.values():
+            if not _has_dnat(chain) or chain.is_base:
+                continue
+            if chain.name not in referenced:
+                problems.append(Problem("unreachable-endpoint", _where(table, chain.name), "no rule or map refers to this endpoint chain"))
+            elif chain.name not in reached and _selected_by_random(table, chain.name):
+                problems.append(Problem("unreachable-endpoint", _where(table, chain.name), "its selection chain never picks it (probability 0)"))
+    services.sort(key=lambda s: (s.name, s.chain))
+    return Report(tuple(services), tuple(problems))
+
+
+def _selects(table: Table, chain: Chain) -> bool:
+    """An endpoint-selection chain: a random choice, or jumps straight to DNAT chains."""
+    if chain.is_base:
+        return False
+    if any(_is_random(r) for r in chain.rules):
+        return True  # a cascade, a numgen vmap, or a DNAT through a numgen-indexed map
+    if _has_dnat(chain):
+        return False
+    for rule in chain.rules:
+        for v in _targets(table, rule):
+            target = table.chains.get(v.target) if v.kind in ("jump", "goto") else None
+            if target is not None and _has_dnat(target):
+                return True
+    return False
+
+
+def _selected_by_random(table: Table, name: str) -> bool:
+    for chain in table.chains.values():
+        if any(_is_random(r) for r in chain.rules):
+            for rule in chain.rules:
+                if any(v.target == name for v in _targets(table, rule)):
+                    return True
+    return False
+
+
+def _selection(
+    ruleset: Ruleset, table: Table, chain: Chain, node_ips: Sequence[str], mode: Mode
+) -> tuple[ServiceReport | None, list[Problem], set[str]]:
+    problems: list[Problem] = []
+    src, dst = _probe(table)
+    best = None
+    for proto in ("tcp", "udp", "sctp"):
+        packet = Packet(src, dst, 1, proto, "pod")
+        try:
+            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, tracing=True)
+        except InterpretError as exc:
+            return None, [Problem("uninterpretable", _where(table, chain.name), str(exc))], set()
+        dnat = sum((p.probability for p in paths if p.outcome.verdict == "dnat"), Fraction(0))
+        if best is None or dnat > best[0]:
+            best = (dnat, proto, paths)
+        if dnat == 1:
+            break
+    assert best is not None
+    _, proto, paths = best
+    endpoints: dict[str, Fraction] = {}
+    fallthrough = Fraction(0)
+    reached: set[str] = set()
+    timeout = 0
+    for p in paths:
+        reached.update(s.chain for s in p.steps)
+        if p.outcome.verdict == "dnat":
+            reached.add(chain.name)
+        for name in p.lookups:
+            sdef = table.sets.get(name)
+            if sdef is not None:
+                timeout = max(timeout, sdef.timeout)
+        if p.outcome.verdict == "dnat" and p.outcome.endpoint:
+            endpoints[p.outcome.endpoint] = endpoints.get(p.outcome.endpoint, Fraction(0)) + p.probability
+        else:
+            fallthrough += p.probability
+    if not endpoints:
+        return None, problems, reached
+    report = ServiceReport(_label(table, chain), table.name, chain.name, proto, tuple(sorted(endpoints.items())), fallthrough, timeout)
+    problems.extend(_cascade_problems(table, chain))
+    problems.extend(_numgen_problems(table, chain))
+    if fallthrough and not any(p.kind in ("last-rule-probability", "numgen-slots") for p in problems):
+        problems.append(Problem("fallthrough", _where(table, chain.name), f"{float(fallthrough):.3e} of new connections leave without an endpoint"))
+    elif not problems and report.worst_deviation_ppb > 1000:
+        problems.append(Problem("cascade-probability", _where(table, chain.name), f"endpoint shares deviate from 1/{len(endpoints)} by {report.worst_deviation_ppb:.0f} ppb"))
+    return report, problems, reached
+
+
+def _cascade_problems(table: Table, chain: Chain) -> list[Problem]:
+    """The statistic cascade: rule i of n candidates must carry 1/(n-i), the last none."""
+    candidates: list[tuple[int, Rule, Statistic | None]] = []
+    for i, rule in enumerate(chain.rules):
+        jumps = [v for v in rule.verdicts() if v.kind in ("jump", "goto")]
+        if not jumps:
+            continue
+        if any(isinstance(s, Match) and isinstance(s.right, SetRef) for s in rule.statements):
+            continue  # an affinity lookup, not part of the random choice
+        stats = [s for s in rule.statements if isinstance(s, Statistic)]
+        if stats:
+            candidates.append((i, rule, stats[0]))
+        elif candidates:
+            candidates.append((i, rule, None))
+            break
+    if not candidates:
+        return []
+    out = []
+    n = len(candidates)
+    last_i, _, last_stat = candidates[-1]
+    if last_stat is not None:
+        out.append(Problem("last-rule-probability", _where(table, chain.name, last_i), f"the last of {n} endpoint rules has --probability {last_stat.probability}: what it does not take falls through"))
+    for k, (i, _, stat) in enumerate(candidates[:-1] if last_stat is None else candidates):
+        if stat is None:
+            continue
+        expected = f"{1 / (n - k):.10f}"
+        if quantize.iptables_threshold(stat.probability) != quantize.iptables_threshold(expected):
+            out.append(Problem("cascade-probability", _where(table, chain.name, i), f"--probability {stat.probability} at position {k + 1} of {n}: expected {expected} (1/{n - k})"))
+    return out
+
+
+def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
+    out = []
+    for i, rule in enumerate(chain.rules):
+        for st in rule.statements:
+            maps: list[tuple[Expr, SetRef | AnonSet]] = []
+            if isinstance(st, VerdictMap):
+                maps.append((st.key, st.map))
+            for e in _rule_exprs(Rule((st,))):
+                if isinstance(e, MapLookup):
+                    maps.append((e.key, e.map))
+            for key, m in maps:
+                if not isinstance(key, Numgen):
+                    continue
+                shared = isinstance(m, SetRef)
+                if shared:
+                    sdef = table.sets.get(m.name)
+                    if sdef is None:
+                        continue
+                    elements = sdef.elements
+                else:
+                    elements = m.elements
+                keys = {el.key[0].value for el in elements if len(el.key) == 1 and isinstance(el.key[0], Const)}
+                slots = set(range(key.offset, key.offset + key.mod))
+                missing = sorted(slots - keys)
+                # A shared map holds other chains' slots too: only an anonymous one can have
+                # slots that belong to this numgen and can never be drawn.
+                extra = [] if shared else sorted(keys - slots)
+                if missing or extra:
+                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {len(keys)} slots"
+                    if missing:
+                        detail += f"; values {missing[:8]} find no slot"
+                    if extra:
+                        detail += f"; slots {extra[:8]} can never be drawn"
+                    out.append(Problem("numgen-slots", _where(table, chain.name, i), detail))
+    return out
+
+
+def _numgen_keys(table: Table) -> Iterator[tuple[Numgen, SetRef | AnonSet]]:
+    for chain in table.chains.values():
+        for rule in chain.rules:
+            for st in rule.statements:
+                if isinstance(st, VerdictMap) and isinstance(st.key, Numgen):
+                    yield st.key, st.map
+                for e in _rule_exprs(Rule((st,))):
+                    if isinstance(e, MapLookup) and isinstance(e.key, Numgen):
+                        yield e.key, e.map
+
+
+def _undrawable_slots(table: Table) -> Iterator[Problem]:
+    """A named map indexed by numgen expressions: every key must be some numgen's value."""
+    covered: dict[str, list[range]] = {}
+    for key, m in _numgen_keys(table):
+        if isinstance(m, SetRef):
+            covered.setdefault(m.name, []).append(range(key.offset, key.offset + key.mod))
+    for name, ranges in covered.items():
+        sdef = table.sets.get(name)
+        if sdef is None:
+            continue
+        stray = sorted(
+            el.key[0].value
+            for el in sdef.elements
+            if len(el.key) == 1 and isinstance(el.key[0], Const) and isinstance(el.key[0].value, int)
+            and not any(el.key[0].value in r for r in ranges)
+        )
+        if stray:
+            yield Problem("numgen-slots", f"{table.family} {table.name} map {name}", f"slots {stray[:8]} are no numgen's value: their endpoints can never be drawn")
+
+
+def _missing_chains(table: Table) -> Iterator[Problem]:
+    for chain in table.chains.values():
+        for i, rule in enumerate(chain.rules):
+            for v in rule.verdicts():
+                if v.kind in ("jump", "goto") and v.target not in table.chains:
+                    yield Problem("missing-chain", _where(table, chain.name, i), f"{v.kind} to {v.target}, which does not exist")
+    for sdef in table.sets.values():
+        for el in sdef.elements:
+            if isinstance(el.data, Verdict) and el.data.kind in ("jump", "goto") and el.data.target not in table.chains:
+                yield Problem("missing-chain", f"{table.family} {table.name} map {sdef.name}", f"an element goes to {el.data.target}, which does not exist")
+
+
+def _ct_gated(rule: Rule, flag: str | None = "new") -> bool:
+    for st in rule.statements:
+        if isinstance(st, Match) and isinstance(st.left, Ct) and st.left.key == "state":
+            if flag is None:
+                return True
+            ops = st.right.elements if isinstance(st.right, AnonSet) else (st.right,)
+            values = {k.value for el in ops for k in (el.key if hasattr(el, "key") else (el,)) if isinstance(k, Const)}
+            if st.op == "==" and values == {flag}:
+                return True
+    return False
+
+
+def _can_block(table: Table, name: str, seen: set[str]) -> bool:
+    """Can a packet that enters chain `name` be dropped or rejected there, by a rule that does
+    not itself look at conntrack state?"""
+    if name in seen:
+        return False
+    seen.add(name)
+    chain = table.chains.get(name)
+    if chain is None:
+        return False
+    for rule in chain.rules:
+        if _ct_gated(rule, None):
+            continue
+        for v in _targets(table, rule):
+            if v.kind in ("drop", "reject"):
+                return True
+            if v.kind in ("jump", "goto") and _can_block(table, v.target, seen):
+                return True
+    return False
+
+
+def _ungated(table: Table) -> Iterator[Problem]:
+    for chain in table.chains.values():
+        if not chain.is_base or chain.type != "filter":
+            continue
+        for i, rule in enumerate(chain.rules):
+            if _ct_gated(rule):
+                continue
+            for v in _targets(table, rule):
+                if v.kind in ("jump", "goto") and _can_block(table, v.target, set()):
+                    yield Problem("ungated-filter-jump", _where(table, chain.name, i), f"{v.kind} to {v.target}, which can drop or reject, without ct state new")
+                    break

@@ -1,0 +1,648 @@
+"""The exact interpreter: a first packet in, a distribution over outcomes out.
+
+Public API:
+- `Packet(src, dst, port, proto, origin)`; origin "pod" or "outside" (enters at prerouting, then
+  input or forward by its destination after DNAT) or "node" (output, then postrouting; and, when
+  it stays on the node, back in through prerouting's filter chains and input).
+- `Outcome(verdict, endpoint, masquerade)`: verdict "dnat" (to `endpoint`, "ip:port" or
+  "[ip6]:port"), "reject", "drop" or "accept" (left untouched); `masquerade` says whether nat
+  postrouting would masquerade it (hairpin included).
+- `interpret(ruleset, packet, *, node_ips=(), mode="kernel") -> dict[Outcome, Fraction]`:
+  probabilities sum to exactly 1.
+- `trace(...) -> list[Path]`: the same walk, one `Path` per random branch, with the rules each
+  branch matched (`Step`s), the affinity sets it consulted and the ones it would pin.
+- `walk_chain(ruleset, table, chain, packet, ...) -> list[Path]`: the walk started inside one
+  chain (as if jumped to from nat prerouting); falling off its end gives Outcome("accept").
+- `InterpretError`: an Unknown statement, a missing chain or set, a loop; the message names the
+  table, chain and rule.
+
+Modes: "kernel" uses the kernel's integer arithmetic (quantize.py): statistic thresholds out of
+2^31, numgen buckets out of 2^32. "ideal" uses the probabilities as written: 1/N per numgen slot
+and, for a statistic match, the simplest rational the printed value stands for (1/3 for
+0.3333333333 and for 0.33333333349 alike).
+
+Affinity: lookups in dynamic sets (nft `ip saddr @affinity-…`, iptables `-m recent --rcheck`)
+are evaluated as for a client with no history (the set is empty), and reported on the path;
+whatever the dump holds in such a set is ignored. Nat chains run once per connection, so a nat
+manipulation at one hook stops later nat chains of that hook, as nf_nat does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal, Union
+
+from nfproxy.analysis import quantize
+from nfproxy.analysis.ir import (
+    Address,
+    AnonSet,
+    Bitwise,
+    Chain,
+    Concat,
+    Const,
+    Ct,
+    Dnat,
+    Element,
+    Expr,
+    Fib,
+    Field,
+    MapLookup,
+    Masquerade,
+    Match,
+    MarkSet,
+    Numgen,
+    Prefix,
+    Range,
+    Rule,
+    Ruleset,
+    SetDef,
+    SetRef,
+    SetUpdate,
+    Statement,
+    Statistic,
+    Table,
+    Unknown,
+    Verdict,
+    VerdictMap,
+    canonical,
+)
+
+Origin = Literal["pod", "outside", "node"]
+Mode = Literal["kernel", "ideal"]
+
+
+class InterpretError(ValueError):
+    """The interpreter cannot decide what a rule does; the message names the rule."""
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    src: str
+    dst: str
+    port: int
+    proto: str
+    origin: Origin = "pod"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Outcome:
+    verdict: Literal["dnat", "reject", "drop", "accept"]
+    endpoint: str | None = None
+    masquerade: bool = False
+
+    def __str__(self) -> str:
+        text = f"DNAT {self.endpoint}" if self.verdict == "dnat" else self.verdict.upper()
+        return text + (" +masquerade" if self.masquerade else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One matched rule on a path (or a base chain's policy when `rule` is -1)."""
+
+    table: str
+    chain: str
+    rule: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Path:
+    outcome: Outcome
+    probability: Fraction
+    steps: tuple[Step, ...] = ()
+    lookups: tuple[str, ...] = ()  # dynamic (affinity) sets consulted: empty for a new client
+    pins: tuple[str, ...] = ()  # dynamic sets this connection would be recorded in
+
+
+# --------------------------------------------------------------------------------------------
+# Exact weights. Kernel-mode weights are dyadic (k / 2^31, k / 2^32): products are kept as
+# (numerator, exponent) so a 1000-rule cascade costs no gcd on 31 000-bit numbers.
+
+
+@dataclass(frozen=True, slots=True)
+class _Dyadic:
+    num: int
+    exp: int
+
+    def __mul__(self, other: _Dyadic) -> _Dyadic:
+        return _Dyadic(self.num * other.num, self.exp + other.exp)
+
+    def __add__(self, other: _Dyadic) -> _Dyadic:
+        if self.exp >= other.exp:
+            return _Dyadic(self.num + (other.num << (self.exp - other.exp)), self.exp)
+        return other + self
+
+    def complement(self) -> _Dyadic:
+        return _Dyadic((1 << self.exp) - self.num, self.exp)
+
+    def is_zero(self) -> bool:
+        return self.num == 0
+
+    def fraction(self) -> Fraction:
+        if self.num == 0:
+            return Fraction(0)
+        shift = min((self.num & -self.num).bit_length() - 1, self.exp)
+        try:
+            return Fraction(self.num >> shift, 1 << (self.exp - shift), _normalize=False)  # type: ignore[call-arg]
+        except TypeError:  # Python >= 3.12 dropped _normalize; the gcd is then paid once here
+            return Fraction(self.num >> shift, 1 << (self.exp - shift))
+
+
+class _Exact:
+    """Fraction weights for ideal mode, with the _Dyadic interface."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Fraction) -> None:
+        self.value = value
+
+    def __mul__(self, other: _Exact) -> _Exact:
+        return _Exact(self.value * other.value)
+
+    def __add__(self, other: _Exact) -> _Exact:
+        return _Exact(self.value + other.value)
+
+    def complement(self) -> _Exact:
+        return _Exact(1 - self.value)
+
+    def is_zero(self) -> bool:
+        return self.value == 0
+
+    def fraction(self) -> Fraction:
+        return self.value
+
+
+Weight = Union[_Dyadic, _Exact]
+
+_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+_MASK32 = 0xFFFFFFFF
+_NOMATCH = ("nomatch",)
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    src: Address
+    dst: Address
+    dport: int
+    proto: str
+    mark: int = 0
+    dnat: tuple[Address, int] | None = None
+    masq: bool = False
+    steps: tuple[Step, ...] = ()
+    lookups: tuple[str, ...] = ()
+    pins: tuple[str, ...] = ()
+
+
+class _Unknown(Exception):
+    pass
+
+
+class _Interpreter:
+    def __init__(self, ruleset: Ruleset, node_ips: Sequence[str], mode: Mode, tracing: bool) -> None:
+        if mode not in ("kernel", "ideal"):
+            raise ValueError(f"mode must be 'kernel' or 'ideal', not {mode!r}")
+        self.ruleset = ruleset
+        self.mode = mode
+        self.tracing = tracing
+        self.local = frozenset(ipaddress.ip_address(ip) for ip in node_ips)
+        self.one: Weight = _Dyadic(1, 0) if mode == "kernel" else _Exact(Fraction(1))
+        self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
+
+    # ---- weights
+
+    def _numgen(self, expr: Numgen) -> list[tuple[Weight, int]]:
+        key = (expr.mod, expr.offset)
+        cached = self._numgen_cache.get(key)
+        if cached is None:
+            if self.mode == "kernel":
+                counts = quantize.numgen_buckets(expr.mod)
+                cached = [(_Dyadic(c, 32), expr.offset + k) for k, c in enumerate(counts)]
+            else:
+                w = _Exact(Fraction(1, expr.mod))
+                cached = [(w, expr.offset + k) for k in range(expr.mod)]
+            self._numgen_cache[key] = cached
+        return cached
+
+    def _statistic(self, st: Statistic) -> Weight:
+        if self.mode == "kernel":
+            return _Dyadic(quantize.iptables_threshold(st.probability), 31)
+        return _Exact(quantize.ideal_probability(st.probability))
+
+    # ---- values
+
+    def is_local(self, addr: Address) -> bool:
+        return addr in self.local or any(addr in net for net in _LOOPBACK if net.version == addr.version)
+
+    def values(self, table: Table, expr: Expr, st: _State) -> list[tuple[Weight, Any]]:
+        one = self.one
+        if isinstance(expr, Field):
+            name = expr.name
+            if name == "saddr":
+                return [(one, st.src)]
+            if name == "daddr":
+                return [(one, st.dst)]
+            if name == "dport":
+                if expr.proto is not None and expr.proto != st.proto:
+                    return [(one, None)]
+                return [(one, st.dport)]
+            if name == "l4proto":
+                return [(one, st.proto)]
+            if name == "mark":
+                return [(one, st.mark)]
+            if name == "nfproto":
+                return [(one, "ipv4" if st.src.version == 4 else "ipv6")]
+            raise _Unknown(f"packet field {name!r} is not modelled")
+        if isinstance(expr, Const):
+            return [(one, expr.value)]
+        if isinstance(expr, Fib):
+            addr = st.src if expr.target == "saddr" else st.dst
+            return [(one, "local" if self.is_local(addr) else "unicast")]
+        if isinstance(expr, Ct):
+            if expr.key == "state":
+                flags = {"new"} | ({"dnat"} if st.dnat else set()) | ({"snat"} if st.masq else set())
+            else:
+                flags = ({"dnat"} if st.dnat else set()) | ({"snat"} if st.masq else set())
+            return [(one, frozenset(flags))]
+        if isinstance(expr, Numgen):
+            return self._numgen(expr)
+        if isinstance(expr, Bitwise):
+            out = []
+            for w, v in self.values(table, expr.left, st):
+                if v is None:
+                    out.append((w, None))
+                elif expr.op == "&":
+                    out.append((w, v & expr.right & _MASK32))
+                elif expr.op == "|":
+                    out.append((w, (v | expr.right) & _MASK32))
+                else:
+                    out.append((w, (v ^ expr.right) & _MASK32))
+            return out
+        if isinstance(expr, Concat):
+            acc: list[tuple[Weight, Any]] = [(one, ())]
+            for item in expr.items:
+                nxt = []
+                for w, prefix in acc:
+                    for w2, v in self.values(table, item, st):
+                        if prefix is None or v is None:
+                            nxt.append((w * w2, None))
+                        else:
+                            nxt.append((w * w2, prefix + (v,)))
+                acc = nxt
+            return acc
+        if isinstance(expr, MapLookup):
+            elements = self._elements(table, expr.map, st, record=False)
+            out = []
+            for w, key in self.values(table, expr.key, st):
+                el = _find(elements, key)
+                out.append((w, None if el is None or not isinstance(el.data, Const) else el.data.value))
+            return out
+        raise _Unknown(f"expression {expr!r} is not modelled")
+
+    def _elements(self, table: Table, operand: SetRef | AnonSet, st: _State, record: bool) -> tuple[Element, ...]:
+        if isinstance(operand, AnonSet):
+            return operand.elements
+        sdef: SetDef | None = table.sets.get(operand.name)
+        if sdef is None:
+            raise _Unknown(f"set or map @{operand.name} does not exist")
+        if sdef.dynamic:
+            return ()  # a client with no history
+        return sdef.elements
+
+    # ---- statements
+
+    def statement(self, table: Table, stmt: Statement, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
+        one = self.one
+        if isinstance(stmt, Match):
+            out = []
+            operand = stmt.right
+            dynamic = isinstance(operand, SetRef) and self._is_dynamic(table, operand)
+            if dynamic:
+                st = dataclasses.replace(st, lookups=st.lookups + (operand.name,))  # type: ignore[union-attr]
+            for w, v in self.values(table, stmt.left, st):
+                hit = self._compare(table, v, stmt.op, operand, st)
+                out.append((w, st, None if hit else _NOMATCH))
+            return out
+        if isinstance(stmt, Statistic):
+            q = self._statistic(stmt)
+            fire, miss = (q, q.complement()) if not stmt.negate else (q.complement(), q)
+            out = []
+            if not fire.is_zero():
+                out.append((fire, st, None))
+            if not miss.is_zero():
+                out.append((miss, st, _NOMATCH))
+            return out
+        if isinstance(stmt, Verdict):
+            if stmt.kind == "continue":
+                return [(one, st, None)]
+            return [(one, st, (stmt.kind, stmt.target))]
+        if isinstance(stmt, VerdictMap):
+            elements = self._elements(table, stmt.map, st, record=True)
+            out = []
+            for w, key in self.values(table, stmt.key, st):
+                el = _find(elements, key)
+                if el is None or not isinstance(el.data, Verdict):
+                    out.append((w, st, _NOMATCH))
+                elif el.data.kind == "continue":
+                    out.append((w, st, None))
+                else:
+                    out.append((w, st, (el.data.kind, el.data.target)))
+            return out
+        if isinstance(stmt, MarkSet):
+            return [
+                (w, st, _NOMATCH) if v is None else (w, dataclasses.replace(st, mark=v & _MASK32), None)
+                for w, v in self.values(table, stmt.value, st)
+            ]
+        if isinstance(stmt, SetUpdate):
+            return [(one, dataclasses.replace(st, pins=st.pins + (stmt.set,)), None)]
+        if isinstance(stmt, Dnat):
+            out = []
+            ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
+            for w, addr in self.values(table, stmt.addr, st):
+                for w2, port in ports:
+                    if addr is None:
+                        out.append((w * w2, st, _NOMATCH))
+                        continue
+                    if isinstance(addr, tuple):
+                        addr, port = addr
+                    new_port = st.dport if port is None else int(port)
+                    new = dataclasses.replace(st, dst=addr, dport=new_port, dnat=(addr, new_port))
+                    out.append((w * w2, new, ("nat", "")))
+            return out
+        if isinstance(stmt, Masquerade):
+            return [(one, dataclasses.replace(st, masq=True), ("nat", ""))]
+        if isinstance(stmt, Unknown):
+            raise _Unknown(f"unsupported match or statement: {stmt.text}")
+        raise _Unknown(f"statement {stmt!r} is not modelled")
+
+    def _is_dynamic(self, table: Table, ref: SetRef) -> bool:
+        sdef = table.sets.get(ref.name)
+        return sdef is not None and sdef.dynamic
+
+    def _compare(self, table: Table, value: Any, op: str, operand: Any, st: _State) -> bool:
+        if value is None:
+            return False
+        if op in ("<", "<=", ">", ">="):
+            if not isinstance(operand, Const) or not isinstance(value, int):
+                raise _Unknown(f"ordered comparison with {operand!r}")
+            r = operand.value
+            return {"<": value < r, "<=": value <= r, ">": value > r, ">=": value >= r}[op]  # type: ignore[operator]
+        if isinstance(operand, (SetRef, AnonSet)):
+            elements = self._elements(table, operand, st, record=True)
+            hit = _find(elements, value) is not None
+        else:
+            hit = _component(value, operand)
+        return hit if op == "==" else not hit
+
+    # ---- chains and hooks
+
+    def run_chain(self, table: Table, chain: Chain, w: Weight, st: _State, depth: int = 0) -> list[tuple[Weight, _State, str]]:
+        if depth > 64:
+            raise InterpretError(f"{table.family} {table.name}: chain {chain.name}: jumps nest deeper than 64 (a loop?)")
+        out: list[tuple[Weight, _State, str]] = []
+        rules = chain.rules
+        work: list[tuple[int, Weight, _State]] = [(0, w, st)]
+        while work:
+            i, w, st = work.pop()
+            if i >= len(rules):
+                out.append((w, st, "return"))
+                continue
+            rule = rules[i]
+            try:
+                branches = self.rule(table, rule, st)
+            except _Unknown as exc:
+                raise InterpretError(
+                    f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text})"
+                ) from None
+            for f, st2, act in branches:
+                w2 = w * f
+                if act is None or act is _NOMATCH:
+                    if act is None and self.tracing:
+                        st2 = dataclasses.replace(st2, steps=st2.steps + (Step(table.name, chain.name, i, rule.text),))
+                    work.append((i + 1, w2, st2))
+                    continue
+                if self.tracing:
+                    st2 = dataclasses.replace(st2, steps=st2.steps + (Step(table.name, chain.name, i, rule.text),))
+                kind, target = act
+                if kind in ("jump", "goto"):
+                    sub = table.chains.get(target)
+                    if sub is None:
+                        raise InterpretError(
+                            f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: "
+                            f"{kind} to missing chain {target!r}"
+                        )
+                    for w3, st3, r in self.run_chain(table, sub, w2, st2, depth + 1):
+                        if r == "return" and kind == "jump":
+                            work.append((i + 1, w3, st3))
+                        else:
+                            out.append((w3, st3, r))
+                else:
+                    out.append((w2, st2, kind))
+        return out
+
+    def rule(self, table: Table, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
+        branches: list[tuple[Weight, _State]] = [(self.one, st)]
+        out: list[tuple[Weight, _State, tuple | None]] = []
+        for stmt in rule.statements:
+            nxt: list[tuple[Weight, _State]] = []
+            for w, s in branches:
+                for f, s2, act in self.statement(table, stmt, s):
+                    wf = f if w is self.one else w * f
+                    if act is None:
+                        nxt.append((wf, s2))
+                    else:
+                        out.append((wf, s2, act))
+            branches = nxt
+            if not branches:
+                break
+        out.extend((w, s, None) for w, s in branches)
+        return out
+
+    def base_chains(self, hook: str, version: int) -> list[tuple[Table, Chain]]:
+        family = "ip" if version == 4 else "ip6"
+        found = []
+        for order, table in enumerate(self.ruleset.tables):
+            if table.family not in (family, "inet"):
+                continue
+            for chain in table.chains.values():
+                if chain.hook == hook:
+                    found.append((chain.priority, order, table, chain))
+        found.sort(key=lambda x: (x[0], x[1]))
+        return [(t, c) for _, _, t, c in found]
+
+    def run_hook(
+        self, hook: str, items: list[tuple[Weight, _State]], nat: bool
+    ) -> tuple[list[tuple[Weight, _State]], list[tuple[Weight, _State, str]]]:
+        """Run every base chain of `hook` in priority order. Returns (continuing, terminal)."""
+        terminal: list[tuple[Weight, _State, str]] = []
+        if not items:
+            return items, terminal
+        version = items[0][1].src.version
+        for table, chain in self.base_chains(hook, version):
+            if chain.type == "nat" and not nat:
+                continue
+            nxt: list[tuple[Weight, _State]] = []
+            for w, st in items:
+                if chain.type == "nat" and _nat_done(hook, st):
+                    nxt.append((w, st))
+                    continue
+                for w2, st2, r in self.run_chain(table, chain, w, st):
+                    if r == "return":
+                        r = chain.policy
+                        if self.tracing and chain.policy != "accept":
+                            st2 = dataclasses.replace(
+                                st2, steps=st2.steps + (Step(table.name, chain.name, -1, f"policy {chain.policy}"),)
+                            )
+                    if r in ("drop", "reject"):
+                        terminal.append((w2, st2, r))
+                    else:
+                        nxt.append((w2, st2))
+            items = nxt
+        return items, terminal
+
+
+def _nat_done(hook: str, st: _State) -> bool:
+    if hook in ("prerouting", "output"):
+        return st.dnat is not None
+    return st.masq
+
+
+def _component(value: Any, key: Const | Prefix | Range) -> bool:
+    if isinstance(value, frozenset):  # flags: any of them
+        return isinstance(key, Const) and key.value in value
+    if isinstance(key, Const):
+        return value == key.value
+    if isinstance(key, Prefix):
+        return isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) and value in key.network
+    try:
+        return key.low <= value <= key.high  # type: ignore[operator]
+    except TypeError:
+        return False
+
+
+def _find(elements: tuple[Element, ...], value: Any) -> Element | None:
+    if value is None:
+        return None
+    if isinstance(value, frozenset):
+        for el in elements:
+            if len(el.key) == 1 and _component(value, el.key[0]):
+                return el
+        return None
+    parts = value if isinstance(value, tuple) else (value,)
+    for el in elements:
+        if len(el.key) == len(parts) and all(_component(v, k) for v, k in zip(parts, el.key)):
+            return el
+    return None
+
+
+def _state(packet: Packet) -> _State:
+    try:
+        src = ipaddress.ip_address(packet.src)
+        dst = ipaddress.ip_address(packet.dst)
+    except ValueError as exc:
+        raise InterpretError(f"packet: {exc}") from None
+    if src.version != dst.version:
+        raise InterpretError(f"packet: {packet.src} and {packet.dst} are of different families")
+    if not 0 <= packet.port <= 65535:
+        raise InterpretError(f"packet: port {packet.port} out of range")
+    return _State(src, dst, packet.port, str(canonical(packet.proto, "proto")))
+
+
+def _endpoint(dnat: tuple[Address, int]) -> str:
+    addr, port = dnat
+    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+
+
+def _outcome(st: _State, verdict: str) -> Outcome:
+    if verdict in ("drop", "reject"):
+        return Outcome(verdict, None, False)  # type: ignore[arg-type]
+    if st.dnat is not None:
+        return Outcome("dnat", _endpoint(st.dnat), st.masq)
+    return Outcome("accept", None, st.masq)
+
+
+def _paths(results: list[tuple[Weight, _State, str]]) -> list[Path]:
+    return [
+        Path(_outcome(st, verdict), w.fraction(), st.steps, tuple(dict.fromkeys(st.lookups)), st.pins)
+        for w, st, verdict in results
+    ]
+
+
+def _walk(interp: _Interpreter, packet: Packet) -> list[tuple[Weight, _State, str]]:
+    if packet.origin not in ("pod", "outside", "node"):
+        raise InterpretError(f"packet: origin must be pod, outside or node, not {packet.origin!r}")
+    items: list[tuple[Weight, _State]] = [(interp.one, _state(packet))]
+    done: list[tuple[Weight, _State, str]] = []
+    if packet.origin == "node":
+        items, term = interp.run_hook("output", items, nat=True)
+        done += term
+        items, term = interp.run_hook("postrouting", items, nat=True)
+        done += term
+        # A packet for a local address loops back in: filter chains of prerouting and input.
+        staying = [(w, s) for w, s in items if interp.is_local(s.dst)]
+        leaving = [(w, s) for w, s in items if not interp.is_local(s.dst)]
+        staying, term = interp.run_hook("prerouting", staying, nat=False)
+        done += term
+        staying, term = interp.run_hook("input", staying, nat=False)
+        done += term
+        items = leaving + staying
+    else:
+        items, term = interp.run_hook("prerouting", items, nat=True)
+        done += term
+        staying = [(w, s) for w, s in items if interp.is_local(s.dst)]
+        leaving = [(w, s) for w, s in items if not interp.is_local(s.dst)]
+        staying, term = interp.run_hook("input", staying, nat=False)
+        done += term
+        leaving, term = interp.run_hook("forward", leaving, nat=False)
+        done += term
+        leaving, term = interp.run_hook("postrouting", leaving, nat=True)
+        done += term
+        items = leaving + staying
+    return done + [(w, s, "accept") for w, s in items]
+
+
+def trace(ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = (), mode: Mode = "kernel") -> list[Path]:
+    return _paths(_walk(_Interpreter(ruleset, node_ips, mode, tracing=True), packet))
+
+
+def interpret(
+    ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = (), mode: Mode = "kernel"
+) -> dict[Outcome, Fraction]:
+    interp = _Interpreter(ruleset, node_ips, mode, tracing=False)
+    return _aggregate(interp, _walk(interp, packet))
+
+
+def _aggregate(interp: _Interpreter, results: list[tuple[Weight, _State, str]]) -> dict[Outcome, Fraction]:
+    sums: dict[Outcome, Weight] = {}
+    for w, st, verdict in results:
+        o = _outcome(st, verdict)
+        sums[o] = sums[o] + w if o in sums else w
+    return {o: w.fraction() for o, w in sorted(sums.items())}
+
+
+def walk_chain(
+    ruleset: Ruleset,
+    table: Table,
+    chain: str,
+    packet: Packet,
+    *,
+    node_ips: Sequence[str] = (),
+    mode: Mode = "kernel",
+    tracing: bool = False,
+) -> list[Path]:
+    interp = _Interpreter(ruleset, node_ips, mode, tracing=tracing)
+    start = table.chains.get(chain)
+    if start is None:
+        raise InterpretError(f"{table.family} {table.name}: no chain {chain!r}")
+    results = interp.run_chain(table, start, interp.one, _state(packet))
+    return _paths([(w, s, "accept" if r == "return" else r) for w, s, r in results])
+
+
+def distribution(paths: Sequence[Path]) -> dict[Outcome, Fraction]:
+    out: dict[Outcome, Fraction] = {}
+    for p in paths:
+        out[p.outcome] = out.get(p.outcome, Fraction(0)) + p.probability
+    return dict(sorted(out.items()))

@@ -1,0 +1,445 @@
+"""`iptables-save` output and `iptables-restore` input, read into the rule IR.
+
+Public API: `parse(text: str, family) -> Ruleset` (family: IPFamily, "ip"/"ip6" or 4/6), and
+`ParseError`.
+
+Both formats are one grammar: `*table`, `:CHAIN POLICY [p:b]`, `-A CHAIN options`, `COMMIT`.
+They differ only in spelling: iptables-save reorders options (`-s`/`-d`/`-p` first), adds `/32`,
+quotes every comment and prints statistic probabilities with 11 digits; kube-proxy writes
+`-m comment` first and 10 digits. Options are therefore read by meaning, never by position.
+A restore text may omit built-in chains (they always exist) and may delete chains (`-X`);
+several tables may follow each other.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterator
+
+from nfproxy.analysis.ir import (
+    AnonSet,
+    Bitwise,
+    Chain,
+    Const,
+    Ct,
+    Dnat,
+    Element,
+    Fib,
+    Field,
+    Masquerade,
+    Match,
+    MarkSet,
+    Prefix,
+    Range,
+    Rule,
+    Ruleset,
+    SetDef,
+    SetRef,
+    SetUpdate,
+    Statement,
+    Statistic,
+    Table,
+    Unknown,
+    Verdict,
+    canonical,
+)
+from nfproxy.model import IPFamily
+
+# Built-in chains: (hook, table type, priority) per table; priorities as netfilter defines them
+# (NF_IP_PRI_RAW -300, MANGLE -150, NAT_DST -100, FILTER 0, NAT_SRC 100), so iptables and nft
+# base chains of one namespace are ordered on a single scale.
+BUILTIN: dict[str, dict[str, tuple[str, str, int]]] = {
+    "raw": {"PREROUTING": ("prerouting", "filter", -300), "OUTPUT": ("output", "filter", -300)},
+    "mangle": {
+        "PREROUTING": ("prerouting", "route", -150),
+        "INPUT": ("input", "filter", -150),
+        "FORWARD": ("forward", "filter", -150),
+        "OUTPUT": ("output", "route", -150),
+        "POSTROUTING": ("postrouting", "filter", -150),
+    },
+    "nat": {
+        "PREROUTING": ("prerouting", "nat", -100),
+        "INPUT": ("input", "nat", 100),
+        "OUTPUT": ("output", "nat", -100),
+        "POSTROUTING": ("postrouting", "nat", 100),
+    },
+    "filter": {
+        "INPUT": ("input", "filter", 0),
+        "FORWARD": ("forward", "filter", 0),
+        "OUTPUT": ("output", "filter", 0),
+    },
+    "security": {
+        "INPUT": ("input", "filter", 50),
+        "FORWARD": ("forward", "filter", 50),
+        "OUTPUT": ("output", "filter", 50),
+    },
+}
+
+_STANDARD_TARGETS = {"ACCEPT": "accept", "DROP": "drop", "RETURN": "return"}
+# Target extensions that change nothing a first packet's outcome depends on.
+_NOOP_TARGETS = {"LOG", "NFLOG", "TRACE", "AUDIT"}
+# Target extensions we do not model; a rule using one is Unknown, never a jump to a "chain".
+_OTHER_TARGETS = {
+    "SNAT", "CT", "NOTRACK", "TCPMSS", "CONNMARK", "TPROXY", "REDIRECT", "NETMAP", "CLASSIFY",
+    "DSCP", "TOS", "TTL", "HL", "NFQUEUE", "QUEUE", "SET", "CHECKSUM", "TEE", "IDLETIMER", "LED",
+    "SECMARK", "CONNSECMARK", "SYNPROXY", "HMARK", "CLUSTERIP", "ECN",
+}
+_CT_STATES = {"new", "established", "related", "invalid", "untracked", "snat", "dnat"}
+
+
+class ParseError(ValueError):
+    """The text is not iptables-save/restore syntax; the message names the line."""
+
+
+def _family(family: object) -> str:
+    if family in (IPFamily.V6, 6, "ip6", "ipv6"):
+        return "ip6"
+    if family in (IPFamily.V4, 4, "ip", "ipv4"):
+        return "ip"
+    raise ValueError(f"unknown family {family!r}")
+
+
+class _TableBuilder:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        builtins = BUILTIN.get(name, {})
+        self.policies: dict[str, str] = {c: "accept" for c in builtins}
+        self.rules: dict[str, list[Rule]] = {c: [] for c in builtins}
+        self.recent: dict[str, int] = {}
+
+    def declare(self, chain: str, policy: str) -> None:
+        self.rules.setdefault(chain, [])
+        if policy != "-":
+            self.policies[chain] = policy.lower()
+
+    def build(self, family: str) -> Table:
+        builtins = BUILTIN.get(self.name, {})
+        chains = {}
+        for name, rules in self.rules.items():
+            if name in builtins:
+                hook, ctype, prio = builtins[name]
+                chains[name] = Chain(name, tuple(rules), hook, ctype, prio, self.policies[name])
+            else:
+                chains[name] = Chain(name, tuple(rules))
+        sets = {
+            name: SetDef(name, "set", ("addr",), flags=frozenset({"dynamic", "timeout"}), timeout=secs)
+            for name, secs in self.recent.items()
+        }
+        return Table(family, self.name, "iptables", chains, sets)
+
+
+def parse(text: str, family: object = IPFamily.V4) -> Ruleset:
+    fam = _family(family)
+    tables: dict[str, _TableBuilder] = {}
+    current: _TableBuilder | None = None
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("*"):
+            name = line[1:].strip()
+            current = tables.setdefault(name, _TableBuilder(name))
+            continue
+        if line == "COMMIT":
+            current = None
+            continue
+        if current is None:
+            raise ParseError(f"line {number}: {line!r} outside a *table ... COMMIT block")
+        if line.startswith(":"):
+            parts = line[1:].split()
+            if len(parts) < 2:
+                raise ParseError(f"line {number}: bad chain declaration {line!r}")
+            current.declare(parts[0], parts[1])
+            continue
+        tokens = _split(line, number)
+        if tokens and tokens[0].startswith("[") and tokens[0].endswith("]"):
+            tokens = tokens[1:]  # iptables-save -c packet:byte counters
+        if not tokens:
+            continue
+        op = tokens[0]
+        if op in ("-X", "--delete-chain"):
+            for chain in tokens[1:2]:
+                current.rules.pop(chain, None)
+            continue
+        if op in ("-F", "--flush"):
+            for chain in tokens[1:2] or list(current.rules):
+                current.rules[chain] = []
+            continue
+        if op in ("-N", "--new-chain"):
+            current.declare(tokens[1], "-")
+            continue
+        if op in ("-A", "--append", "-I", "--insert") and len(tokens) >= 2:
+            chain = tokens[1]
+            rest = tokens[2:]
+            position: int | None = None
+            if op in ("-I", "--insert"):
+                position = 0
+                if rest and rest[0].isdigit():
+                    position = int(rest[0]) - 1
+                    rest = rest[1:]
+            rule = _rule(rest, line, current, fam, number)
+            rules = current.rules.setdefault(chain, [])
+            if position is None:
+                rules.append(rule)
+            else:
+                rules.insert(position, rule)
+            continue
+        raise ParseError(f"line {number}: unknown command {op!r} in {line!r}")
+    return Ruleset(tuple(t.build(fam) for t in tables.values()))
+
+
+# A token is a double-quoted string (iptables-save escapes `"` and `\\` inside) or a run of
+# non-blank characters. shlex would do, at twenty times the cost on a 300 000-line save.
+_TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"|(\S+)')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def _split(line: str, number: int) -> list[str]:
+    if '"' not in line:
+        return line.split()
+    tokens = []
+    for quoted, bare in _TOKEN.findall(line):
+        if bare:
+            if '"' in bare:
+                raise ParseError(f"line {number}: unbalanced quote in {line!r}")
+            tokens.append(bare)
+        else:
+            tokens.append(_UNESCAPE.sub(r"\1", quoted))
+    return tokens
+
+
+def _networks(text: str) -> tuple[Prefix, ...]:
+    return tuple(Prefix(ipaddress.ip_network(part, strict=False)) for part in text.split(","))
+
+
+def _ports(text: str) -> tuple[Const | Range, ...]:
+    out: list[Const | Range] = []
+    for part in text.split(","):
+        if ":" in part:
+            lo, hi = part.split(":", 1)
+            out.append(Range(int(lo or 0), int(hi or 65535)))
+        else:
+            out.append(Const(int(part)))
+    return tuple(out)
+
+
+def _operand(items: tuple) -> Const | Prefix | Range | AnonSet:
+    if len(items) == 1:
+        return items[0]
+    return AnonSet(tuple(Element((i,)) for i in items))
+
+
+def _mark(text: str) -> tuple[int, int]:
+    value, _, mask = text.partition("/")
+    return int(value, 0), int(mask, 0) if mask else 0xFFFFFFFF
+
+
+class _Tokens:
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens = tokens
+        self.i = 0
+
+    def __bool__(self) -> bool:
+        return self.i < len(self.tokens)
+
+    def next(self) -> str:
+        if self.i >= len(self.tokens):
+            raise IndexError("missing value")
+        tok = self.tokens[self.i]
+        self.i += 1
+        return tok
+
+    def peek(self) -> str | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def values(self) -> Iterator[str]:
+        """Arguments up to the next option (for options this parser does not know)."""
+        while self.i < len(self.tokens) and not self.tokens[self.i].startswith("-") and self.tokens[self.i] != "!":
+            yield self.next()
+
+
+def _rule(tokens: list[str], line: str, table: _TableBuilder, family: str, number: int) -> Rule:
+    try:
+        return _rule_unchecked(tokens, line, table, family)
+    except (IndexError, ValueError) as exc:
+        raise ParseError(f"line {number}: {exc}: {line!r}") from None
+
+
+def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: str) -> Rule:
+    ts = _Tokens(tokens)
+    matches: list[Statement] = []
+    tail: list[Statement] = []
+    comment = ""
+    module = ""
+    negate = False
+    proto: str | None = None
+    recent: dict[str, str] = {}
+
+    def cmp(left, operand) -> None:  # noqa: ANN001
+        matches.append(Match(left, "!=" if negate else "==", operand))
+
+    while ts:
+        tok = ts.next()
+        if tok == "!":
+            negate = True
+            continue
+        if tok in ("-p", "--protocol"):
+            value = canonical(ts.next(), "proto")
+            proto = str(value)
+            if value != "all":
+                cmp(Field("l4proto"), Const(value))
+        elif tok in ("-s", "--source", "--src", "-d", "--destination", "--dst"):
+            name = "saddr" if tok in ("-s", "--source", "--src") else "daddr"
+            cmp(Field(name), _operand(_networks(ts.next())))
+        elif tok in ("-i", "--in-interface", "-o", "--out-interface"):
+            name = "iifname" if tok.startswith(("-i", "--in")) else "oifname"
+            cmp(Field(name), Const(ts.next()))
+        elif tok in ("-m", "--match"):
+            module = ts.next()
+            if module == "recent":
+                recent = {}
+        elif tok in ("-j", "--jump", "-g", "--goto"):
+            tail.extend(_target(tok, ts, line))
+        elif tok == "--comment" and module == "comment":
+            comment = ts.next()
+        elif tok in ("--dport", "--destination-port", "--sport", "--source-port") and module in (
+            "tcp", "udp", "sctp", "dccp", "udplite"
+        ):
+            name = "dport" if "d" in tok[2:4] else "sport"
+            cmp(Field(name, module), _operand(_ports(ts.next())))
+        elif tok in ("--dports", "--destination-ports", "--sports", "--source-ports") and module == "multiport":
+            name = "dport" if "d" in tok[2:4] else "sport"
+            cmp(Field(name, proto), _operand(_ports(ts.next())))
+        elif module == "statistic" and tok == "--mode":
+            mode = ts.next()
+            if mode != "random":
+                matches.append(Unknown(f"-m statistic --mode {mode}"))
+        elif module == "statistic" and tok == "--probability":
+            matches.append(Statistic(ts.next(), negate))
+        elif module in ("conntrack", "state") and tok in ("--ctstate", "--state", "--ctstatus"):
+            key = "status" if tok == "--ctstatus" else "state"
+            flags = tuple(s.lower() for s in ts.next().split(","))
+            if key == "state" and not set(flags) <= _CT_STATES:
+                matches.append(Unknown(f"{tok} {','.join(flags)}"))
+            else:
+                cmp(Ct(key), _operand(tuple(Const(f) for f in flags)))
+        elif module == "mark" and tok == "--mark":
+            value, mask = _mark(ts.next())
+            cmp(Bitwise("&", Field("mark"), mask), Const(value & mask))
+        elif module == "addrtype" and tok in ("--src-type", "--dst-type"):
+            types = tuple(Const(t.lower()) for t in ts.next().split(","))
+            cmp(Fib("saddr" if tok == "--src-type" else "daddr"), _operand(types))
+        elif module == "recent" and tok in ("--name", "--seconds", "--mask", "--hitcount"):
+            recent[tok[2:]] = ts.next()
+            if tok == "--hitcount":
+                matches.append(Unknown(f"-m recent --hitcount {recent['hitcount']}"))
+        elif module == "recent" and tok in ("--rsource", "--reap"):
+            pass
+        elif module == "recent" and tok in ("--rcheck", "--update", "--set", "--remove", "--rdest"):
+            if tok in ("--update", "--remove", "--rdest"):
+                matches.append(Unknown(f"-m recent {tok}"))
+            recent["action"] = tok[2:]
+            # Options after the action (--seconds, --name) belong to it: resolve at the end.
+            matches.append(_RecentPlaceholder(recent, negate))
+        else:
+            args = " ".join(ts.values())
+            matches.append(Unknown(f"{'! ' if negate else ''}{tok} {args}".strip()))
+        negate = False
+
+    statements: list[Statement] = []
+    for st in matches:
+        if isinstance(st, _RecentPlaceholder):
+            statements.append(st.resolve(table))
+        else:
+            statements.append(st)
+    statements.extend(tail)
+    return Rule(tuple(statements), comment, line)
+
+
+class _RecentPlaceholder:
+    """`-m recent` options come in any order around the action; resolved once the rule is read."""
+
+    def __init__(self, options: dict[str, str], negate: bool) -> None:
+        self.options = options
+        self.negate = negate
+
+    def resolve(self, table: _TableBuilder) -> Statement:
+        name = self.options.get("name", "DEFAULT")
+        mask = self.options.get("mask")
+        if mask is not None and mask not in ("255.255.255.255", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"):
+            return Unknown(f"-m recent --mask {mask}")
+        set_name = f"recent:{name}"
+        if self.options.get("action") == "set":
+            table.recent.setdefault(set_name, 0)
+            return SetUpdate(set_name, Field("saddr"))
+        seconds = int(self.options.get("seconds", "0"))
+        table.recent[set_name] = max(table.recent.get(set_name, 0), seconds)
+        return Match(Field("saddr"), "!=" if self.negate else "==", SetRef(set_name))
+
+
+def _target(tok: str, ts: _Tokens, line: str) -> list[Statement]:
+    target = ts.next()
+    if tok in ("-g", "--goto"):
+        return [Verdict("goto", target)]
+    if target in _STANDARD_TARGETS:
+        return [Verdict(_STANDARD_TARGETS[target])]  # type: ignore[arg-type]
+    opts: dict[str, str] = {}
+    while ts:
+        opt = ts.next()
+        values = list(ts.values())
+        opts[opt] = " ".join(values)
+    if target == "REJECT":
+        return [Verdict("reject")]
+    if target == "DNAT":
+        dest = opts.get("--to-destination", "")
+        return [_dnat(dest)]
+    if target == "MASQUERADE":
+        if "--to-ports" in opts:
+            return [Unknown(f"-j MASQUERADE --to-ports {opts['--to-ports']}")]
+        return [Masquerade()]
+    if target == "MARK":
+        return [_mark_target(opts)]
+    if target in _NOOP_TARGETS:
+        return []
+    if target in _OTHER_TARGETS:
+        return [Unknown(f"-j {target} " + " ".join(f"{k} {v}".strip() for k, v in opts.items()))]
+    if opts:
+        return [Unknown(f"-j {target} with options {opts}")]
+    return [Verdict("jump", target)]
+
+
+def _dnat(dest: str) -> Statement:
+    """`--to-destination ip[:port]`, IPv6 as `[ip]:port`; ranges are not modelled."""
+    if dest.startswith("["):
+        ip, _, port = dest[1:].partition("]")
+        port = port.lstrip(":")
+    elif dest.count(":") == 1:
+        ip, port = dest.split(":")
+    else:
+        ip, port = dest, ""
+    if "-" in ip or "-" in port:
+        return Unknown(f"-j DNAT --to-destination {dest}")
+    addr = Const(ipaddress.ip_address(ip))
+    return Dnat(addr, Const(int(port)) if port else None)
+
+
+def _mark_target(opts: dict[str, str]) -> Statement:
+    """MARK's options all reduce to xt_MARK's `mark = (mark & ~mask) ^ value`."""
+    mark = Field("mark")
+    full = 0xFFFFFFFF
+    if "--set-xmark" in opts:
+        value, mask = _mark(opts["--set-xmark"])
+    elif "--set-mark" in opts:
+        value, mask = _mark(opts["--set-mark"])
+        mask |= value  # "clear the mask's bits, then OR value in" is xmark value/(mask|value)
+    elif "--or-mark" in opts:
+        value = mask = int(opts["--or-mark"], 0)
+    elif "--xor-mark" in opts:
+        value, mask = int(opts["--xor-mark"], 0), 0
+    elif "--and-mark" in opts:
+        value, mask = 0, ~int(opts["--and-mark"], 0) & full
+    else:
+        return Unknown(f"-j MARK {opts}")
+    kept = Bitwise("&", mark, ~mask & full)
+    return MarkSet(Bitwise("^", kept, value) if value else kept)

@@ -1,0 +1,400 @@
+"""`nft -j list ruleset` / `nft -j list table` output, read into the rule IR.
+
+Public API: `parse(doc: dict) -> Ruleset` (one JSON document; it may hold several tables, of any
+family, nfproxy's `nfproxy` and upstream kube-proxy's `kube-proxy` alike), and `ParseError`.
+
+Expressions are translated generically, one JSON node kind at a time, so a change of layout
+(e.g. a numgen-computed slot looked up in a shared map instead of an anonymous vmap) reads into
+the same IR without a change here. Constants are read according to the kind of what they are
+compared with: a set's declared type for its elements, the left-hand expression for a match.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+
+from nfproxy.analysis.ir import (
+    AnonSet,
+    Bitwise,
+    Chain,
+    Concat,
+    Const,
+    Ct,
+    Dnat,
+    Element,
+    Expr,
+    Fib,
+    Field,
+    Kind,
+    MapLookup,
+    Masquerade,
+    Match,
+    MarkSet,
+    Numgen,
+    Prefix,
+    Range,
+    Rule,
+    Ruleset,
+    SetDef,
+    SetRef,
+    SetUpdate,
+    Statement,
+    Table,
+    Unknown,
+    Verdict,
+    VerdictMap,
+    canonical,
+    kind_of,
+)
+
+_TYPE_KINDS: dict[str, Kind] = {
+    "ipv4_addr": "addr",
+    "ipv6_addr": "addr",
+    "inet_proto": "proto",
+    "inet_service": "int",
+    "mark": "int",
+    "integer": "int",
+    "verdict": "verdict",
+    "ct_state": "symbol",
+    "ct_status": "symbol",
+    "fib_addrtype": "symbol",
+    "ifname": "symbol",
+}
+_VERDICTS = ("accept", "drop", "return", "continue", "jump", "goto")
+_BITWISE = ("&", "|", "^")
+
+
+class ParseError(ValueError):
+    """The document is not `nft -j` output we can read; the message names the object."""
+
+
+def parse(doc: dict[str, Any] | str) -> Ruleset:
+    if isinstance(doc, str):
+        doc = json.loads(doc)
+    if not isinstance(doc, dict) or not isinstance(doc.get("nftables"), list):
+        raise ParseError("not an `nft -j` document: no top-level \"nftables\" list")
+    tables: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def table_of(obj: dict[str, Any]) -> dict[str, Any]:
+        key = (obj["family"], obj["table"] if "table" in obj else obj["name"])
+        return tables.setdefault(key, {"chains": {}, "rules": {}, "sets": {}})
+
+    items = doc["nftables"]
+    # Sets first: rules are read against their declared types.
+    for item in items:
+        if not isinstance(item, dict) or len(item) != 1:
+            raise ParseError(f"unexpected item {item!r:.80}")
+        ((kind, obj),) = item.items()
+        if kind == "table":
+            table_of(obj)
+        elif kind in ("set", "map"):
+            try:
+                table_of(obj)["sets"][obj["name"]] = _set(kind, obj)
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ParseError(f"{kind} {obj.get('name')!r}: {exc}") from None
+    for item in items:
+        ((kind, obj),) = item.items()
+        if kind == "chain":
+            t = table_of(obj)
+            t["chains"][obj["name"]] = obj
+            t["rules"].setdefault(obj["name"], [])
+        elif kind == "rule":
+            t = table_of(obj)
+            try:
+                rule = _rule(obj, t["sets"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ParseError(f"rule in chain {obj.get('chain')!r}: {exc}") from None
+            t["rules"].setdefault(obj["chain"], []).append(rule)
+
+    out: list[Table] = []
+    for (family, name), t in tables.items():
+        chains: dict[str, Chain] = {}
+        for cname, rules in t["rules"].items():
+            c = t["chains"].get(cname, {})
+            chains[cname] = Chain(
+                cname,
+                tuple(rules),
+                hook=c.get("hook"),
+                type=c.get("type"),
+                priority=_priority(c.get("prio", 0)),
+                policy=c.get("policy", "accept"),
+            )
+        out.append(Table(family, name, "nft", chains, t["sets"]))
+    return Ruleset(tuple(out))
+
+
+_NAMED_PRIORITIES = {"raw": -300, "mangle": -150, "dstnat": -100, "filter": 0, "security": 50, "srcnat": 100}
+
+
+def _priority(value: Any) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value in _NAMED_PRIORITIES:
+        return _NAMED_PRIORITIES[value]
+    if isinstance(value, dict) and "name" in value:  # nft may print {"name": "dstnat", ...}
+        return _NAMED_PRIORITIES.get(value["name"], 0)
+    return int(value)
+
+
+def _kinds(type_: Any) -> tuple[Kind, ...]:
+    if isinstance(type_, list):
+        names = type_
+    elif isinstance(type_, str):
+        names = [p.strip() for p in type_.split(" . ")]
+    else:
+        names = []
+    return tuple(_TYPE_KINDS.get(n, "unknown") for n in names)
+
+
+def _set(kind: str, obj: dict[str, Any]) -> SetDef:
+    key_kinds = _kinds(obj.get("type"))
+    data_kinds = _kinds(obj.get("map")) if kind == "map" else ()
+    elements = tuple(_element(e, key_kinds, data_kinds) for e in obj.get("elem", []))
+    flags = obj.get("flags", [])
+    flags = frozenset([flags] if isinstance(flags, str) else flags)
+    return SetDef(obj["name"], kind, key_kinds, data_kinds, elements, flags, int(obj.get("timeout", 0)))  # type: ignore[arg-type]
+
+
+def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...]) -> Element:
+    data: Verdict | Const | None = None
+    if data_kinds:
+        if not (isinstance(raw, list) and len(raw) == 2):
+            raise ValueError(f"map element {raw!r} is not a [key, data] pair")
+        raw, raw_data = raw
+        data = _verdict(raw_data) if data_kinds == ("verdict",) else _data_const(raw_data, data_kinds)
+    comment = ""
+    if isinstance(raw, dict) and "elem" in raw:
+        comment = raw["elem"].get("comment", "")
+        raw = raw["elem"]["val"]
+    return Element(_key(raw, key_kinds), data, comment)
+
+
+def _key(raw: Any, kinds: tuple[Kind, ...]) -> tuple[Const | Prefix | Range, ...]:
+    if isinstance(raw, dict) and "elem" in raw:
+        raw = raw["elem"]["val"]
+    if isinstance(raw, dict) and "concat" in raw:
+        parts = raw["concat"]
+    else:
+        parts = [raw]
+    if len(parts) != len(kinds):
+        raise ValueError(f"element {raw!r} does not fit type {kinds}")
+    return tuple(_value(p, k) for p, k in zip(parts, kinds))
+
+
+def _value(raw: Any, kind: Kind) -> Const | Prefix | Range:
+    if isinstance(raw, dict):
+        if "prefix" in raw:
+            p = raw["prefix"]
+            return Prefix(ipaddress.ip_network(f"{p['addr']}/{p['len']}", strict=False))
+        if "range" in raw:
+            lo, hi = raw["range"]
+            return Range(canonical(lo, kind), canonical(hi, kind))  # type: ignore[arg-type]
+        raise ValueError(f"unsupported value {raw!r}")
+    if isinstance(raw, list):
+        # A list of flags (ct state established,related): any of them.
+        raise ValueError("flag list where one value was expected")
+    return Const(canonical(raw, kind))
+
+
+def _data_const(raw: Any, kinds: tuple[Kind, ...]) -> Const:
+    if isinstance(raw, dict) and "concat" in raw:
+        parts = raw["concat"]
+    else:
+        parts = [raw]
+    if len(parts) != len(kinds):
+        raise ValueError(f"map data {raw!r} does not fit type {kinds}")
+    values = tuple(canonical(p, k) for p, k in zip(parts, kinds))
+    return Const(values if len(values) > 1 else values[0])
+
+
+def _verdict(raw: Any) -> Verdict:
+    if isinstance(raw, str) and raw in _VERDICTS:
+        return Verdict(raw)  # type: ignore[arg-type]
+    if isinstance(raw, dict) and len(raw) == 1:
+        ((kind, body),) = raw.items()
+        if kind in ("jump", "goto"):
+            return Verdict(kind, body["target"])
+        if kind in _VERDICTS:
+            return Verdict(kind)  # type: ignore[arg-type]
+    raise ValueError(f"not a verdict: {raw!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Rules.
+
+
+def _rule(obj: dict[str, Any], sets: dict[str, SetDef]) -> Rule:
+    statements: list[Statement] = []
+    for raw in obj.get("expr", []):
+        st = _statement(raw, sets)
+        if st is not None:
+            statements.append(st)
+    return Rule(tuple(statements), obj.get("comment", ""), json.dumps(obj.get("expr", [])))
+
+
+def _statement(raw: Any, sets: dict[str, SetDef]) -> Statement | None:
+    if not isinstance(raw, dict) or len(raw) != 1:
+        return Unknown(json.dumps(raw))
+    ((kind, body),) = raw.items()
+    try:
+        if kind == "match":
+            return _match(body, sets)
+        if kind in ("counter", "log", "comment", "notrack_ignored"):
+            return None
+        if kind in _VERDICTS:
+            return _verdict(raw)
+        if kind == "reject":
+            return Verdict("reject")
+        if kind == "vmap":
+            return VerdictMap(_expr(body["key"]), _map_operand(body["data"], ("verdict",), sets))
+        if kind == "mangle":
+            if _expr(body["key"]) != Field("mark"):
+                return Unknown(json.dumps(raw))
+            return MarkSet(_expr(body["value"]))
+        if kind == "set":
+            if body.get("op") not in ("update", "add"):
+                return Unknown(json.dumps(raw))
+            elem = body["elem"]
+            if isinstance(elem, dict) and "elem" in elem:
+                elem = elem["elem"]["val"]
+            return SetUpdate(body["set"].lstrip("@"), _expr(elem))
+        if kind == "dnat":
+            return _dnat(body, sets)
+        if kind == "masquerade":
+            if isinstance(body, dict) and "port" in body:
+                return Unknown(json.dumps(raw))
+            return Masquerade()
+    except (KeyError, ValueError, TypeError) as exc:
+        return Unknown(f"{json.dumps(raw)} ({exc})")
+    return Unknown(json.dumps(raw))
+
+
+def _expr(raw: Any) -> Expr:
+    if isinstance(raw, dict) and len(raw) == 1:
+        ((kind, body),) = raw.items()
+        if kind == "payload" and "field" in body:
+            proto = body.get("protocol")
+            if proto in ("ip", "ip6", "th"):
+                return Field(body["field"])
+            if proto in ("tcp", "udp", "sctp", "dccp", "udplite") and body["field"] in ("sport", "dport"):
+                return Field(body["field"], proto)
+        if kind == "meta":
+            return Field(body["key"])
+        if kind == "fib" and body.get("result") == "type":
+            flags = body.get("flags", [])
+            flags = [flags] if isinstance(flags, str) else flags
+            if flags in (["saddr"], ["daddr"]):
+                return Fib(flags[0])
+        if kind == "ct" and body.get("key") in ("state", "status") and "dir" not in body:
+            return Ct(body["key"])
+        if kind == "numgen" and body.get("mode") == "random":
+            return Numgen(int(body["mod"]), int(body.get("offset", 0)))
+        if kind == "concat":
+            return Concat(tuple(_expr(x) for x in body))
+        if kind in _BITWISE:
+            left, right = body
+            if isinstance(right, int):
+                return Bitwise(kind, _expr(left), right)  # type: ignore[arg-type]
+        if kind == "map":
+            key = _expr(body["key"])
+            return MapLookup(key, _map_operand(body["data"], None, {}))
+    raise ValueError(f"unsupported expression {json.dumps(raw)}")
+
+
+def _map_operand(raw: Any, data_kinds: tuple[Kind, ...] | None, sets: dict[str, SetDef]) -> SetRef | AnonSet:
+    if isinstance(raw, str) and raw.startswith("@"):
+        return SetRef(raw[1:])
+    if isinstance(raw, dict) and "set" in raw:
+        # Key kinds of an anonymous map are decided by its key expression: resolved lazily by
+        # the caller, so here keep the printed values and read them generically.
+        elements = []
+        for pair in raw["set"]:
+            key, data = pair
+            if data_kinds == ("verdict",):
+                d: Verdict | Const = _verdict(data)
+            else:
+                d = _generic_const(data)
+            elements.append(Element(_generic_key(key), d))
+        return AnonSet(tuple(elements))
+    raise ValueError(f"unsupported map {raw!r}")
+
+
+def _generic_scalar(raw: Any) -> Const | Prefix | Range:
+    """A value whose type is not declared: ints stay ints, addresses become addresses,
+    everything else a lower-case symbol (protocol names included)."""
+    if isinstance(raw, dict):
+        if "prefix" in raw:
+            p = raw["prefix"]
+            return Prefix(ipaddress.ip_network(f"{p['addr']}/{p['len']}", strict=False))
+        if "range" in raw:
+            lo, hi = (_generic_scalar(x) for x in raw["range"])
+            assert isinstance(lo, Const) and isinstance(hi, Const)
+            return Range(lo.value, hi.value)  # type: ignore[arg-type]
+        raise ValueError(f"unsupported value {raw!r}")
+    if isinstance(raw, bool):
+        raise ValueError(f"unsupported value {raw!r}")
+    if isinstance(raw, int):
+        return Const(raw)
+    try:
+        return Const(ipaddress.ip_address(raw))
+    except ValueError:
+        return Const(canonical(raw, "proto") if raw.lower() in ("tcp", "udp", "sctp", "icmp", "icmpv6") else str(raw).lower())
+
+
+def _generic_key(raw: Any) -> tuple[Const | Prefix | Range, ...]:
+    if isinstance(raw, dict) and "elem" in raw:
+        raw = raw["elem"]["val"]
+    if isinstance(raw, dict) and "concat" in raw:
+        return tuple(_generic_scalar(p) for p in raw["concat"])
+    return (_generic_scalar(raw),)
+
+
+def _generic_const(raw: Any) -> Const:
+    if isinstance(raw, dict) and "concat" in raw:
+        parts = tuple(_generic_scalar(p) for p in raw["concat"])
+        return Const(tuple(p.value for p in parts if isinstance(p, Const)))
+    v = _generic_scalar(raw)
+    if not isinstance(v, Const):
+        raise ValueError(f"map data {raw!r} is not a single value")
+    return v
+
+
+def _match(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
+    left = _expr(body["left"])
+    op = body.get("op", "==")
+    right = body["right"]
+    kinds = kind_of(left)
+    if op == "in":
+        op = "=="
+    if op not in ("==", "!=", "<", "<=", ">", ">="):
+        raise ValueError(f"operator {op!r}")
+    if isinstance(right, str) and right.startswith("@"):
+        return Match(left, op, SetRef(right[1:]))
+    ktuple = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(right, dict) and "set" in right:
+        elements = tuple(Element(_key(e, ktuple)) for e in right["set"])
+        return Match(left, op, AnonSet(elements))
+    if isinstance(right, list):  # flags: ct state established,related
+        elements = tuple(Element(_key(e, ktuple)) for e in right)
+        return Match(left, op, AnonSet(elements))
+    if isinstance(right, dict) and "concat" in right:
+        return Match(left, op, AnonSet((Element(_key(right, ktuple)),)))
+    (value,) = _key(right, ktuple)
+    return Match(left, op, value)
+
+
+def _dnat(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
+    if not isinstance(body, dict) or "addr" not in body:
+        return Unknown(json.dumps({"dnat": body}))
+    addr_raw = body["addr"]
+    if isinstance(addr_raw, str):
+        addr: Expr = Const(ipaddress.ip_address(addr_raw))
+    else:
+        addr = _expr(addr_raw)
+    port: Expr | None = None
+    if "port" in body:
+        p = body["port"]
+        port = Const(int(p)) if isinstance(p, int) else _expr(p)
+    return Dnat(addr, port)

@@ -1,0 +1,91 @@
+"""`trace`: the chains one first packet walks, and how likely each ending is.
+
+Public API: `guess_origin(ruleset, src, node_ips) -> Origin`, `pod_cidrs(ruleset)`,
+`format_trace(paths) -> str`, `parse_destination("10.96.0.10:53/udp") -> (ip, port, proto)`.
+The walk itself is `interpret.trace`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+
+from nfproxy.analysis.interpret import Origin, Path
+from nfproxy.analysis.ir import Field, Match, Prefix, Ruleset, SetRef
+
+
+def pod_cidrs(ruleset: Ruleset) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """Pod CIDRs as the rules reveal them: the networks whose sources are spared masquerading
+    (`! -s CIDR -j KUBE-MARK-MASQ`, `ip saddr != CIDR jump mark-for-masquerade`) or sent on as
+    pod traffic (`-s CIDR -j KUBE-SVC-…`), and the elements of a `cluster-cidrs` set."""
+    found = []
+    for table in ruleset.tables:
+        for chain in table.chains.values():
+            for rule in chain.rules:
+                for st in rule.statements:
+                    if not (isinstance(st, Match) and st.left == Field("saddr")):
+                        continue
+                    if isinstance(st.right, Prefix) and st.right.network.prefixlen < st.right.network.max_prefixlen:
+                        if st.op == "!=" or "pod traffic" in rule.comment or "short-circuit pod" in rule.text:
+                            found.append(st.right.network)
+                    elif isinstance(st.right, SetRef) and "cluster-cidr" in st.right.name:
+                        sdef = table.sets.get(st.right.name)
+                        for el in sdef.elements if sdef else ():
+                            if isinstance(el.key[0], Prefix):
+                                found.append(el.key[0].network)
+    return list(dict.fromkeys(found))
+
+
+def guess_origin(ruleset: Ruleset, src: str, node_ips: Sequence[str]) -> Origin:
+    addr = ipaddress.ip_address(src)
+    if any(addr == ipaddress.ip_address(ip) for ip in node_ips) or addr.is_loopback:
+        return "node"
+    if any(addr in net for net in pod_cidrs(ruleset) if net.version == addr.version):
+        return "pod"
+    return "outside"
+
+
+def parse_destination(text: str) -> tuple[str, int, str]:
+    """`IP:PORT/PROTO` or `[IP6]:PORT/PROTO`; PROTO defaults to tcp."""
+    hostport, _, proto = text.partition("/")
+    proto = (proto or "tcp").lower()
+    if hostport.startswith("["):
+        host, _, port = hostport[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = hostport.rpartition(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"destination {text!r}: expected IP:PORT/PROTO or [IP6]:PORT/PROTO") from None
+    if not 0 < number < 65536 or proto not in ("tcp", "udp", "sctp"):
+        raise ValueError(f"destination {text!r}: port 1-65535 and protocol tcp, udp or sctp")
+    return host, number, proto
+
+
+def format_trace(paths: Sequence[Path], limit: int = 20) -> str:
+    """Paths grouped by outcome, most likely first; the chain walk of each group's first path."""
+    groups: dict[object, list[Path]] = {}
+    for p in paths:
+        groups.setdefault(p.outcome, []).append(p)
+    order = sorted(groups.items(), key=lambda kv: -sum(p.probability for p in kv[1]))
+    lines = []
+    for outcome, ps in order[:limit]:
+        total = sum(p.probability for p in ps)
+        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({len(ps)} path{'s' if len(ps) > 1 else ''})")
+        first = ps[0]
+        last = None
+        for step in first.steps:
+            if (step.table, step.chain) != last:
+                lines.append(f"  {step.table} {step.chain}")
+                last = (step.table, step.chain)
+            where = "policy" if step.rule < 0 else f"#{step.rule + 1}"
+            lines.append(f"      {where}: {step.text}")
+        if first.lookups:
+            lines.append(f"  affinity lookups (a new client matches none): {', '.join(first.lookups)}")
+        if first.pins:
+            lines.append(f"  pins the client in: {', '.join(first.pins)}")
+    if len(order) > limit:
+        lines.append(f"... and {len(order) - limit} more outcomes")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""The parsers read every spelling of the same rules into one IR, and the interpreter walks it."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from nfproxy.analysis import inventory, iptables_save, nft_json
+from nfproxy.analysis.interpret import InterpretError, Outcome, Packet, interpret, trace
+from nfproxy.analysis.ir import Dnat, Match, Statistic
+from nfproxy.backends import iptables as iptables_backend
+from nfproxy.kernel.iptables import Flavour, IptablesRunner
+from nfproxy.model import IPFamily, NodeConfig
+from nfproxy.sources import manifests
+from nfproxy.validate import apply_iptables
+
+ROOT = Path(__file__).resolve().parent.parent
+DUMPS = Path(__file__).resolve().parent / "dumps"
+STATE = manifests.load(str(ROOT / "examples"), NodeConfig()).state
+NODE_IPS = ["192.168.0.2"]
+
+PACKETS = [
+    Packet("10.244.0.5", "10.96.10.10", 80, "tcp", "pod"),  # 3 endpoints
+    Packet("10.244.0.11", "10.96.10.10", 80, "tcp", "pod"),  # hairpin
+    Packet("192.168.0.2", "10.96.10.10", 80, "tcp", "node"),  # masqueraded
+    Packet("1.2.3.4", "10.96.10.50", 80, "tcp", "outside"),  # no endpoints: reject
+    Packet("198.51.100.7", "203.0.113.10", 443, "tcp", "outside"),  # allowed source range
+    Packet("8.8.8.8", "203.0.113.10", 443, "tcp", "outside"),  # blocked source
+    Packet("8.8.8.8", "192.168.0.2", 30443, "tcp", "outside"),  # eTP=Local node port
+    Packet("192.168.0.2", "192.168.0.2", 30443, "tcp", "node"),  # ... from the node: cluster
+    Packet("10.244.0.5", "10.96.0.10", 53, "udp", "pod"),
+    Packet("10.244.0.5", "10.96.0.10", 53, "tcp", "pod"),
+    Packet("10.244.0.5", "10.96.99.99", 80, "tcp", "pod"),  # not a service: untouched
+]
+
+
+def test_save_and_restore_formats_mean_the_same(netns: str) -> None:
+    restore = iptables_save.parse(iptables_backend.render(STATE, IPFamily.V4).restore_text(with_jumps=True), 4)
+    apply_iptables(STATE, netns, Flavour.LEGACY)
+    saved_legacy = IptablesRunner(IPFamily.V4, netns, Flavour.LEGACY).save()
+    assert "0.33333333349" in saved_legacy and "/32" in saved_legacy  # what a node prints
+    legacy = iptables_save.parse(saved_legacy, IPFamily.V4)
+    for p in PACKETS:
+        expected = interpret(restore, p, node_ips=NODE_IPS)
+        assert sum(expected.values()) == 1
+        assert interpret(legacy, p, node_ips=NODE_IPS) == expected, p
+    assert interpret(restore, PACKETS[3], node_ips=NODE_IPS) == {Outcome("reject"): 1}
+    assert interpret(restore, PACKETS[5], node_ips=NODE_IPS) == {Outcome("drop"): 1}
+    assert interpret(restore, PACKETS[10], node_ips=NODE_IPS) == {Outcome("accept"): 1}
+    hairpin = interpret(restore, PACKETS[1], node_ips=NODE_IPS)
+    assert hairpin[Outcome("dnat", "10.244.0.11:8080", True)] == Fraction(715827883, 2**31)
+
+
+def test_save_text_details() -> None:
+    text = (DUMPS / "kube-proxy-iptables-save.txt").read_text()
+    rs = iptables_save.parse(text, IPFamily.V4)
+    nat = rs.table("ip", "nat")
+    svc = nat.chains["KUBE-SVC-XPGD46QRK7WJZT7O"]
+    assert [s.probability for r in svc.rules for s in r.statements if isinstance(s, Statistic)] == ["0.33333333349", "0.50000000000"]
+    assert svc.rules[1].comment == "ns1/svc1:p80 -> 10.180.0.1:80"
+    sep = nat.chains["KUBE-SEP-SXIVWICOYRO3J4NJ"]
+    assert any(isinstance(s, Dnat) for s in sep.rules[1].statements)
+    assert nat.chains["PREROUTING"].hook == "prerouting" and nat.chains["PREROUTING"].priority == -100
+    d = interpret(rs, Packet("10.0.1.1", "172.30.0.41", 80, "tcp", "pod"))
+    assert d == {
+        Outcome("dnat", "10.180.0.1:80"): Fraction(715827883, 2**31),
+        Outcome("dnat", "10.180.0.2:80"): Fraction(1431655765, 2**32),
+        Outcome("dnat", "10.180.0.3:80"): Fraction(1431655765, 2**32),
+    }
+    assert set(interpret(rs, Packet("10.0.1.1", "172.30.0.41", 80, "tcp", "pod"), mode="ideal").values()) == {Fraction(1, 3)}
+    # Node port: masqueraded (eTP=Cluster); no endpoints: rejected from outside.
+    np = interpret(rs, Packet("8.8.8.8", "192.168.0.2", 3001, "tcp", "outside"), node_ips=NODE_IPS)
+    assert all(o.masquerade for o in np) and len(np) == 3
+    assert interpret(rs, Packet("8.8.8.8", "172.30.0.42", 80, "tcp", "outside")) == {Outcome("reject"): 1}
+
+
+def test_upstream_nft_dump() -> None:
+    rs = nft_json.parse(json.loads((DUMPS / "kube-proxy-nft.json").read_text()))
+    assert [t.name for t in rs.tables] == ["kube-proxy"]
+    d = interpret(rs, Packet("10.0.1.1", "172.30.0.41", 80, "tcp", "pod"), node_ips=NODE_IPS)
+    assert d == {Outcome("dnat", "10.180.0.1:80"): Fraction(1, 2), Outcome("dnat", "10.180.0.2:80"): Fraction(1, 2)}
+    assert interpret(rs, Packet("10.0.1.1", "172.30.0.42", 80, "tcp", "pod"), node_ips=NODE_IPS) == {Outcome("reject"): 1}
+    # cluster-ips-check (upstream only): a wrong port on a cluster IP is rejected.
+    assert interpret(rs, Packet("10.0.1.1", "172.30.0.41", 81, "tcp", "pod"), node_ips=NODE_IPS) == {Outcome("reject"): 1}
+    np = interpret(rs, Packet("8.8.8.8", "192.168.0.2", 3001, "tcp", "outside"), node_ips=NODE_IPS)
+    assert set(np) == {Outcome("dnat", "10.180.0.1:80", True), Outcome("dnat", "10.180.0.2:80", True)}
+    paths = trace(rs, Packet("10.180.0.1", "172.30.0.41", 80, "tcp", "pod"), node_ips=NODE_IPS)
+    hairpin = next(p for p in paths if p.outcome.endpoint == "10.180.0.1:80")
+    assert hairpin.outcome.masquerade and any(s.chain == "mark-for-masquerade" for s in hairpin.steps)
+
+
+def test_unknown_matches_are_refused_by_name() -> None:
+    text = "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -m connlimit --connlimit-above 3 -j DROP\nCOMMIT\n"
+    rs = iptables_save.parse(text, 4)
+    with pytest.raises(InterpretError, match="KUBE-SERVICES rule 1.*connlimit"):
+        interpret(rs, Packet("10.0.0.1", "10.0.0.2", 80, "tcp", "pod"))
+    doc = {"nftables": [
+        {"table": {"family": "ip", "name": "t"}},
+        {"chain": {"family": "ip", "table": "t", "name": "c", "type": "filter", "hook": "input", "prio": 0, "policy": "accept"}},
+        {"rule": {"family": "ip", "table": "t", "chain": "c", "expr": [{"limit": {"rate": 1, "per": "second"}}, {"drop": None}]}},
+    ]}
+    with pytest.raises(InterpretError, match="chain c rule 1"):
+        interpret(nft_json.parse(doc), Packet("10.0.0.1", "192.168.0.2", 80, "tcp", "outside"), node_ips=NODE_IPS)
+
+
+def test_parse_errors_name_the_line() -> None:
+    with pytest.raises(iptables_save.ParseError, match="line 2"):
+        iptables_save.parse("*nat\n-A X -s not-an-ip -j ACCEPT\nCOMMIT\n", 4)
+    with pytest.raises(iptables_save.ParseError, match="outside"):
+        iptables_save.parse("-A X -j ACCEPT\n", 4)
+    with pytest.raises(nft_json.ParseError):
+        nft_json.parse({"not": "nft"})
+
+
+def test_ipv6_and_mark_targets() -> None:
+    text = (
+        "*nat\n:KUBE-SVC-X - [0:0]\n:KUBE-SEP-A - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n"
+        "-A OUTPUT -j KUBE-SVC-X\n-A POSTROUTING -j KUBE-POSTROUTING\n"
+        "-A KUBE-SVC-X -d fd00::10/128 -p udp -m udp --dport 53 -j KUBE-SEP-A\n"
+        "-A KUBE-SEP-A -s fd00:1::5/128 -j KUBE-MARK-MASQ\n"
+        "-A KUBE-SEP-A -p udp -m udp -j DNAT --to-destination [fd00:1::5]:5353\n"
+        "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n"
+        "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n"
+        "-A KUBE-POSTROUTING -j MASQUERADE\nCOMMIT\n"
+    )
+    rs = iptables_save.parse(text, IPFamily.V6)
+    assert interpret(rs, Packet("fd00:1::5", "fd00::10", 53, "udp", "node")) == {Outcome("dnat", "[fd00:1::5]:5353", True): 1}
+    assert interpret(rs, Packet("fd00:1::6", "fd00::10", 53, "udp", "node")) == {Outcome("dnat", "[fd00:1::5]:5353", False): 1}
+    assert interpret(rs, Packet("fd00:1::6", "fd00::10", 53, "tcp", "node")) == {Outcome("accept"): 1}
+
+
+def test_inventory_api_still_works() -> None:
+    text = (DUMPS / "kube-proxy-iptables-save.txt").read_text()
+    inv = inventory.from_iptables_save(text)
+    assert inv.chain_kinds["KUBE-SEP-"] == 3 and inv.rules > 0
+    inv = inventory.from_nft_json(json.loads((DUMPS / "kube-proxy-nft.json").read_text()), table="kube-proxy")
+    assert inv.chain_kinds["endpoint-"] == 2 and inv.maps == 5
+    assert [m for m in (Match,)]  # the IR is importable alongside

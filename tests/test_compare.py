@@ -1,0 +1,78 @@
+"""`compare`: both backends, read back and interpreted exactly, agree on every probe."""
+
+from __future__ import annotations
+
+import json
+import random
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from nfproxy.analysis.interpret import Outcome, Packet
+from nfproxy.cli import main
+from nfproxy.compare import Comparison, Probe, ProbeResult, compare, probes
+from nfproxy.model import IPFamily, NodeConfig
+from nfproxy.sources import manifests
+from tests.clusters import random_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = manifests.load(str(ROOT / "examples"), NodeConfig()).state
+
+
+def test_examples_equivalent_and_numbers() -> None:
+    result = compare(STATE)
+    assert result.equivalent
+    traffic = {(r.probe.service, r.probe.traffic) for r in result.results}
+    assert ("shop/storefront:https (tcp)", "LB IP 203.0.113.10 from allowed range") in traffic
+    catalog = next(r for r in result.results if r.probe.traffic == "cluster IP from pod" and "catalog" in r.probe.service)
+    assert catalog.iptables[Outcome("dnat", "10.244.0.11:8080")] == Fraction(715827883, 2**31)
+    assert catalog.iptables_ideal == catalog.nft_ideal and set(catalog.nft_ideal.values()) == {Fraction(1, 3)}
+    blocked = next(r for r in result.results if r.probe.traffic == "LB IP 203.0.113.10 from outside")
+    assert blocked.iptables == blocked.nft == {Outcome("drop"): 1}
+
+
+@pytest.mark.parametrize("seed", [0, 2, 6, 8, 1, 3])
+def test_random_clusters_equivalent(seed: int) -> None:
+    state = random_cluster(random.Random(seed), 12)
+    result = compare(state)
+    assert len(result.results) > 20
+    bad = [r for r in result.results if not r.equivalent]
+    assert not bad, [(r.probe, r.iptables, r.nft) for r in bad[:2]]
+    assert result.max_difference < Fraction(1, 10**9)
+
+
+def test_node_traffic_to_external_ips_without_endpoints_is_equivalent() -> None:
+    """Once a difference: nft checked external IPs without (local) endpoints on output too, so the
+    node's own traffic was dropped where iptables (KUBE-EXTERNAL-SERVICES: INPUT/FORWARD only)
+    short-circuits it to the cluster endpoints or leaves it alone. Seeds 1, 3, 4, 5, 7 and 11
+    all had such services."""
+    for seed in (1, 3, 4, 5, 7, 11):
+        result = compare(random_cluster(random.Random(seed), 12))
+        node_external = [
+            r for r in result.results
+            if r.probe.traffic.endswith("from node") and r.probe.traffic.startswith(("LB IP", "external IP"))
+        ]
+        assert node_external, seed
+        bad = [r for r in result.results if not r.equivalent]
+        assert not bad, (seed, [(r.probe, r.iptables, r.nft) for r in bad[:2]])
+
+
+def test_a_difference_is_reported() -> None:
+    probe = Probe("x", "cluster IP from pod", Packet("10.0.0.1", "10.96.0.1", 80, "tcp", "pod"))
+    same = {Outcome("dnat", "10.0.0.2:80"): Fraction(1)}
+    other = {Outcome("dnat", "10.0.0.2:80", True): Fraction(1)}
+    r = ProbeResult(probe, same, other, same, other)
+    assert not r.equivalent and r.total_variation == 1
+    assert not Comparison((r,)).equivalent
+
+
+def test_probes_cover_every_traffic_class() -> None:
+    kinds = {p.traffic.split(" from ")[0].split(" ")[0] for p in probes(STATE, IPFamily.V4)}
+    assert {"cluster", "node", "LB", "external"} <= kinds
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "--json", str(ROOT / "examples")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["equivalent"] and out["max_difference"] < 1e-9 and len(out["probes"]) > 40
