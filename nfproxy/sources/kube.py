@@ -1,0 +1,686 @@
+"""The Kubernetes API source: list and watch Services, EndpointSlices and our own Node.
+
+Three reflectors (one thread each) keep a local copy of what the API server holds, the way
+client-go's informers do for kube-proxy:
+
+- **list** (paginated) gives a consistent snapshot and the resourceVersion it was taken at;
+- **watch** from that resourceVersion streams ADDED / MODIFIED / DELETED events, and BOOKMARKs
+  that move the resourceVersion on without an object change (so a reconnect after a quiet hour
+  does not start from a version the server has already forgotten);
+- a watch that ends (server timeout, dropped connection, API server restart) is **resumed from
+  the last resourceVersion**: no relist, no change, no sync. Failures back off exponentially with
+  jitter, so a thousand nodes do not hammer a recovering API server in step;
+- only **410 Gone** (the server no longer has the history we need) forces a relist; the relisted
+  objects replace the copy, and only a real difference is reported as a change.
+
+While the API server is unreachable the copy stays as it was: the rules in the kernel keep
+serving the last known state, which is what kube-proxy does too.
+
+Objects are kept as the plain JSON dicts the server sent (read with `_preload_content=False`,
+never through the client's models, which drop fields they do not know and cost more than the
+parse itself) and turned into a `ClusterState` by `manifests.load_objects`, the same validation
+the manifest files get. Snapshot cost matters at 10 000 services, so parsing is cached per
+*service group* (a Service with the EndpointSlices labelled for it): an event re-parses only its
+group. That decomposition is exact because slices only ever merge into their own service.
+
+Only the proxy's own Node is watched (field selector `metadata.name=<node>`). Heartbeats change
+a Node every few seconds; only what the proxy reads from it (labels, addresses, pod CIDRs) counts
+as a change. A changed Node changes `ClusterState.node`, which every rule may depend on (zone
+hints, node IPs, the masquerade CIDR), so the sync loop must treat it as a full sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlparse
+
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config import ConfigException, incluster_config, load_incluster_config
+from kubernetes.config import load_kube_config
+from kubernetes.watch.watch import iter_resp_lines
+
+from nfproxy.config import FlagError, node_config_from_args
+from nfproxy.model import ClusterState, NodeConfig
+from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, load_objects
+from nfproxy.sources.validation import FieldError, dns_subdomain, show
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = "nfproxy/0.1"
+GONE = 410
+
+
+@dataclass(frozen=True, slots=True)
+class WatchSettings:
+    """Timing of the list/watch protocol. Defaults suit a real cluster; tests shrink them.
+
+    `watch_timeout` is the server-side `timeoutSeconds` of one watch request (client-go picks
+    5-10 minutes at random; we add up to 50 % jitter to spread reconnects). A watch's read
+    timeout is its own timeoutSeconds plus `watch_read_margin`: only a server that has vanished
+    without closing the socket trips it (TCP keepalive, on for every connection, usually notices
+    a dead peer much sooner).
+    """
+
+    watch_timeout: int = 300
+    connect_timeout: float = 10.0
+    watch_read_margin: float = 60.0
+    list_timeout: float = 120.0
+    page_size: int = 500
+    backoff_initial: float = 0.8
+    backoff_max: float = 30.0
+    backoff_factor: float = 2.0
+    jitter: float = 0.2
+    # A watch that ends this soon with nothing delivered counts as a failure (backs off), so a
+    # server that closes watches at once cannot drive us into a tight reconnect loop.
+    min_watch_seconds: float = 1.0
+
+    def backoff(self, failures: int, rng: random.Random) -> float:
+        """Delay before attempt `failures + 1`: exponential, capped, with +-jitter."""
+        base = min(self.backoff_max, self.backoff_initial * self.backoff_factor ** max(failures - 1, 0))
+        return base * (1 + self.jitter * (2 * rng.random() - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    kind: str
+    api_version: str
+    plural: str
+
+
+SERVICES = _Kind("Service", "v1", "services")
+ENDPOINT_SLICES = _Kind("EndpointSlice", "discovery.k8s.io/v1", "endpointslices")
+NODES = _Kind("Node", "v1", "nodes")
+
+ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
+GroupKey = tuple[str, str, str]  # ("service", namespace, service name) or ("orphan", ns, name)
+
+
+class _Gone(Exception):
+    """The server no longer has the history we asked for: relist."""
+
+
+class _StreamError(Exception):
+    """The watch stream said something we cannot follow (an ERROR event, a malformed line)."""
+
+
+# --------------------------------------------------------------------------------------------
+# The local copy
+
+
+def _meta(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _object_key(kind: _Kind, obj: dict[str, Any]) -> ObjectKey | None:
+    meta = _meta(obj)
+    name, namespace = meta.get("name"), meta.get("namespace") or ""
+    if not isinstance(name, str) or not name or not isinstance(namespace, str):
+        return None
+    return (kind.kind, namespace, name)
+
+
+def _group_of(key: ObjectKey, obj: dict[str, Any]) -> GroupKey:
+    """Which service group an object's parse belongs to (see the module docstring)."""
+    kind, namespace, name = key
+    namespace = namespace or "default"
+    if kind == SERVICES.kind:
+        return ("service", namespace, name)
+    labels = _meta(obj).get("labels")
+    service = labels.get(SERVICE_NAME_LABEL) if isinstance(labels, dict) else None
+    if isinstance(service, str):
+        return ("service", namespace, service)
+    return ("orphan", namespace, name)  # load_objects reports the missing label
+
+
+def _node_facts(obj: dict[str, Any] | None) -> object:
+    """The parts of a Node the proxy reads (for rules, and for /healthz: being deleted, the
+    autoscaler's deletion taint); a heartbeat leaves them alone."""
+    if obj is None:
+        return None
+    spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+    status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
+    return (
+        _meta(obj).get("labels"),
+        _meta(obj).get("deletionTimestamp"),
+        spec.get("taints"),
+        spec.get("podCIDR"),
+        spec.get("podCIDRs"),
+        status.get("addresses"),
+    )
+
+
+class ObjectCache:
+    """The objects the reflectors have seen, and the parsed state cached per service group.
+
+    Written by the reflector threads, read by `snapshot()` on the sync loop's thread. Stored
+    dicts are never mutated, so a snapshot can parse them outside the lock.
+    """
+
+    def __init__(self, node: NodeConfig) -> None:
+        self._node_config = node
+        self._lock = threading.Lock()
+        self._snapshot_lock = threading.Lock()
+        self._objects: dict[ObjectKey, dict[str, Any]] = {}
+        self._groups: dict[GroupKey, set[ObjectKey]] = {}
+        self._group_of: dict[ObjectKey, GroupKey] = {}
+        self._dirty: set[GroupKey] = set()
+        self._node: dict[str, Any] | None = None
+        self._parsed: dict[GroupKey, LoadResult] = {}
+        self._last: tuple[dict[str, Any] | None, LoadResult] | None = None
+
+    # Writers (reflector threads)
+
+    def replace(self, kind: _Kind, objects: Iterable[dict[str, Any]]) -> bool:
+        """A fresh list of every object of `kind`; True when anything differs from before."""
+        fresh: dict[ObjectKey, dict[str, Any]] = {}
+        for obj in objects:
+            key = _object_key(kind, obj)
+            if key is None:
+                log.warning("%s without a name in a list response: ignored", kind.kind)
+                continue
+            fresh[key] = obj
+        with self._lock:
+            if kind is NODES:
+                old = self._node
+                self._node = next(iter(fresh.values()), None)
+                return _node_facts(old) != _node_facts(self._node)
+            changed = False
+            for key in [k for k in self._objects if k[0] == kind.kind and k not in fresh]:
+                self._remove(key)
+                changed = True
+            for key, obj in fresh.items():
+                if self._objects.get(key) != obj:
+                    self._put(key, obj)
+                    changed = True
+            return changed
+
+    def apply(self, kind: _Kind, event: str, obj: dict[str, Any]) -> bool:
+        """One watch event; True when the stored state changed."""
+        key = _object_key(kind, obj)
+        if key is None:
+            raise _StreamError(f"{event} event for a {kind.kind} without a name")
+        with self._lock:
+            if kind is NODES:
+                old = self._node
+                self._node = None if event == "DELETED" else obj
+                return _node_facts(old) != _node_facts(self._node)
+            if event == "DELETED":
+                if key not in self._objects:
+                    return False
+                self._remove(key)
+                return True
+            if self._objects.get(key) == obj:
+                return False
+            self._put(key, obj)
+            return True
+
+    def _put(self, key: ObjectKey, obj: dict[str, Any]) -> None:
+        if key in self._objects:
+            self._remove(key)
+        group = _group_of(key, obj)
+        self._objects[key] = obj
+        self._group_of[key] = group
+        self._groups.setdefault(group, set()).add(key)
+        self._dirty.add(group)
+
+    def _remove(self, key: ObjectKey) -> None:
+        del self._objects[key]
+        group = self._group_of.pop(key)
+        members = self._groups[group]
+        members.discard(key)
+        if not members:
+            del self._groups[group]
+        self._dirty.add(group)
+
+    # Reader (the sync loop)
+
+    def snapshot(self) -> LoadResult:
+        with self._snapshot_lock:
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+                work = {
+                    group: [self._objects[k] for k in sorted(self._groups.get(group, ()))]
+                    for group in dirty
+                }
+                node_obj = self._node
+            if not work and self._last is not None and _node_facts(self._last[0]) == _node_facts(node_obj):
+                # Nothing changed: the very same state, so the sync loop's diff is O(1).
+                return self._last[1]
+            for group, objects in work.items():
+                if objects:
+                    self._parsed[group] = load_objects(objects, self._node_config)
+                else:
+                    self._parsed.pop(group, None)
+            node_result = load_objects([node_obj] if node_obj else [], self._node_config)
+            services: dict[Any, Any] = {}
+            endpoints: dict[Any, Any] = {}
+            errors = list(node_result.errors)
+            for result in self._parsed.values():
+                services.update(result.state.services)
+                endpoints.update(result.state.endpoints)
+                errors.extend(result.errors)
+            state = ClusterState(node_result.state.node, services, endpoints)
+            result = LoadResult(state, tuple(errors))
+            self._last = (node_obj, result)
+            return result
+
+    def node_object(self) -> dict[str, Any] | None:
+        """Our Node as the API server last sent it (None before the list, or if it is gone)."""
+        with self._lock:
+            return self._node
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out = {SERVICES.kind: 0, ENDPOINT_SLICES.kind: 0, NODES.kind: int(self._node is not None)}
+            for kind, _, _ in self._objects:
+                out[kind] += 1
+            return out
+
+
+# --------------------------------------------------------------------------------------------
+# One list+watch loop per kind
+
+
+class _Reflector:
+    def __init__(
+        self,
+        kind: _Kind,
+        call: Callable[..., Any],
+        cache: ObjectCache,
+        settings: WatchSettings,
+        on_change: Callable[[], None],
+        stopping: threading.Event,
+        field_selector: str | None = None,
+    ) -> None:
+        self.kind = kind
+        self._call = call
+        self._cache = cache
+        self._settings = settings
+        self._on_change = on_change
+        self._stopping = stopping
+        self._field_selector = field_selector
+        self._rng = random.Random()
+        self._response: Any = None
+        self._response_lock = threading.Lock()
+        self.synced = threading.Event()
+        # Where the next watch resumes; None means list first. Advanced by every event and
+        # bookmark as it arrives, so a stream cut mid-way resumes after the last one seen.
+        self.version: str | None = None
+        self._progress = False
+        self.lists = 0
+        self.watches = 0
+        self.thread = threading.Thread(
+            target=self._run, name=f"nfproxy-watch-{kind.plural}", daemon=True
+        )
+
+    def _run(self) -> None:
+        failures = 0  # consecutive failed requests
+        relists = 0  # consecutive 410s
+        while not self._stopping.is_set():
+            self._progress = False
+            try:
+                if self.version is None:
+                    self.version = self._list()
+                if self._watch():
+                    failures = relists = 0
+                    continue
+                failures += 1
+                delay = self._settings.backoff(failures, self._rng)
+                log.info("%s watch ended at once; retrying in %.1fs", self.kind.plural, delay)
+            except _Gone as exc:
+                self.version = None
+                relists += 1
+                if relists == 1:
+                    # The server is up, our version is just old: relist right away.
+                    log.info("%s: %s; relisting", self.kind.plural, exc)
+                    continue
+                delay = self._settings.backoff(relists - 1, self._rng)
+                log.warning("%s: %s again; relisting in %.1fs", self.kind.plural, exc, delay)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive any client error
+                if self._stopping.is_set():
+                    break
+                if self._progress:
+                    failures = 0  # a stream that worked for a while, then broke
+                failures += 1
+                delay = self._settings.backoff(failures, self._rng)
+                log.warning(
+                    "%s %s failed (%s); retrying in %.1fs",
+                    self.kind.plural,
+                    "list" if self.version is None else "watch",
+                    _describe(exc),
+                    delay,
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
+            self._stopping.wait(delay)
+
+    def _selector(self) -> dict[str, Any]:
+        return {"field_selector": self._field_selector} if self._field_selector else {}
+
+    def _list(self) -> str:
+        """Every object (page by page, one consistent snapshot); returns its resourceVersion."""
+        s = self._settings
+        items: list[Any] = []
+        version: str | None = None
+        token: str | None = None
+        while True:
+            try:
+                response = self._call(
+                    limit=s.page_size,
+                    _continue=token,
+                    _preload_content=False,
+                    _request_timeout=(s.connect_timeout, s.list_timeout),
+                    **self._selector(),
+                )
+            except ApiException as exc:
+                if exc.status == GONE:
+                    raise _Gone("list continuation expired") from None
+                raise
+            try:
+                body = json.loads(response.data)
+            finally:
+                response.release_conn()
+            if not isinstance(body, dict) or not isinstance(body.get("items", []), list):
+                raise _StreamError(f"{self.kind.plural} list response is not a list")
+            meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+            if version is None:
+                version = meta.get("resourceVersion")
+            items.extend(body.get("items") or [])
+            token = meta.get("continue") or None
+            if token is None:
+                break
+        if not isinstance(version, str) or not version:
+            raise _StreamError(f"{self.kind.plural} list response has no resourceVersion")
+        # List items carry neither kind nor apiVersion; watch events do. Set both the same way.
+        objects = [
+            {**item, "kind": self.kind.kind, "apiVersion": self.kind.api_version}
+            for item in items
+            if isinstance(item, dict)
+        ]
+        changed = self._cache.replace(self.kind, objects)
+        self.lists += 1
+        first = not self.synced.is_set()
+        self.synced.set()
+        log.info("listed %d %s at resourceVersion %s", len(objects), self.kind.plural, version)
+        if changed or first:
+            self._on_change()
+        return version
+
+    def _watch(self) -> bool:
+        """Follow one watch request from `self.version`; True if the request was worth it
+        (delivered something, or lasted a while)."""
+        s = self._settings
+        timeout = int(s.watch_timeout * (1 + self._rng.random() * 0.5)) or 1
+        started = time.monotonic()
+        try:
+            response = self._call(
+                watch=True,
+                resource_version=self.version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout,
+                _preload_content=False,
+                _request_timeout=(s.connect_timeout, timeout + s.watch_read_margin),
+                **self._selector(),
+            )
+        except ApiException as exc:
+            if exc.status == GONE:
+                raise _Gone(f"resourceVersion {self.version} is too old") from None
+            raise
+        self.watches += 1
+        delivered = 0
+        with self._response_lock:
+            self._response = response
+        try:
+            if self._stopping.is_set():
+                return True
+            for line in iter_resp_lines(response):
+                if not line.strip():
+                    continue
+                self._event(line)
+                delivered += 1
+                if self._stopping.is_set():
+                    break
+        finally:
+            with self._response_lock:
+                self._response = None
+            response.close()
+            response.release_conn()
+        return bool(delivered) or time.monotonic() - started >= s.min_watch_seconds
+
+    def _event(self, line: str) -> None:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise _StreamError(f"undecodable watch event ({exc.msg})") from None
+        if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+            raise _StreamError("watch event without an object")
+        kind, obj = event.get("type"), event["object"]
+        if kind == "ERROR":
+            code, message = obj.get("code"), obj.get("message")
+            if code == GONE:
+                raise _Gone(f"watch expired: {show(message)}")
+            raise _StreamError(f"watch error {show(code)}: {show(message)}")
+        new_version = _meta(obj).get("resourceVersion")
+        if not isinstance(new_version, str) or not new_version:
+            raise _StreamError(f"{show(kind)} event without a resourceVersion")
+        if kind == "BOOKMARK":
+            self.version = new_version
+            self._progress = True
+            return
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            raise _StreamError(f"unknown watch event type {show(kind)}")
+        obj = {**obj, "kind": self.kind.kind, "apiVersion": self.kind.api_version}
+        changed = self._cache.apply(self.kind, kind, obj)
+        self.version = new_version
+        self._progress = True
+        if changed:
+            self._on_change()
+
+    def interrupt(self) -> None:
+        """Unblock a thread waiting on the watch stream (called from `stop`)."""
+        with self._response_lock:
+            response = self._response
+        if response is None:
+            return
+        try:
+            sock = getattr(getattr(response, "connection", None), "sock", None)
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"HTTP {exc.status} {exc.reason}"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+# --------------------------------------------------------------------------------------------
+# The source
+
+
+class KubeSource:
+    """`nfproxy.sources.Source` backed by the Kubernetes API (see the module docstring)."""
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        node: NodeConfig,
+        settings: WatchSettings = WatchSettings(),
+    ) -> None:
+        if not node.name:
+            raise ValueError("the API source needs the node name (to watch our own Node)")
+        self.node = node
+        self.settings = settings
+        self._api_client = api_client
+        self.cache = ObjectCache(node)
+        self._stopping = threading.Event()
+        self._notify: Callable[[], None] = lambda: None
+        core = k8s.CoreV1Api(api_client)
+        discovery = k8s.DiscoveryV1Api(api_client)
+        self.reflectors = (
+            self._reflector(SERVICES, core.list_service_for_all_namespaces),
+            self._reflector(ENDPOINT_SLICES, discovery.list_endpoint_slice_for_all_namespaces),
+            self._reflector(NODES, core.list_node, f"metadata.name={node.name}"),
+        )
+        self._started = False
+
+    def _reflector(
+        self, kind: _Kind, call: Callable[..., Any], field_selector: str | None = None
+    ) -> _Reflector:
+        return _Reflector(
+            kind, call, self.cache, self.settings, self._changed, self._stopping, field_selector
+        )
+
+    def _changed(self) -> None:
+        self._notify()
+
+    def start(self, notify: Callable[[], None]) -> None:
+        if self._started:
+            raise RuntimeError("KubeSource.start called twice")
+        self._started = True
+        self._notify = notify
+        for reflector in self.reflectors:
+            reflector.thread.start()
+
+    def snapshot(self) -> LoadResult:
+        return self.cache.snapshot()
+
+    def ready(self) -> bool:
+        return all(r.synced.is_set() for r in self.reflectors)
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for reflector in self.reflectors:
+            if not reflector.synced.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for reflector in self.reflectors:
+            reflector.interrupt()
+        for reflector in self.reflectors:
+            if reflector.thread.is_alive():
+                reflector.thread.join(timeout=5)
+        self._api_client.close()
+
+    def node_object(self) -> dict[str, Any] | None:
+        """Our own Node object, raw: for /healthz's node eligibility (`server.node_eligible`)."""
+        return self.cache.node_object()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Lists and watch requests made per resource (for logs and tests)."""
+        return {r.kind.plural: {"lists": r.lists, "watches": r.watches} for r in self.reflectors}
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and flags
+
+
+def api_client(kubeconfig: str | None = None, master: str | None = None) -> k8s.ApiClient:
+    """A client for the API server, configured as kube-proxy is.
+
+    `--kubeconfig` gives server and credentials; `--master` overrides the server (alone, it
+    means an unauthenticated connection, as for kube-proxy). With neither, the pod's service
+    account is used. Raises FlagError naming the flag at fault.
+    """
+    configuration = k8s.Configuration()
+    if kubeconfig:
+        path = os.path.expanduser(kubeconfig)
+        if not os.path.isfile(path):
+            raise FlagError(f"--kubeconfig: {show(kubeconfig)}: no such file")
+        try:
+            load_kube_config(
+                config_file=path, client_configuration=configuration, persist_config=False
+            )
+        except (ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
+            raise FlagError(f"--kubeconfig {show(kubeconfig)}: {_one_line(exc)}") from None
+    elif not master:
+        if not os.path.exists(incluster_config.SERVICE_TOKEN_FILENAME):
+            raise FlagError(
+                "no API server: give --kubeconfig or --master (or --manifests), or run in a pod "
+                f"with a service account ({incluster_config.SERVICE_TOKEN_FILENAME} is missing)"
+            )
+        try:
+            load_incluster_config(client_configuration=configuration)
+        except ConfigException as exc:
+            raise FlagError(f"in-cluster configuration: {_one_line(exc)}") from None
+    if master:
+        configuration.host = _master_url(master)
+    # Retries are ours (with backoff and relist logic); urllib3's would hide failures.
+    configuration.retries = 0
+    # client-go's TCP keepalive timings: a watch through a dead peer or an idle-killing load
+    # balancer fails in about a minute instead of hanging until its read timeout.
+    configuration.keep_alive = True
+    client = k8s.ApiClient(configuration)
+    client.user_agent = USER_AGENT
+    return client
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _master_url(master: str) -> str:
+    parsed = urlparse(master)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = -1
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+        raise FlagError(f"--master: {show(master)} is not an http(s)://host[:port] URL")
+    if parsed.query or parsed.fragment or any(c.isspace() for c in master):
+        raise FlagError(f"--master: {show(master)} is not an http(s)://host[:port] URL")
+    return master.rstrip("/")
+
+
+def default_node_name() -> str:
+    """The node name when --hostname-override is not given: the host name, as kube-proxy."""
+    return socket.gethostname().strip().lower()
+
+
+def add_kube_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add --kubeconfig and --master to a parser or to one of its argument groups."""
+    parser.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="kubeconfig with the API server and credentials "
+        "(default: the pod's service account, in-cluster)",
+    )
+    parser.add_argument(
+        "--master",
+        metavar="URL",
+        help="API server URL; overrides the kubeconfig's server",
+    )
+
+
+def source_from_args(args: argparse.Namespace, settings: WatchSettings = WatchSettings()) -> KubeSource:
+    """The API source for `nfproxy --kubeconfig/--master` (node flags from `add_node_flags`)."""
+    node = node_config_from_args(args)
+    if not node.name:
+        name = default_node_name()
+        try:
+            name = dns_subdomain(name)
+        except FieldError as exc:
+            raise FlagError(
+                f"--hostname-override: not given, and the host name is not a node name: {exc}"
+            ) from None
+        node = replace(node, name=name)
+    client = api_client(getattr(args, "kubeconfig", None), getattr(args, "master", None))
+    return KubeSource(client, node, settings)
+
