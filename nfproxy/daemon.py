@@ -16,7 +16,7 @@ from nfproxy.healthcheck import ServiceHealthServer, service_health
 from nfproxy.metrics import ProxyMetrics
 from nfproxy.model import ClusterState, IPFamily
 from nfproxy.proxier import Proxier, SyncLoop, SyncResult
-from nfproxy.server import ProxierHealth, Servers, serve
+from nfproxy.server import ProxierHealth, Servers, node_eligible, serve
 from nfproxy.sources import Source
 
 log = logging.getLogger("nfproxy.daemon")
@@ -76,6 +76,11 @@ class Daemon:
 
     def _synced(self, previous: ClusterState | None, state: ClusterState, result: SyncResult) -> None:
         self.health.updated()
+        node_object = getattr(self.source, "node_object", None)
+        if node_object is not None:
+            # kube-proxy: a node being deleted (or tainted for deletion) fails /healthz, so
+            # load balancers drain it; /livez ignores this.
+            self.health.set_node_eligible(node_eligible(node_object()))
         if result.kind == "noop":
             return
         for family in IPFamily:

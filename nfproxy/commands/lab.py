@@ -315,6 +315,13 @@ def _on_term(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+        import scipy  # noqa: F401
+    except ImportError as exc:
+        print(f"nfproxy lab: needs the lab extra ({exc.name} is missing): "
+              "pip install 'nfproxy[lab]' (scripts/setup installs it)", file=sys.stderr)
+        return 1
     from nfproxy import lab
 
     backends = _backends(args.backends)

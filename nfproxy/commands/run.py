@@ -61,9 +61,18 @@ def run(args: argparse.Namespace) -> int:
     daemon = Daemon(source, config, proxier)
     if args.once:
         if not source.ready():
-            print("nfproxy: the source has no state to sync", file=sys.stderr)
-            return 1
-        result = daemon.once()
+            # The API source lists in the background: wait for its first complete state.
+            source.start(lambda: None)
+            try:
+                wait = getattr(source, "wait_ready", None)
+                if wait is None or not wait(60):
+                    print("nfproxy: the source has no state to sync (not ready within 60 s)", file=sys.stderr)
+                    return 1
+                result = daemon.once()
+            finally:
+                source.stop()
+        else:
+            result = daemon.once()
         print(result.log_line())
         return 0
     daemon.run_until_signalled()

@@ -17,8 +17,35 @@ class Flavour(enum.Enum):
     NFT = "nft"
 
 
-def detect_flavour() -> Flavour:
-    """Which iptables the host's plain `iptables` command is (what other software uses)."""
+def _rule_count(flavour: Flavour, netns: str | None) -> int:
+    try:
+        text = run([f"iptables-{flavour.value}-save"], netns=netns)
+    except KernelError:
+        return -1
+    return sum(1 for line in text.splitlines() if line.startswith("-A "))
+
+
+_detected: dict[str | None, Flavour] = {}
+
+
+def detect_flavour(netns: str | None = None) -> Flavour:
+    """`_detect`, once per namespace: once nfproxy has written rules, they decide anyway."""
+    found = _detected.get(netns)
+    if found is None:
+        found = _detected[netns] = _detect(netns)
+    return found
+
+
+def _detect(netns: str | None) -> Flavour:
+    """Which iptables holds the host's rules, as kube-proxy's iptables-wrapper decides.
+
+    In a container the image's `iptables --version` says nothing about the host, so the wrapper
+    counts rules: kubelet and the CNI have written some in whichever flavour the host uses.
+    With no rules in either (a fresh namespace), the plain `iptables` command decides.
+    """
+    legacy, nft = _rule_count(Flavour.LEGACY, netns), _rule_count(Flavour.NFT, netns)
+    if legacy != nft and max(legacy, nft) > 0:
+        return Flavour.LEGACY if legacy > nft else Flavour.NFT
     try:
         version = run(["iptables", "--version"])
     except KernelError:
@@ -32,7 +59,7 @@ class IptablesRunner:
     ) -> None:
         self.family = family
         self.netns = netns
-        self.flavour = flavour or detect_flavour()
+        self.flavour = flavour or detect_flavour(netns)
         stem = "iptables" if family is IPFamily.V4 else "ip6tables"
         self.restore_cmd = f"{stem}-{self.flavour.value}-restore"
         self.save_cmd = f"{stem}-{self.flavour.value}-save"
