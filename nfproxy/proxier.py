@@ -26,6 +26,7 @@ from nfproxy.backends import nft as nft_backend
 from nfproxy.changes import Changes, diff
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
+from nfproxy.kernel.nft_netlink import NetlinkNft, Unsupported
 from nfproxy.model import ClusterState, IPFamily
 
 if TYPE_CHECKING:
@@ -81,8 +82,11 @@ class NftSync:
 
     name = "nft"
 
-    def __init__(self, netns: str | None, families: Sequence[IPFamily]) -> None:
+    def __init__(self, netns: str | None, families: Sequence[IPFamily], *, fast: bool = True) -> None:
         self.session = NftSession(netns)
+        # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
+        # None sends everything through libnftables.
+        self.fast: NetlinkNft | None = NetlinkNft(netns) if fast else None
         self.families = tuple(families)
         self.applied: dict[IPFamily, nft_backend.NftRuleset] = {}
         self.stale: dict[IPFamily, tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -122,10 +126,20 @@ class NftSync:
         new = nft_backend.render_update(previous, state, keys)
         d = nft_backend.delta(previous, new, keys, delete_chains=stale_chains, delete_sets=stale_sets)
         if d.commands:
-            self.session.apply(d.script())
+            self._apply_delta(new, d)
         self.applied[family] = new
         self.stale[family] = (d.stale_chains, d.stale_sets)
         return len(d.commands)
+
+    def _apply_delta(self, new: nft_backend.NftRuleset, d: nft_backend.NftDelta) -> None:
+        if self.fast is not None:
+            try:
+                # The script's lines, not d.commands: one text is what either path sends.
+                self.fast.apply(new.nft_family, new.table, d.script().splitlines())
+                return
+            except Unsupported as exc:
+                log.debug("partial sync through libnftables: %s", exc)
+        self.session.apply(d.script())
 
     def _full(self, family: IPFamily, state: ClusterState) -> int:
         new = nft_backend.render(state, family)
@@ -151,6 +165,8 @@ class NftSync:
         if stray_chains:
             script += "".join(f"flush chain {t} {name}\n" for name in stray_chains)
         self.session.apply(script)
+        if self.fast is not None:
+            self.fast.forget()  # set declarations may have changed with the table
         self.applied[family] = new
         self.stale[family] = (tuple(stray_chains), tuple(stray_sets))
         return script.count("\n")
