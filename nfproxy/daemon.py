@@ -94,6 +94,8 @@ class Daemon:
             )
             internal, external = no_local_endpoints(state, family)
             self.metrics.set_no_local_endpoints(internal, external, family=family)
+        for family, counts in self.proxier.backend.rule_counts().items():
+            self.metrics.set_rule_counts(self.config.backend, counts, family=family)  # type: ignore[arg-type]
         sh = service_health(state)
         self.health_checks.sync_services(sh.ports)
         self.health_checks.sync_endpoints(sh.local_endpoints)
@@ -108,12 +110,15 @@ class Daemon:
         if not flows:
             return
         try:
-            deleted = kernel_conntrack.delete(flows, self.config.netns)
-            self.metrics.conntrack_cleaned(deleted, family=IPFamily.V4)
-            log.info("conntrack: deleted %d stale UDP entries (%d filters)", deleted, len(flows))
+            deleted = kernel_conntrack.delete_per_family(flows, self.config.netns)
         except Exception as exc:  # noqa: BLE001 - a failed cleanup must not fail the sync
-            self.metrics.conntrack_failed(family=IPFamily.V4)
+            for family in IPFamily:
+                self.metrics.conntrack_failed(family=family)
             log.warning("conntrack cleanup failed: %s", exc)
+            return
+        for family, n in deleted.items():
+            self.metrics.conntrack_cleaned(n, family=family)
+        log.info("conntrack: deleted %d stale UDP entries (%d filters)", sum(deleted.values()), len(flows))
 
     def _failed(self, exc: BaseException) -> None:
         for family in IPFamily:

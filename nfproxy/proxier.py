@@ -70,7 +70,7 @@ class BackendSync(Protocol):
     def pending(self) -> bool:
         """True when work is left over from the last sync (stale objects to delete)."""
 
-    def rule_counts(self) -> dict[str, int]: ...
+    def rule_counts(self) -> dict[IPFamily, dict[str, int]]: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,17 +171,20 @@ class NftSync:
         self.stale[family] = (tuple(stray_chains), tuple(stray_sets))
         return script.count("\n")
 
-    def rule_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
+    def rule_counts(self) -> dict[IPFamily, dict[str, int]]:
+        """What the kernel holds after the last sync, per family (metrics' nft object kinds)."""
+        counts: dict[IPFamily, dict[str, int]] = {}
         for family, rs in self.applied.items():
-            chains = len(rs.chains) + sum(len(s.chains) for s in rs.services.values())
-            rules = sum(len(r) for r in rs.chains.values()) + sum(
-                len(r) for s in rs.services.values() for r in s.chains.values()
-            )
-            elements = sum(len(e) for e in rs.elements.values())
-            counts[f"ipv{family.value}_chains"] = chains
-            counts[f"ipv{family.value}_rules"] = rules
-            counts[f"ipv{family.value}_elements"] = elements
+            services = rs.services.values()
+            counts[family] = {
+                "chains": len(rs.chains) + sum(len(s.chains) for s in services),
+                "rules": sum(len(r) for r in rs.chains.values())
+                + sum(len(r) for s in services for r in s.chains.values()),
+                "sets": sum(1 for d in rs.sets.values() if d.kind == "set")
+                + sum(len(s.affinity_sets) for s in services),
+                "maps": sum(1 for d in rs.sets.values() if d.kind == "map") + len(rs.shard_users),
+                "elements": sum(len(e) for e in rs.elements.values()) + len(rs.hairpin_refs),
+            }
         return counts
 
 
@@ -245,14 +248,14 @@ class IptablesSync:
             self.applied[family] = new
         return kind, ops
 
-    def rule_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
+    def rule_counts(self) -> dict[IPFamily, dict[str, int]]:
+        """Rules per table after the last sync, per family (metrics' iptables tables)."""
+        counts: dict[IPFamily, dict[str, int]] = {}
         for family, rules in self.applied.items():
             nat = sum(len(r) for r in rules.nat.values()) + sum(
                 len(g.rules) for g in rules.service_chains.values()
             )
-            counts[f"ipv{family.value}_nat"] = nat
-            counts[f"ipv{family.value}_filter"] = sum(len(r) for r in rules.filter.values())
+            counts[family] = {"nat": nat, "filter": sum(len(r) for r in rules.filter.values())}
         return counts
 
 

@@ -109,6 +109,14 @@ def test_daemon_follows_manifest_changes_and_serves_health_and_metrics(tmp_path:
                 "kubeproxy_sync_proxy_rules_service_changes_total",
             ):
                 assert name in text, name
+            objects = {
+                l.split("{", 1)[1].split("}", 1)[0]: float(l.rsplit(" ", 1)[1])
+                for l in text.splitlines()
+                if l.startswith("nfproxy_nftables_objects{")
+            }
+            # The example cluster's IPv4 table, as the kernel was told: 16 + 10 service chains.
+            assert objects['ip_family="IPv4",object="chains"'] > 20, objects
+            assert objects['ip_family="IPv4",object="elements"'] > 10, objects
             partial = [l for l in text.splitlines() if l.startswith("kubeproxy_sync_partial_proxy_rules_duration_seconds_count")]
             assert any(float(l.rsplit(" ", 1)[1]) >= 2 for l in partial), partial
         finally:
