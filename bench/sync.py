@@ -45,12 +45,16 @@ def full_sync(backend: str, state: ClusterState, flavour: Flavour | None = None)
         return elapsed
 
 
-def one_service_changes(state: ClusterState, repeat: int) -> tuple[list[float], list[float], list[int]]:
+def one_service_changes(
+    state: ClusterState, repeat: int, netlink: bool = True
+) -> tuple[list[float], list[float], list[int]]:
     """(one-service change times, no-op times, kernel operations per change) after a full sync."""
     keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
     changes, noops, ops = [], [], []
     with netns.throwaway("nfp-bench") as ns:
         proxier = Proxier("nft", netns=ns)
+        if not netlink:
+            proxier.backend.fast = None  # type: ignore[attr-defined]
         proxier.sync(state)
         proxier.sync(state)
         current = state
@@ -101,6 +105,8 @@ def main() -> int:
 
     big_changes, big_noops, big_ops = one_service_changes(big, args.repeat)
     small_changes, small_noops, small_ops = one_service_changes(small, args.repeat)
+    lib_big, _, _ = one_service_changes(big, args.repeat, netlink=False)
+    lib_small, _, _ = one_service_changes(small, args.repeat, netlink=False)
     med = statistics.median
     big_change, small_change = med(big_changes), med(small_changes)
     noop = max(med(big_noops), med(small_noops))
@@ -114,6 +120,8 @@ def main() -> int:
         (f"one-service change at {S} / at {args.small}", big_change / small_change, "<= 1.5", big_change / small_change <= 1.5),
         (f"one-service change at {S} (ms)", big_change * 1000, "<= 50", big_change <= 0.050),
         ("no-op sync (ms)", noop * 1000, "<= 5", noop <= 0.005),
+        (f"(libnftables instead of nfnetlink) change at {S} (ms)", med(lib_big) * 1000, "(reference)", True),
+        (f"(libnftables instead of nfnetlink) change at {S} / at {args.small}", med(lib_big) / med(lib_small), "(reference)", True),
     ]
     print()
     print(f"| measure | value | target | met |")

@@ -600,3 +600,36 @@ def test_kernel_accepts_scripts() -> None:
                 kind = "map" if name in rs.shard_users or rs.sets[name].kind == "map" else "set"
                 (obj,) = [o[kind] for o in objects if kind in o and o[kind]["name"] == name and o[kind]["family"] == fam]
                 assert len(obj.get("elem", [])) == len(elements), (label, name)
+
+
+def _slots_of(rs: NftRuleset, key) -> list[str]:  # noqa: ANN001
+    owned = rs.services[key]
+    ((chain, (first, _size)),) = owned.blocks.items()
+    (shard,) = owned.shards
+    n = int(re.search(r"numgen random mod (\d+)", owned.chains[chain][-1]).group(1))
+    return [rs.elements[shard][str(first + i)].value for i in range(n)]
+
+
+def test_partial_update_keeps_endpoints_on_their_slots() -> None:
+    """One endpoint more or fewer changes one or two slots, not every slot after it."""
+    import dataclasses
+
+    state = uniform_cluster(5, 10)
+    rs = render(state, V4)
+    key = sorted(state.services, key=str)[2]
+    eps = list(state.endpoints[key])
+    gone = eps.pop(3)
+    shrunk = dataclasses.replace(state, endpoints={**state.endpoints, key: tuple(eps)})
+    new = nft.render_update(rs, shrunk, [key])
+    d = nft.delta(rs, new, [key])
+    slot_ops = [c for c in d.commands if "element" in c and "endpoints-" in c]
+    assert len(slot_ops) <= 3, d.commands  # the hole gets the last endpoint; the last slot goes
+    assert sorted(_slots_of(new, key)) == sorted(f"{e.ip} . {e.port}" for e in eps)
+    assert f"{gone.ip} . {gone.port}" not in _slots_of(new, key)
+
+    first_in_order = Endpoint(ip="10.0.0.0", port=8080)  # sorts before every other endpoint
+    grown = dataclasses.replace(shrunk, endpoints={**shrunk.endpoints, key: tuple([first_in_order, *eps])})
+    newer = nft.render_update(new, grown, [key])
+    d = nft.delta(new, newer, [key])
+    slot_ops = [c for c in d.commands if "element" in c and "endpoints-" in c]
+    assert slot_ops == [f"add element ip nfproxy {newer.services[key].shards[0]} {{ {newer.services[key].blocks[next(iter(newer.services[key].blocks))][0] + 9} : 10.0.0.0 . 8080 }}"]

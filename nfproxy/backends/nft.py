@@ -578,10 +578,34 @@ class _Slots:
     """Hands out slot blocks during one render, keeping a chain's previous block when its size
     still fits (so a partial sync rewrites as few elements as possible)."""
 
-    def __init__(self, allocator: SlotAllocator, previous: Mapping[str, tuple[int, int]] = MappingProxyType({})) -> None:
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        previous: Mapping[str, tuple[int, int]] = MappingProxyType({}),
+        previous_elements: Iterable[tuple[str, str, Element]] = (),
+    ) -> None:
         self.allocator = allocator
         self.previous = previous
         self.kept: set[str] = set()
+        self._held = {(m, k): el.value for m, k, el in previous_elements} if previous else {}
+
+    def arrange(self, shard: str, first: int, values: list[str]) -> list[str]:
+        """Slot order for a kept block: endpoints stay on their slots, the ones past the new end
+        move into the holes, new ones fill what is left. One endpoint added or removed then
+        changes one or two elements instead of shifting every slot after it. Any order is the
+        same uniform choice; only which endpoint gets which slot differs."""
+        held = self._held
+        before: list[str] = []
+        while (v := held.get((shard, str(first + len(before))))) is not None:
+            before.append(v)
+        n = len(values)
+        wanted = set(values)
+        slots: list[str | None] = [v if v in wanted else None for v in before[:n]]
+        slots += [None] * (n - len(slots))
+        placed = {v for v in slots if v is not None}
+        waiting = [v for v in values if v not in placed]
+        it = iter(waiting)
+        return [v if v is not None else next(it) for v in slots]
 
     def take(self, chain: str, n: int) -> tuple[int, int]:
         size = block_size(n)
@@ -629,14 +653,16 @@ def _render_service(
 
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
         """Layout s: one random slot, looked up in a shared data map; no per-endpoint chains."""
+        kept_before = chain in slots.kept
         block = slots.take(chain, len(subset))
         blocks[chain] = block
         first = block[0]
         shard = shard_of(first, proto)
         shards.append(shard)
-        slot_elements.extend(
-            (shard, str(first + i), Element(f"{ep.ip} . {ep.port}")) for i, ep in enumerate(subset)
-        )
+        values = [f"{ep.ip} . {ep.port}" for ep in subset]
+        if not kept_before and chain in slots.kept:
+            values = slots.arrange(shard, first, values)
+        slot_elements.extend((shard, str(first + i), Element(v)) for i, v in enumerate(values))
         return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
@@ -863,21 +889,22 @@ def render_update(
     with gc_paused():
         family = previous.family
         ctx, _ = _context(state.node, family)
-        services = dict(previous.services)
-        elements: dict[str, Mapping[str, Element]] = dict(previous.elements)
+        services = previous.services.copy()  # MappingProxyType.copy: a dict copy, 10x dict(...)
+        elements: dict[str, Mapping[str, Element]] = previous.elements.copy()
         copied: dict[str, dict[str, Element]] = {}
 
         def writable(name: str) -> dict[str, Element]:
             m = copied.get(name)
             if m is None:
-                m = copied[name] = dict(elements.get(name, {}))
+                held = elements.get(name)
+                m = copied[name] = held.copy() if held is not None else {}
                 elements[name] = m
             return m
 
         contested = previous.contested
         allocator = previous.allocator or SlotAllocator()
-        hairpin = dict(previous.hairpin_refs)
-        shard_users = dict(previous.shard_users)
+        hairpin = previous.hairpin_refs.copy()
+        shard_users = previous.shard_users.copy()
         removed: list[tuple[str, str, Element]] = []
         added: list[tuple[str, str, Element]] = []
         for key in sorted((k for k in keys if k[1] is family), key=_service_order):
@@ -897,7 +924,7 @@ def render_update(
                     if not shard_users[shard]:
                         del shard_users[shard]
             svc = state.services.get(key)
-            slots = _Slots(allocator, old_blocks)
+            slots = _Slots(allocator, old_blocks, old.elements if old is not None else ())
             if svc is not None:
                 rules = _render_service(ctx, svc, state.endpoints.get(key, ()), slots)
                 services[key] = rules
@@ -908,6 +935,12 @@ def render_update(
                     shard_users[shard] = shard_users.get(shard, 0) + 1
             slots.release_unkept()
             allocator = slots.allocator
+        # Elements a changed port keeps as they were are left alone: copying a big map (the
+        # service-ips map holds every service) costs more than the rest of a partial sync.
+        unchanged = {(m, k, el) for m, k, el in removed} & {(m, k, el) for m, k, el in added}
+        if unchanged:
+            removed = [r for r in removed if r not in unchanged]
+            added = [a for a in added if a not in unchanged]
         for map_name, elem_key, _el in removed:
             if (map_name, elem_key) in contested:
                 raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
