@@ -14,18 +14,14 @@ pass/fail), and a thin imperative part (`run`) that owns every namespace it crea
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import ipaddress
 import os
-import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from types import FrameType
 from typing import Any
 
 from nfproxy.categorize import NoEndpoints, categorize
@@ -631,31 +627,9 @@ def _verdict(v: Any) -> str:
     return str(getattr(v, "value", v))
 
 
-@contextlib.contextmanager
-def uninterrupted() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while namespaces are being made or removed, then deliver them.
-
-    pyroute2 creates a namespace from a forked helper: an interrupt landing while we wait for
-    it would let the helper finish after our cleanup looked, leaving a namespace behind. Held
-    signals are re-raised on the way out, so Ctrl-C still stops the lab within a second.
-    Only the main thread can set handlers; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-
-    def hold(signum: int, frame: FrameType | None) -> None:
-        caught.append(signum)
-
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if caught:
-            signal.raise_signal(caught[0])
+# Sandbox building and teardown hold SIGINT/SIGTERM (delivered afterwards), so that Ctrl-C
+# cannot strand a namespace that pyroute2's helper is still creating.
+uninterrupted = netns.signals_held
 
 
 Progress = Callable[[int, int, str], None]

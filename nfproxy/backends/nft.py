@@ -712,26 +712,18 @@ def _render_service(
         masquerade = ""
     internal_local = svc.internal_policy_local
     chains: dict[str, tuple[str, ...]] = {}
-    if r.cluster:
-        masq = "" if internal_local else masquerade
+    # The masquerade rule goes where cluster-IP traffic enters: the local chain under
+    # internalTrafficPolicy=Local, else the cluster chain.
+    for chain, subset, masq in (
+        (cluster_chain, r.cluster, "" if internal_local else masquerade),
+        (local_chain, r.local, masquerade if internal_local else ""),
+    ):
+        if not subset:
+            continue
         if affinity:
-            chains[cluster_chain] = _policy_rules(
-                ipx, masq, *_pick(r.cluster, reachable, ep_chain_names, ep_set_names), affinity
-            )
+            chains[chain] = _policy_rules(ipx, masq, *_pick(subset, reachable, ep_chain_names, ep_set_names), affinity)
         else:
-            chains[cluster_chain] = (masq, selection(cluster_chain, r.cluster)) if masq else (
-                selection(cluster_chain, r.cluster),
-            )
-    if r.local:
-        masq = masquerade if internal_local else ""
-        if affinity:
-            chains[local_chain] = _policy_rules(
-                ipx, masq, *_pick(r.local, reachable, ep_chain_names, ep_set_names), affinity
-            )
-        else:
-            chains[local_chain] = (masq, selection(local_chain, r.local)) if masq else (
-                selection(local_chain, r.local),
-            )
+            chains[chain] = (masq, selection(chain, subset)) if masq else (selection(chain, subset),)
 
     external_no_endpoints = r.external_no_endpoints
     if r.uses_external_chain:
