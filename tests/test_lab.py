@@ -446,9 +446,12 @@ def test_an_error_mid_run_leaves_no_namespace(monkeypatch: pytest.MonkeyPatch) -
     (signal.SIGINT, 0.6),  # during the traffic
 ])
 def test_interrupt_removes_every_namespace(sig: signal.Signals, delay: float) -> None:
+    # As from a terminal: a shell starting the test suite in the background hands its children
+    # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt.
     proc = subprocess.Popen(
         [sys.executable, "-m", "nfproxy.cli", "lab", "--connections", "10000", str(EXAMPLES)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 30
