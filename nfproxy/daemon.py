@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nfproxy.categorize import categorize
 from nfproxy.healthcheck import ServiceHealthServer, service_health
 from nfproxy.metrics import ProxyMetrics
-from nfproxy.model import ClusterState, IPFamily
+from nfproxy.model import ClusterState, IPFamily, ServicePortKey
 from nfproxy.proxier import Proxier, SyncLoop, SyncResult
 from nfproxy.server import ProxierHealth, Servers, node_eligible, serve
 from nfproxy.sources import Source
@@ -33,18 +34,47 @@ class DaemonConfig:
     conntrack: bool = True
 
 
-def no_local_endpoints(state: ClusterState, family: IPFamily) -> tuple[int, int]:
-    """Service ports whose Local traffic policy finds no local endpoint (internal, external)."""
-    internal = external = 0
-    for svc, eps in state.service_ports(family):
-        if not eps:
-            continue
-        r = categorize(svc, eps, state.node)
-        if svc.internal_policy_local and not r.local:
-            internal += 1
-        if svc.externally_accessible and svc.external_policy_local and not r.local:
-            external += 1
-    return internal, external
+class NoLocalEndpoints:
+    """Service ports whose Local traffic policy finds no local endpoint, kept per port.
+
+    kube-proxy's sync_proxy_rules_no_local_endpoints_total; updated from each sync's changes
+    (categorising only the changed ports), so a sync at 10 000 services does not categorise
+    every port a second time after the renderer did.
+    """
+
+    def __init__(self) -> None:
+        self._flags: dict[ServicePortKey, tuple[bool, bool]] = {}
+
+    def update(self, state: ClusterState, keys: Iterable[ServicePortKey]) -> None:
+        for key in keys:
+            svc = state.services.get(key)
+            eps = state.endpoints.get(key, ())
+            if svc is None or not eps:
+                self._flags.pop(key, None)
+                continue
+            local = bool(categorize(svc, eps, state.node).local)
+            internal = svc.internal_policy_local and not local
+            external = svc.externally_accessible and svc.external_policy_local and not local
+            if internal or external:
+                self._flags[key] = (internal, external)
+            else:
+                self._flags.pop(key, None)
+
+    def counts(self, family: IPFamily) -> tuple[int, int]:
+        """(internal, external) for one family."""
+        flags = [f for key, f in self._flags.items() if key[1] is family]
+        return sum(f[0] for f in flags), sum(f[1] for f in flags)
+
+
+def _touches_health_checks(previous: ClusterState | None, state: ClusterState, result: SyncResult) -> bool:
+    if previous is None or result.changes.node:
+        return True
+    for key in result.changes.keys:
+        for s in (previous, state):
+            svc = s.services.get(key)
+            if svc is not None and svc.health_check_node_port:
+                return True
+    return False
 
 
 class Daemon:
@@ -67,6 +97,8 @@ class Daemon:
         self.proxier.hooks.on_failed.append(self._failed)
         self.servers: Servers | None = None
         self._stopped = threading.Event()
+        self._no_local = NoLocalEndpoints()
+        self._health_ports: dict[object, int] = {}
 
     # ---- hooks
 
@@ -83,6 +115,8 @@ class Daemon:
             self.health.set_node_eligible(node_eligible(node_object()))
         if result.kind == "noop":
             return
+        changes = result.changes
+        self._no_local.update(state, state.services if changes.node else changes.keys)
         for family in IPFamily:
             self.metrics.observe_sync(
                 result.kind,
@@ -92,21 +126,27 @@ class Daemon:
                 endpoints_changed=result.endpoints_changed,
                 operations=result.operations,
             )
-            internal, external = no_local_endpoints(state, family)
+            internal, external = self._no_local.counts(family)
             self.metrics.set_no_local_endpoints(internal, external, family=family)
         for family, counts in self.proxier.backend.rule_counts().items():
             self.metrics.set_rule_counts(self.config.backend, counts, family=family)  # type: ignore[arg-type]
-        sh = service_health(state)
-        self.health_checks.sync_services(sh.ports)
-        self.health_checks.sync_endpoints(sh.local_endpoints)
+        # Walking every service for health-check ports only when one can have changed, or when a
+        # port could not be bound last time (it is retried).
+        if _touches_health_checks(previous, state, result) or dict(self.health_checks.ports) != self._health_ports:
+            sh = service_health(state)
+            self._health_ports = dict(sh.ports)
+            self.health_checks.sync_services(sh.ports)
+            self.health_checks.sync_endpoints(sh.local_endpoints)
         if self.config.conntrack and previous is not None:
-            self._clear_conntrack(previous, state)
+            self._clear_conntrack(previous, state, changes.keys)
 
-    def _clear_conntrack(self, previous: ClusterState, state: ClusterState) -> None:
+    def _clear_conntrack(
+        self, previous: ClusterState, state: ClusterState, changed: Iterable[ServicePortKey]
+    ) -> None:
         from nfproxy.conntrack import stale_flows
         from nfproxy.kernel import conntrack as kernel_conntrack
 
-        flows = stale_flows(previous, state)
+        flows = stale_flows(previous, state, changed)
         if not flows:
             return
         try:

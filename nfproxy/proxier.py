@@ -15,6 +15,7 @@ failures with exponential backoff.
 from __future__ import annotations
 
 import logging
+import shlex
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,12 +41,25 @@ BACKENDS = ("iptables", "nft")
 
 @dataclass(frozen=True, slots=True)
 class SyncResult:
+    """One sync: its kind, the changes it wrote, kernel operations and duration.
+
+    `changes` lets whatever runs after a sync (metrics, health checks, conntrack cleanup) work on
+    the changed service ports only, instead of walking the whole state again.
+    """
+
     kind: SyncKind
-    services_changed: int
-    endpoints_changed: int
+    changes: Changes
     operations: int
     seconds: float
     reason: str = ""
+
+    @property
+    def services_changed(self) -> int:
+        return len(self.changes.services)
+
+    @property
+    def endpoints_changed(self) -> int:
+        return len(self.changes.endpoints)
 
     def log_line(self) -> str:
         """One logfmt line per sync: what kube-proxy's "syncProxyRules complete" says, and more."""
@@ -90,10 +104,14 @@ class NftSync:
         self.families = tuple(families)
         self.applied: dict[IPFamily, nft_backend.NftRuleset] = {}
         self.stale: dict[IPFamily, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        # Per family: chains, rules and affinity sets of all service ports, kept up to date by
+        # partial syncs so that counting them for metrics never walks 10 000 services.
+        self._owned: dict[IPFamily, tuple[int, int, int]] = {}
 
     def forget(self) -> None:
         self.applied.clear()
         self.stale.clear()
+        self._owned.clear()
 
     def pending(self) -> bool:
         return any(chains or sets for chains, sets in self.stale.values())
@@ -129,6 +147,15 @@ class NftSync:
             self._apply_delta(new, d)
         self.applied[family] = new
         self.stale[family] = (d.stale_chains, d.stale_sets)
+        chains, rules, sets = self._owned[family]
+        for key in keys:
+            if (old := previous.services.get(key)) is not None:
+                c, r, a = _objects_of(old)
+                chains, rules, sets = chains - c, rules - r, sets - a
+            if (cur := new.services.get(key)) is not None:
+                c, r, a = _objects_of(cur)
+                chains, rules, sets = chains + c, rules + r, sets + a
+        self._owned[family] = (chains, rules, sets)
         return len(d.commands)
 
     def _apply_delta(self, new: nft_backend.NftRuleset, d: nft_backend.NftDelta) -> None:
@@ -169,23 +196,28 @@ class NftSync:
             self.fast.forget()  # set declarations may have changed with the table
         self.applied[family] = new
         self.stale[family] = (tuple(stray_chains), tuple(stray_sets))
+        owned = [_objects_of(svc) for svc in new.services.values()]
+        self._owned[family] = (sum(o[0] for o in owned), sum(o[1] for o in owned), sum(o[2] for o in owned))
         return script.count("\n")
 
     def rule_counts(self) -> dict[IPFamily, dict[str, int]]:
         """What the kernel holds after the last sync, per family (metrics' nft object kinds)."""
         counts: dict[IPFamily, dict[str, int]] = {}
         for family, rs in self.applied.items():
-            services = rs.services.values()
+            chains, rules, affinity_sets = self._owned[family]
             counts[family] = {
-                "chains": len(rs.chains) + sum(len(s.chains) for s in services),
-                "rules": sum(len(r) for r in rs.chains.values())
-                + sum(len(r) for s in services for r in s.chains.values()),
-                "sets": sum(1 for d in rs.sets.values() if d.kind == "set")
-                + sum(len(s.affinity_sets) for s in services),
+                "chains": len(rs.chains) + chains,
+                "rules": sum(len(r) for r in rs.chains.values()) + rules,
+                "sets": sum(1 for d in rs.sets.values() if d.kind == "set") + affinity_sets,
                 "maps": sum(1 for d in rs.sets.values() if d.kind == "map") + len(rs.shard_users),
                 "elements": sum(len(e) for e in rs.elements.values()) + len(rs.hairpin_refs),
             }
         return counts
+
+
+def _objects_of(svc: nft_backend.ServiceRules) -> tuple[int, int, int]:
+    """Chains, rules and affinity sets one service port owns."""
+    return len(svc.chains), sum(len(r) for r in svc.chains.values()), len(svc.affinity_sets)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +260,7 @@ class IptablesSync:
                 payload = new.restore_text(with_jumps=False, delete_chains=stale)
                 runner.restore(payload)
                 for jump in new.jumps:
-                    runner.ensure_rule(jump.table, jump.chain, _split(jump.spec))
+                    runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
                 kind = "full"
             else:
                 changed = [
@@ -261,12 +293,6 @@ class IptablesSync:
 
 def _nat_chains(save_text: str) -> list[str]:
     return [line[1:].split(" ", 1)[0] for line in save_text.splitlines() if line.startswith(":")]
-
-
-def _split(spec: str) -> list[str]:
-    import shlex
-
-    return shlex.split(spec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +347,7 @@ class Proxier:
             do_full = full or self._needs_full or changes.node
             reason = "requested" if full else ("after failure or start" if self._needs_full else "node changed" if changes.node else "")
             if not do_full and changes.empty and not self.backend.pending():
-                result = SyncResult("noop", 0, 0, 0, time.perf_counter() - start)
+                result = SyncResult("noop", changes, 0, time.perf_counter() - start)
                 self.last_result = result
                 for hook in self.hooks.on_synced:
                     hook(self._last, state, result)
@@ -342,8 +368,7 @@ class Proxier:
             self._needs_full = False
             result = SyncResult(
                 kind,
-                len(changes.services),
-                len(changes.endpoints),
+                changes,
                 ops,
                 time.perf_counter() - start,
                 reason if kind == "full" else "",

@@ -184,3 +184,43 @@ def test_daemon_flag_errors() -> None:
     assert p.returncode == 2 and "--netns: no network namespace named 'nfp-missing-ns'" in p.stderr
     p = nfproxy("--backend", "pf", "--manifests", str(EXAMPLES))
     assert p.returncode == 2 and "invalid choice: 'pf'" in p.stderr
+
+
+def test_per_sync_bookkeeping_from_changes_equals_a_full_walk() -> None:
+    """The daemon counts no-local-endpoint ports and finds stale UDP flows from a sync's changes
+    only; that must give what walking every service gives."""
+    import dataclasses
+    import random
+
+    from nfproxy.changes import diff
+    from nfproxy.conntrack import stale_flows
+    from nfproxy.daemon import NoLocalEndpoints
+    from nfproxy.model import IPFamily
+    from tests.clusters import random_cluster
+
+    rng = random.Random(3)
+    state = random_cluster(random.Random(11), 60)
+    tracked = NoLocalEndpoints()
+    tracked.update(state, state.services)
+    for _ in range(30):
+        keys = sorted(state.services, key=str)
+        key = rng.choice(keys)
+        endpoints = dict(state.endpoints)
+        eps = list(endpoints.get(key, ()))
+        if eps and rng.random() < 0.5:
+            eps.pop(rng.randrange(len(eps)))
+        elif eps:
+            eps[0] = dataclasses.replace(eps[0], node_name=rng.choice(["node-a", "node-b"]))
+        endpoints[key] = tuple(eps)
+        services = dict(state.services)
+        if rng.random() < 0.2:
+            del services[rng.choice(keys)]
+        new = dataclasses.replace(state, services=services, endpoints=endpoints)
+        changes = diff(state, new)
+        assert stale_flows(state, new, changes.keys) == stale_flows(state, new)
+        tracked.update(new, changes.keys)
+        fresh = NoLocalEndpoints()
+        fresh.update(new, new.services)
+        for family in IPFamily:
+            assert tracked.counts(family) == fresh.counts(family)
+        state = new
