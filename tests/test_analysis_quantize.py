@@ -116,13 +116,13 @@ def test_closed_forms_and_backend_gap_for_every_n() -> None:
 PIPELINE_SIZES = list(range(1, 101)) + [127, 128, 255, 256, 333, 500, 999, 1000]
 
 
-def test_iptables_rules_read_back_match_closed_form() -> None:
-    """Rendered cascades read back and walked exactly equal the closed form."""
-    from nfproxy.model import ClusterState, Endpoint, ServicePort, ServicePortName, Protocol, ServiceType
+def sized_cluster(sizes: list[int]):  # noqa: ANN201
+    """One ClusterIP service per size n, with n endpoints (names and addresses unique)."""
+    from nfproxy.model import ClusterState, Endpoint, Protocol, ServicePort, ServicePortName, ServiceType
     from tests.clusters import NODE
 
     services, endpoints = {}, {}
-    for n in PIPELINE_SIZES:
+    for n in sizes:
         spn = ServicePortName("ns", f"svc-{n}", "", Protocol.TCP)
         svc = ServicePort(spn, IPFamily.V4, ServiceType.CLUSTER_IP, f"172.30.{n >> 8}.{n & 255}", 80)
         services[svc.key] = svc
@@ -130,7 +130,13 @@ def test_iptables_rules_read_back_match_closed_form() -> None:
             (Endpoint(f"10.{n >> 8}.{n & 255}.{j >> 8}", 1000 + (j & 255), node_name="node-b") for j in range(n)),
             key=lambda e: e.address,
         ))
-    state = ClusterState(NODE, services, endpoints)
+    return ClusterState(NODE, services, endpoints)
+
+
+def test_iptables_rules_read_back_match_closed_form() -> None:
+    """Rendered cascades read back and walked exactly equal the closed form."""
+    state = sized_cluster(PIPELINE_SIZES)
+    services, endpoints = state.services, state.endpoints
     rules = iptables_backend.render(state, IPFamily.V4)
     for key, svc in services.items():
         n = len(endpoints[key])
@@ -155,29 +161,18 @@ NFT_SIZES = list(range(1, 65)) + [100, 255, 256, 333, 999, 1000]
 
 def test_nft_rules_read_back_match_closed_form(netns: str) -> None:
     """numgen through the kernel: applied, listed with -j, parsed, walked (a spread of sizes:
-    applying 500 000 endpoint chains for every n would take minutes)."""
-    from nfproxy.model import ClusterState, Endpoint, ServicePort, ServicePortName, Protocol, ServiceType
-    from tests.clusters import NODE
-
-    services, endpoints = {}, {}
-    for n in NFT_SIZES:
-        spn = ServicePortName("ns", f"svc-{n}", "", Protocol.TCP)
-        svc = ServicePort(spn, IPFamily.V4, ServiceType.CLUSTER_IP, f"172.30.{n >> 8}.{n & 255}", 80)
-        services[svc.key] = svc
-        endpoints[svc.key] = tuple(sorted(
-            (Endpoint(f"10.{n >> 8}.{n & 255}.{j >> 8}", 1000 + (j & 255), node_name="node-b") for j in range(n)),
-            key=lambda e: e.address,
-        ))
-    state = ClusterState(NODE, services, endpoints)
+    every n up to 1000 would mean half a million slots)."""
+    state = sized_cluster(NFT_SIZES)
+    services, endpoints = state.services, state.endpoints
     session = NftSession(netns)
     session.apply(nft_backend.render(state, IPFamily.V4).script())
     rs = nft_json.parse(session.list_table("ip", "nfproxy"))
     for key, svc in services.items():
         n = len(endpoints[key])
-        dist = interpret(rs, Packet("10.0.0.5", svc.cluster_ip, 80, "tcp", "pod"), node_ips=NODE.ips)
+        dist = interpret(rs, Packet("10.0.0.5", svc.cluster_ip, 80, "tcp", "pod"), node_ips=state.node.ips)
         expected = {e.address: p for e, p in zip(endpoints[key], closed_numgen(n))}
         assert {o.endpoint: p for o, p in dist.items()} == expected, n
-        ideal = interpret(rs, Packet("10.0.0.5", svc.cluster_ip, 80, "tcp", "pod"), node_ips=NODE.ips, mode="ideal")
+        ideal = interpret(rs, Packet("10.0.0.5", svc.cluster_ip, 80, "tcp", "pod"), node_ips=state.node.ips, mode="ideal")
         assert set(ideal.values()) == {Fraction(1, n)}
 
 
