@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nfproxy.model import ClusterState, NodeConfig
-from nfproxy.sources.manifests import LoadResult, ManifestError, load
+from nfproxy.sources.manifests import LoadResult, ManifestError, load, manifest_files
 
 log = logging.getLogger("nfproxy.sources.files")
 
@@ -22,20 +22,15 @@ Signature = tuple[tuple[str, int, int], ...]
 
 
 def _signature(root: Path) -> Signature:
-    if root.is_file():
-        st = root.stat()
-        return ((str(root), st.st_size, st.st_mtime_ns),)
+    """(path, size, mtime) of the files `manifests.load` would read (stat follows the symlinks
+    a ConfigMap volume swaps on update)."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if name.endswith((".yaml", ".yml", ".json")) and not name.startswith("."):
-                p = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(p)
-                except FileNotFoundError:
-                    continue
-                out.append((p, st.st_size, st.st_mtime_ns))
+    for path in [root] if root.is_file() else manifest_files(root):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        out.append((str(path), st.st_size, st.st_mtime_ns))
     return tuple(out)
 
 

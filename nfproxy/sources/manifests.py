@@ -162,7 +162,7 @@ def load(path: str | os.PathLike[str], node: NodeConfig | None = None) -> LoadRe
     root = Path(path)
     if not root.exists():
         raise ManifestError(f"{root}: no such file or directory")
-    files = [root] if root.is_file() else _manifest_files(root)
+    files = [root] if root.is_file() else manifest_files(root)
     if not files:
         raise ManifestError(f"{root}: no *.yaml, *.yml or *.json files found")
     documents: list[_Document] = []
@@ -190,7 +190,7 @@ def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> Load
     return _build((_Document(obj) for obj in objects), node)
 
 
-def _manifest_files(root: Path) -> list[Path]:
+def manifest_files(root: Path) -> list[Path]:
     """Manifest files below `root`, sorted, skipping hidden entries.
 
     Hidden entries are skipped so editor swap files and `.git` are not read, and so a ConfigMap
