@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shlex
 from dataclasses import dataclass
@@ -30,22 +31,16 @@ class Removed:
     count: int
 
 
-def _owned(table: str, chains: list[str]) -> list[str]:
+@functools.cache
+def _fixed_chains(table: str) -> frozenset[str]:
+    """The renderer's own fixed chains of a table: what it writes for an empty cluster."""
     static = iptables_backend.render(ClusterState(), IPFamily.V4)
-    fixed = set(static.nat if table == "nat" else static.filter)
+    return frozenset(static.nat if table == "nat" else static.filter)
+
+
+def _owned(table: str, chains: list[str]) -> list[str]:
+    fixed = _fixed_chains(table)
     return [c for c in chains if c in fixed or c.startswith(iptables_backend.SERVICE_CHAIN_PREFIXES)]
-
-
-def _chains(save_text: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    table = ""
-    for line in save_text.splitlines():
-        if line.startswith("*"):
-            table = line[1:]
-            out[table] = []
-        elif line.startswith(":") and table:
-            out[table].append(line[1:].split(" ", 1)[0])
-    return out
 
 
 def cleanup_iptables(netns: str | None) -> list[Removed]:
@@ -54,7 +49,7 @@ def cleanup_iptables(netns: str | None) -> list[Removed]:
         for family in IPFamily:
             try:
                 runner = IptablesRunner(family, netns, flavour)
-                existing = _chains(runner.save())
+                existing = runner.chains()
             except KernelError as exc:
                 log.info("%s IPv%d: nothing to clean (%s)", flavour.value, family.value, exc)
                 continue

@@ -252,7 +252,7 @@ class IptablesSync:
                 continue
             new = iptables_backend.render(state, family)
             if full or previous is None:
-                existing = _nat_chains(runner.save("nat"))
+                existing = runner.chains("nat").get("nat", [])
                 wanted = set(new.nat) | {c for g in new.service_chains.values() for c in g.chains}
                 stale = sorted(
                     c for c in existing if c.startswith(iptables_backend.SERVICE_CHAIN_PREFIXES) and c not in wanted
@@ -289,10 +289,6 @@ class IptablesSync:
             )
             counts[family] = {"nat": nat, "filter": sum(len(r) for r in rules.filter.values())}
         return counts
-
-
-def _nat_chains(save_text: str) -> list[str]:
-    return [line[1:].split(" ", 1)[0] for line in save_text.splitlines() if line.startswith(":")]
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,6 +76,18 @@ class IptablesRunner:
         argv = [self.save_cmd] + (["-t", table] if table else [])
         return run(argv, netns=self.netns)
 
+    def chains(self, table: str | None = None) -> dict[str, list[str]]:
+        """Chain names per table (one table, or all), from `iptables-save`'s declarations."""
+        out: dict[str, list[str]] = {}
+        current = ""
+        for line in self.save(table).splitlines():
+            if line.startswith("*"):
+                current = line[1:]
+                out[current] = []
+            elif line.startswith(":") and current:
+                out[current].append(line[1:].split(" ", 1)[0])
+        return out
+
     def ensure_rule(self, table: str, chain: str, spec: list[str]) -> bool:
         """Insert `spec` at the top of a built-in chain unless an identical rule is there.
 
