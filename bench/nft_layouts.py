@@ -62,7 +62,7 @@ SLOT_STRIDE = 16  # slots reserved per service: room to grow without moving (see
 
 
 # --------------------------------------------------------------------------------------------
-# Synthetic services: the same addresses as tests/clusters.uniform_cluster.
+# Synthetic services: the same addresses as nfproxy/testing.uniform_cluster.
 
 
 def vip(i: int) -> str:
@@ -300,9 +300,9 @@ def child_full(layout: str, services: int, n: int, how: str, chunk: int) -> dict
 
 
 def child_iptables(flavour: str, services: int, n: int) -> dict:
-    from nfproxy.backends import iptables
-    from nfproxy.model import IPFamily
-    from tests.clusters import uniform_cluster
+    from nfproxy.backends.iptables import render as iptables
+    from nfproxy.core.model import IPFamily
+    from nfproxy.testing import uniform_cluster
 
     text = iptables.render(uniform_cluster(services, n), IPFamily.V4).restore_text(with_jumps=True)
     with netns.throwaway("nfbench") as ns:
@@ -430,7 +430,7 @@ def traffic(layout: str) -> list[str]:
     """Returns findings; raises AssertionError when the layout misbehaves."""
     import socket
 
-    from nfproxy.sandbox import Sandbox, SandboxSpec, summarize
+    from nfproxy.verify.sandbox import Sandbox, SandboxSpec, summarize
 
     node_ip = "192.168.0.2"
     i = 1  # a synthetic service's chain name, VIP and slots; its endpoints are set below

@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nfproxy.backends import nft as nft_backend  # noqa: E402
-from nfproxy.changes import diff  # noqa: E402
+from nfproxy.backends.nft import render as nft_backend  # noqa: E402
+from nfproxy.core.changes import diff  # noqa: E402
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.kernel.nft import NftSession  # noqa: E402
 from nfproxy.kernel.nft_netlink import NetlinkNft  # noqa: E402
-from nfproxy.model import ClusterState, Endpoint, IPFamily, sort_endpoints  # noqa: E402
-from tests.clusters import uniform_cluster  # noqa: E402
+from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints  # noqa: E402
+from nfproxy.testing import uniform_cluster  # noqa: E402
 
 
 def measure(services: int, endpoints: int, repeat: int) -> dict[str, float]:

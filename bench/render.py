@@ -25,18 +25,18 @@ TARGET_SECONDS = 1.0
 def measure(backend: str, services: int, endpoints: int) -> dict[str, float]:
     """Runs in the child: build the model, then time render + text for both families."""
     sys.path.insert(0, ROOT)
-    from nfproxy.model import IPFamily
-    from tests.clusters import uniform_cluster
+    from nfproxy.core.model import IPFamily
+    from nfproxy.testing import uniform_cluster
 
     state = uniform_cluster(services, endpoints)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if backend == "iptables":
-        from nfproxy.backends import iptables
+        from nfproxy.backends.iptables import render as iptables
 
         text = "".join(iptables.render(state, f).restore_text() for f in IPFamily)
     else:
-        from nfproxy.backends import nft
+        from nfproxy.backends.nft import render as nft
 
         text = "".join(nft.render(state, f).script() for f in IPFamily)
     seconds = time.perf_counter() - start

@@ -2,7 +2,7 @@
 """Sync benchmark: full, one-service and no-op syncs through the proxier, as ratios from one run.
 
 Every measurement runs in a fresh throwaway network namespace, through `Proxier.sync` (the code
-a node runs: render, delta, kernel transaction), on the benchmark shape of tests/clusters.py:
+a node runs: render, delta, kernel transaction), on the benchmark shape of nfproxy/testing.py:
 IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 
 - a full nft sync of S x N against a full iptables sync of the same services, with
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.kernel.iptables import Flavour  # noqa: E402
-from nfproxy.model import ClusterState, Endpoint, sort_endpoints  # noqa: E402
-from nfproxy.proxier import Proxier  # noqa: E402
-from tests.clusters import uniform_cluster  # noqa: E402
+from nfproxy.core.model import ClusterState, Endpoint, sort_endpoints  # noqa: E402
+from nfproxy.daemon.proxier import Proxier  # noqa: E402
+from nfproxy.testing import uniform_cluster  # noqa: E402
 
 
 def full_sync(backend: str, state: ClusterState, flavour: Flavour | None = None) -> float:

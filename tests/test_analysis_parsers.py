@@ -11,11 +11,11 @@ import pytest
 from nfproxy.analysis import inventory, iptables_save, nft_json
 from nfproxy.analysis.interpret import InterpretError, Outcome, Packet, interpret, trace
 from nfproxy.analysis.ir import Dnat, Match, Statistic
-from nfproxy.backends import iptables as iptables_backend
+from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
-from nfproxy.model import IPFamily, NodeConfig
+from nfproxy.core.model import IPFamily, NodeConfig
 from nfproxy.sources import manifests
-from nfproxy.validate import apply_iptables
+from nfproxy.verify.validate import apply_iptables
 
 ROOT = Path(__file__).resolve().parent.parent
 DUMPS = Path(__file__).resolve().parent / "dumps"

@@ -14,11 +14,11 @@ import pytest
 
 from nfproxy.analysis import iptables_save, nft_json, quantize
 from nfproxy.analysis.interpret import Packet, interpret, walk_chain
-from nfproxy.backends import iptables as iptables_backend
-from nfproxy.backends import nft as nft_backend
+from nfproxy.backends.iptables import render as iptables_backend
+from nfproxy.backends.nft import render as nft_backend
 from nfproxy.kernel.nft import NftSession
-from nfproxy.model import IPFamily
-from tests.clusters import uniform_cluster
+from nfproxy.core.model import IPFamily
+from nfproxy.testing import uniform_cluster
 
 N_MAX = 1000
 TWO31 = 2**31
@@ -118,8 +118,8 @@ PIPELINE_SIZES = list(range(1, 101)) + [127, 128, 255, 256, 333, 500, 999, 1000]
 
 def sized_cluster(sizes: list[int]):  # noqa: ANN201
     """One ClusterIP service per size n, with n endpoints (names and addresses unique)."""
-    from nfproxy.model import ClusterState, Endpoint, Protocol, ServicePort, ServicePortName, ServiceType
-    from tests.clusters import NODE
+    from nfproxy.core.model import ClusterState, Endpoint, Protocol, ServicePort, ServicePortName, ServiceType
+    from nfproxy.testing import NODE
 
     services, endpoints = {}, {}
     for n in sizes:

@@ -14,12 +14,12 @@ import pytest
 
 from nfproxy.analysis import dump
 from nfproxy.analysis.check import check
-from nfproxy.cli import main
+from nfproxy.cli.main import main
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import run
-from nfproxy.model import NodeConfig
+from nfproxy.core.model import NodeConfig
 from nfproxy.sources import manifests
-from nfproxy.validate import apply_iptables, apply_nft
+from nfproxy.verify.validate import apply_iptables, apply_nft
 
 ROOT = Path(__file__).resolve().parent.parent
 DUMPS = Path(__file__).resolve().parent / "dumps"

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from nfproxy.cli import main
+from nfproxy.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "nfproxy.cli", *argv], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "nfproxy.cli.main", *argv], capture_output=True, text=True, check=False
     )
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from nfproxy.analysis.interpret import Outcome, Packet
-from nfproxy.cli import main
-from nfproxy.compare import Comparison, Probe, ProbeResult, compare, probes
-from nfproxy.model import IPFamily, NodeConfig
+from nfproxy.cli.main import main
+from nfproxy.verify.compare import Comparison, Probe, ProbeResult, compare, probes
+from nfproxy.core.model import IPFamily, NodeConfig
 from nfproxy.sources import manifests
-from tests.clusters import random_cluster
+from nfproxy.testing import random_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = manifests.load(str(ROOT / "examples"), NodeConfig()).state

@@ -8,10 +8,10 @@ from fractions import Fraction
 import pytest
 
 from nfproxy.analysis.interpret import Outcome, Packet, interpret
-from nfproxy.compare import compare, iptables_ruleset, nft_ruleset
+from nfproxy.verify.compare import compare, iptables_ruleset, nft_ruleset
 from nfproxy.kernel.nft import NftSession
-from nfproxy.model import IPFamily
-from nfproxy.scenarios import load_all
+from nfproxy.core.model import IPFamily
+from tests.scenarios import load_all
 
 SCENARIOS = load_all()
 

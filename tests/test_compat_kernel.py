@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy.compat_kernel import (
+from tests.compat_kernel import (
     BACKENDS,
     ScenarioResult,
     run_corpus,
@@ -18,7 +18,7 @@ from nfproxy.compat_kernel import (
     sandbox_spec,
     target,
 )
-from nfproxy.scenarios import COMPAT_DIR, Expect, load, load_all
+from tests.scenarios import COMPAT_DIR, Expect, load, load_all
 
 pytestmark = pytest.mark.kernel
 

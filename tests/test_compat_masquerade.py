@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nfproxy.compat_kernel import _masquerade_problems
-from nfproxy.sandbox import Outcome
+from tests.compat_kernel import _masquerade_problems
+from nfproxy.verify.sandbox import Outcome
 
 NODE_IP = "192.168.0.2"
 

@@ -18,10 +18,10 @@ from hypothesis import given
 from pyroute2.conntrack import Conntrack, NFCTAttrTuple
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy.conntrack import FlowFilter, stale_flows
+from nfproxy.daemon.conntrack import FlowFilter, stale_flows
 from nfproxy.kernel import conntrack as kct
 from nfproxy.kernel import netns as netns_mod
-from nfproxy.model import (
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
@@ -32,9 +32,9 @@ from nfproxy.model import (
     ServiceType,
     sort_endpoints,
 )
-from nfproxy.sandbox import Sandbox, SandboxSpec
-from nfproxy.validate import apply_nft
-from tests.clusters import clusters, random_cluster
+from nfproxy.verify.sandbox import Sandbox, SandboxSpec
+from nfproxy.verify.validate import apply_nft
+from nfproxy.testing import clusters, random_cluster
 
 V4, V6 = IPFamily.V4, IPFamily.V6
 NODE = NodeConfig(name="node-a", ips=("192.168.0.2",), cluster_cidrs=("10.244.0.0/16",))

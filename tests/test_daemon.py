@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nfproxy.daemon import Daemon, DaemonConfig
+from nfproxy.daemon.node import Daemon, DaemonConfig
 from nfproxy.kernel import netns
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import run
@@ -147,7 +147,7 @@ def test_bad_manifest_edit_keeps_the_rest(tmp_path: Path) -> None:
 def test_sigterm_exits_cleanly_and_leaves_the_rules(tmp_path: Path, backend: str) -> None:
     with netns.throwaway("nfp-daemon") as ns:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nfproxy.cli", "--backend", backend, "--manifests", str(EXAMPLES),
+            [sys.executable, "-m", "nfproxy.cli.main", "--backend", backend, "--manifests", str(EXAMPLES),
              "--netns", ns, "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "",
              "--min-sync-period", "100ms"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -167,14 +167,14 @@ def test_sigterm_exits_cleanly_and_leaves_the_rules(tmp_path: Path, backend: str
         assert proc.returncode == 0, err
         assert "sync kind=full" in err and "SIGTERM" in err
         assert synced(), "rules must stay after SIGTERM"
-        subprocess.run([sys.executable, "-m", "nfproxy.cli", "cleanup", "--netns", ns], check=True,
+        subprocess.run([sys.executable, "-m", "nfproxy.cli.main", "cleanup", "--netns", ns], check=True,
                        capture_output=True)
         assert not synced()
 
 
 def test_daemon_flag_errors() -> None:
     def nfproxy(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "nfproxy.cli", *argv], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "nfproxy.cli.main", *argv], capture_output=True, text=True)
 
     p = nfproxy("--backend", "nft", "--manifests", str(EXAMPLES), "--min-sync-period", "fast", "--once")
     assert p.returncode == 2 and "--min-sync-period: not a duration: 'fast'" in p.stderr
@@ -192,11 +192,11 @@ def test_per_sync_bookkeeping_from_changes_equals_a_full_walk() -> None:
     import dataclasses
     import random
 
-    from nfproxy.changes import diff
-    from nfproxy.conntrack import stale_flows
-    from nfproxy.daemon import NoLocalEndpoints
-    from nfproxy.model import IPFamily
-    from tests.clusters import random_cluster
+    from nfproxy.core.changes import diff
+    from nfproxy.daemon.conntrack import stale_flows
+    from nfproxy.daemon.node import NoLocalEndpoints
+    from nfproxy.core.model import IPFamily
+    from nfproxy.testing import random_cluster
 
     rng = random.Random(3)
     state = random_cluster(random.Random(11), 60)

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from nfproxy.cli import build_parser
-from nfproxy.config import duration, node_config_from_args
+from nfproxy.cli.main import build_parser
+from nfproxy.cli.config import duration, node_config_from_args
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MODELS = {

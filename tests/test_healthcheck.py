@@ -11,14 +11,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from nfproxy.healthcheck import (
+from nfproxy.daemon.healthcheck import (
     ServiceHealthServer,
     ServiceName,
     response_body,
     service_health,
 )
 from nfproxy.kernel import netns as netns_mod
-from nfproxy.model import (
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
@@ -29,7 +29,7 @@ from nfproxy.model import (
     ServiceType,
     sort_endpoints,
 )
-from nfproxy.server import ProxierHealth
+from nfproxy.daemon.server import ProxierHealth
 
 NODE = NodeConfig(name="node-a", ips=("192.168.0.2", "fd00:1::2"), cluster_cidrs=("10.244.0.0/16",))
 WEB = ServiceName("shop", "web")
@@ -200,7 +200,7 @@ def test_port_in_use_is_logged_and_retried(hcs: tuple, caplog: pytest.LogCapture
     squatter.bind(("::", 32003))
     squatter.listen(1)
     try:
-        with caplog.at_level(logging.ERROR, logger="nfproxy.healthcheck"):
+        with caplog.at_level(logging.ERROR, logger="nfproxy.daemon.healthcheck"):
             server.sync_services({WEB: 32003})
         assert server.ports == {}
         assert "32003" in caplog.text and "shop/web" in caplog.text

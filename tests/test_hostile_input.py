@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nfproxy.backends import iptables as iptables_backend
-from nfproxy.backends import nft as nft_backend
-from nfproxy.model import IPFamily, Protocol, ServicePort, ServicePortName, ServiceType
+from nfproxy.backends.iptables import render as iptables_backend
+from nfproxy.backends.nft import render as nft_backend
+from nfproxy.core.model import IPFamily, Protocol, ServicePort, ServicePortName, ServiceType
 from nfproxy.sources import manifests
-from nfproxy.validate import apply_iptables, apply_nft
+from nfproxy.verify.validate import apply_iptables, apply_nft
 
 HOSTILE = [
     'evil"quote',
@@ -141,7 +141,7 @@ def test_renderers_refuse_or_quote_unvalidated_names(value: str, netns: str) -> 
     may stay (the kernel must then accept the text), while quotes, backslashes, line breaks
     and non-ASCII are refused.
     """
-    from nfproxy.model import ClusterState, Endpoint
+    from nfproxy.core.model import ClusterState, Endpoint
 
     svc = ServicePort(
         name=ServicePortName("shop", value, "http", Protocol.TCP),

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from nfproxy.backends.iptables import (
+from nfproxy.backends.iptables.render import (
     JUMPS,
     LARGE_CLUSTER_ENDPOINTS,
     SERVICE_CHAIN_PREFIXES,
@@ -30,8 +30,8 @@ from nfproxy.backends.iptables import (
     service_chain_name,
     service_hash,
 )
-from nfproxy.categorize import categorize
-from nfproxy.model import (
+from nfproxy.core.categorize import categorize
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
@@ -42,7 +42,7 @@ from nfproxy.model import (
     ServiceType,
     sort_endpoints,
 )
-from tests.clusters import clusters, random_cluster, uniform_cluster
+from nfproxy.testing import clusters, random_cluster, uniform_cluster
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "iptables"
 UPDATE = os.environ.get("NFPROXY_UPDATE_GOLDEN") == "1"
@@ -286,7 +286,7 @@ def test_hash_batch_equals_reference_base32() -> None:
     import base64
     import hashlib
 
-    from nfproxy.backends.iptables import _hash16_many
+    from nfproxy.backends.iptables.render import _hash16_many
 
     rng = random.Random(7)
     alphabet = "abc/:-.[]0123456789"

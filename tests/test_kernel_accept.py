@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from nfproxy.analysis.inventory import from_iptables_save, from_nft_json
-from nfproxy.backends import iptables as iptables_backend
-from nfproxy.backends import nft as nft_backend
-from nfproxy.categorize import categorize
+from nfproxy.backends.iptables import render as iptables_backend
+from nfproxy.backends.nft import render as nft_backend
+from nfproxy.core.categorize import categorize
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
-from nfproxy.model import ClusterState, IPFamily
+from nfproxy.core.model import ClusterState, IPFamily
 from nfproxy.sources import manifests
-from tests.clusters import random_cluster, uniform_cluster
+from nfproxy.testing import random_cluster, uniform_cluster
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from nfproxy.config import FlagError, add_node_flags
-from nfproxy.model import IPFamily, NodeConfig, Protocol, ServicePortName
+from nfproxy.cli.config import FlagError, add_node_flags
+from nfproxy.core.model import IPFamily, NodeConfig, Protocol, ServicePortName
 from nfproxy.sources import kube
 from nfproxy.sources.kube import (
     ENDPOINT_SLICES,
@@ -249,7 +249,7 @@ def test_zone_label_decides_topology_hints(api, start_source):
     api.apply(near)
     api.apply(far)
     source, _ = start_source()
-    from nfproxy.categorize import categorize
+    from nfproxy.core.categorize import categorize
 
     def cluster_endpoints() -> list[str]:
         state = source.snapshot().state
@@ -618,7 +618,7 @@ def test_node_name_defaults_to_the_host_name(monkeypatch, tmp_path):
 
 
 def test_the_daemon_command_line_builds_the_api_source(api):
-    from nfproxy.cli import build_parser
+    from nfproxy.cli.main import build_parser
 
     api.apply(service("web", "10.96.0.10"))
     args = build_parser().parse_args(
@@ -634,7 +634,7 @@ def test_the_daemon_command_line_builds_the_api_source(api):
 
 
 def test_node_deletion_state_is_a_change_and_the_raw_node_is_available(api, start_source):
-    from nfproxy.server import node_eligible
+    from nfproxy.daemon.server import node_eligible
 
     api.apply(node(NODE, zone="zone-a"))
     source, notices = start_source()
@@ -693,7 +693,7 @@ class Node:
         self.api, self.sb, self.loop, self.proxier, self.synced = api, sb, loop, proxier, synced
 
     def reach(self, count: int = 9, port: int = 80) -> dict[str, int]:
-        from nfproxy.sandbox import summarize
+        from nfproxy.verify.sandbox import summarize
 
         return dict(summarize(self.sb.connect("client", SERVICE_IP, port, "tcp", count, timeout=0.4)))
 
@@ -723,8 +723,8 @@ class Node:
 
 @pytest.fixture
 def kernel_node(api) -> Iterator[Callable[..., Node]]:
-    from nfproxy.proxier import Proxier, SyncLoop
-    from nfproxy.sandbox import Sandbox, SandboxSpec
+    from nfproxy.daemon.proxier import Proxier, SyncLoop
+    from nfproxy.verify.sandbox import Sandbox, SandboxSpec
 
     spec = SandboxSpec.of(
         node_ips=["192.168.0.2"],

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy import lab
-from nfproxy.commands import lab as lab_cmd
-from nfproxy.model import ClusterState, IPFamily, NodeConfig, Protocol
+from nfproxy.verify import lab
+from nfproxy.cli.commands import lab as lab_cmd
+from nfproxy.core.model import ClusterState, IPFamily, NodeConfig, Protocol
 from nfproxy.sources import manifests
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -396,7 +396,7 @@ def test_refuses_clearly_without_root(monkeypatch: pytest.MonkeyPatch,
 ])
 def test_flag_errors_name_the_flag(flags: list[str], message: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from nfproxy.cli import main
+    from nfproxy.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["lab", *flags, str(EXAMPLES)])
@@ -449,7 +449,7 @@ def test_interrupt_removes_every_namespace(sig: signal.Signals, delay: float) ->
     # As from a terminal: a shell starting the test suite in the background hands its children
     # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nfproxy.cli", "lab", "--connections", "10000", str(EXAMPLES)],
+        [sys.executable, "-m", "nfproxy.cli.main", "lab", "--connections", "10000", str(EXAMPLES)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -484,7 +484,7 @@ def _exact_three_way(backend: str) -> list[Fraction]:
 def test_lab_cli_json_plot_and_exact_expectations(tmp_path: Path) -> None:
     png = tmp_path / "lab.png"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nfproxy.cli", "lab", "--connections", "300", "--json",
+        [sys.executable, "-m", "nfproxy.cli.main", "lab", "--connections", "300", "--json",
          "--plot", str(png), str(EXAMPLES)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -20,7 +20,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nfproxy.model import (
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nfproxy.metrics import SYNC_BUCKETS, ProxyMetrics
-from nfproxy.model import IPFamily
+from nfproxy.daemon.metrics import SYNC_BUCKETS, ProxyMetrics
+from nfproxy.core.model import IPFamily
 
 V4, V6 = IPFamily.V4, IPFamily.V6
 

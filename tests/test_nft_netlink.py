@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from nfproxy.backends import nft as nft_backend
-from nfproxy.changes import diff
+from nfproxy.backends.nft import render as nft_backend
+from nfproxy.core.changes import diff
 from nfproxy.kernel import netns
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.nft_netlink import (
@@ -33,8 +33,8 @@ from nfproxy.kernel.nft_netlink import (
     TYPE_INET_SERVICE,
 )
 from nfproxy.kernel.process import KernelError, find_tool
-from nfproxy.model import ClusterState, Endpoint, IPFamily, sort_endpoints
-from tests.clusters import random_cluster
+from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
+from nfproxy.testing import random_cluster
 
 TABLE = nft_backend.TABLE
 FAMILIES = {IPFamily.V4: "ip", IPFamily.V6: "ip6"}
@@ -322,7 +322,7 @@ def test_element_keys_are_typed_by_the_set_declaration() -> None:
 
 @pytest.mark.kernel
 def test_the_proxier_sends_partial_syncs_through_netlink() -> None:
-    from nfproxy.proxier import Proxier
+    from nfproxy.daemon.proxier import Proxier
 
     base = random_cluster(random.Random(11), 40)
     key = sorted((k for k in base.services if not base.services[k].affinity_timeout), key=str)[0]

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from nfproxy.backends import nft
-from nfproxy.backends.nft import (
+from nfproxy.backends.nft import render as nft
+from nfproxy.backends.nft.render import (
     Element,
     NftRuleset,
     endpoint_chain_base,
@@ -31,8 +31,8 @@ from nfproxy.backends.nft import (
     render,
     service_chain_base,
 )
-from nfproxy.categorize import categorize
-from nfproxy.model import (
+from nfproxy.core.categorize import categorize
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
@@ -43,7 +43,7 @@ from nfproxy.model import (
     ServiceType,
     sort_endpoints,
 )
-from tests.clusters import clusters, random_cluster, uniform_cluster
+from nfproxy.testing import clusters, random_cluster, uniform_cluster
 
 GOLDEN = Path(__file__).parent / "golden" / "nft"
 UPDATE = os.environ.get("NFPROXY_UPDATE_GOLDEN") == "1"

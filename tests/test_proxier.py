@@ -14,15 +14,15 @@ import re
 
 import pytest
 
-from nfproxy.backends import nft as nft_backend
-from nfproxy.changes import diff
+from nfproxy.backends.nft import render as nft_backend
+from nfproxy.core.changes import diff
 from nfproxy.kernel import netns
 from nfproxy.kernel.iptables import IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import KernelError
-from nfproxy.model import ClusterState, Endpoint, IPFamily, sort_endpoints
-from nfproxy.proxier import Proxier
-from tests.clusters import random_cluster, uniform_cluster
+from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.testing import random_cluster, uniform_cluster
 
 pytestmark = pytest.mark.kernel
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy import sandbox as sandbox_mod
+from nfproxy.verify import sandbox as sandbox_mod
 from nfproxy.kernel.nft import NftSession
-from nfproxy.sandbox import (
+from nfproxy.verify.sandbox import (
     ConnectFailed,
     Outcome,
     Sandbox,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nfproxy.model import IPFamily, NodeConfig, Protocol, ServiceType
-from nfproxy.scenarios import COMPAT_DIR, Probe, ScenarioError, load, load_all, origin_of
+from nfproxy.core.model import IPFamily, NodeConfig, Protocol, ServiceType
+from tests.scenarios import COMPAT_DIR, Probe, ScenarioError, load, load_all, origin_of
 
 SCENARIOS = load_all()
 

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from nfproxy.config import FlagError
+from nfproxy.cli.config import FlagError
 from nfproxy.kernel import netns as netns_mod
-from nfproxy.metrics import ProxyMetrics
-from nfproxy.model import IPFamily
-from nfproxy.server import (
+from nfproxy.daemon.metrics import ProxyMetrics
+from nfproxy.core.model import IPFamily
+from nfproxy.daemon.server import (
     BindAddress,
     ProxierHealth,
     go_time,

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from nfproxy.stats import goodness_of_fit, two_sample, uniform
+from nfproxy.verify.stats import goodness_of_fit, two_sample, uniform
 
 
 def test_uniform_gives_one_over_n() -> None:

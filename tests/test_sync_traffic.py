@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from nfproxy.model import (
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
@@ -21,8 +21,8 @@ from nfproxy.model import (
     ServiceType,
     sort_endpoints,
 )
-from nfproxy.proxier import Proxier
-from nfproxy.sandbox import Sandbox, SandboxSpec
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.verify.sandbox import Sandbox, SandboxSpec
 
 pytestmark = pytest.mark.kernel
 

@@ -9,11 +9,11 @@ import pytest
 
 from nfproxy.analysis import dump
 from nfproxy.analysis.trace import guess_origin, parse_destination, pod_cidrs
-from nfproxy.cli import main
-from nfproxy.backends import iptables as iptables_backend
-from nfproxy.model import IPFamily, NodeConfig
+from nfproxy.cli.main import main
+from nfproxy.backends.iptables import render as iptables_backend
+from nfproxy.core.model import IPFamily, NodeConfig
 from nfproxy.sources import manifests
-from nfproxy.validate import apply_nft
+from nfproxy.verify.validate import apply_nft
 
 ROOT = Path(__file__).resolve().parent.parent
 DUMPS = Path(__file__).resolve().parent / "dumps"

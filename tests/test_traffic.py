@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy.model import (
+from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
@@ -24,9 +24,9 @@ from nfproxy.model import (
     ServiceType,
     sort_endpoints,
 )
-from nfproxy.sandbox import ConnectFailed, Sandbox, SandboxSpec, summarize
-from nfproxy.stats import goodness_of_fit, uniform
-from nfproxy.validate import apply_iptables, apply_nft
+from nfproxy.verify.sandbox import ConnectFailed, Sandbox, SandboxSpec, summarize
+from nfproxy.verify.stats import goodness_of_fit, uniform
+from nfproxy.verify.validate import apply_iptables, apply_nft
 
 pytestmark = pytest.mark.kernel
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from nfproxy.analysis import iptables_save, nft_json
 from nfproxy.analysis.ir import Ruleset
 from nfproxy.kernel.process import KernelError
-from nfproxy.model import IPFamily
+from nfproxy.core.model import IPFamily
 
 # Tables iptables-nft creates: the nft backend's check leaves them to the iptables one.
 IPTABLES_TABLES = frozenset({"filter", "nat", "mangle", "raw", "security"})

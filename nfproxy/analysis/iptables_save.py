@@ -44,7 +44,7 @@ from nfproxy.analysis.ir import (
     Verdict,
     canonical,
 )
-from nfproxy.model import IPFamily
+from nfproxy.core.model import IPFamily
 
 # Built-in chains: (hook, table type, priority) per table; priorities as netfilter defines them
 # (NF_IP_PRI_RAW -300, MANGLE -150, NAT_DST -100, FILTER 0, NAT_SRC 100), so iptables and nft

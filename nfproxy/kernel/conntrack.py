@@ -26,10 +26,10 @@ from typing import Any
 from pyroute2.conntrack import AsyncConntrack, NFCTAttrTuple
 from pyroute2.netlink.exceptions import NetlinkError
 
-from nfproxy.conntrack import FlowFilter
+from nfproxy.daemon.conntrack import FlowFilter
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.process import KernelError
-from nfproxy.model import IPFamily, Protocol
+from nfproxy.core.model import IPFamily, Protocol
 
 log = logging.getLogger(__name__)
 

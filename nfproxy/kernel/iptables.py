@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 from nfproxy.kernel.process import KernelError, find_tool, run
-from nfproxy.model import IPFamily
+from nfproxy.core.model import IPFamily
 
 
 class Flavour(enum.Enum):

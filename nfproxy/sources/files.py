@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from nfproxy.model import ClusterState, NodeConfig
+from nfproxy.core.model import ClusterState, NodeConfig
 from nfproxy.sources.manifests import LoadResult, ManifestError, load, manifest_files
 
 log = logging.getLogger("nfproxy.sources.files")

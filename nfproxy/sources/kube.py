@@ -50,8 +50,8 @@ from kubernetes.config import ConfigException, incluster_config, load_incluster_
 from kubernetes.config import load_kube_config
 from kubernetes.watch.watch import iter_resp_lines
 
-from nfproxy.config import FlagError, node_config_from_args
-from nfproxy.model import ClusterState, NodeConfig
+from nfproxy.cli.config import FlagError, node_config_from_args
+from nfproxy.core.model import ClusterState, NodeConfig
 from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, load_objects
 from nfproxy.sources.validation import FieldError, dns_subdomain, show
 

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from nfproxy.model import (
+from nfproxy.core.model import (
     DEFAULT_AFFINITY_TIMEOUT,
     ClusterState,
     Endpoint,

@@ -14,7 +14,7 @@ import ipaddress
 import re
 from collections.abc import Collection
 
-from nfproxy.model import IPFamily
+from nfproxy.core.model import IPFamily
 
 MAX_PORT = 65535
 MIN_AFFINITY_TIMEOUT = 1

@@ -1,0 +1,1 @@
+"""The iptables backend: pure, state in, restore payloads out."""

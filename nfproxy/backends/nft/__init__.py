@@ -1,0 +1,1 @@
+"""The nftables backend: pure, state in, rule objects and transactions out."""

@@ -1,0 +1,1078 @@
+"""The nftables backend: kube-proxy's nftables layout, rendered as structure first and text second.
+
+`render` is pure: it turns a ClusterState into an `NftRuleset` whose parts are exact nft syntax
+fragments, split the way an incremental sync needs them. The static part (table, base chains,
+top-level chains, map and set declarations) barely ever changes; each service port owns its
+chains and affinity sets; map and set elements are keyed by their nft key text so that two
+rulesets can be diffed element by element. `NftRuleset.script()` is only one consumer of that
+structure: the full `nft -f` script for a first sync (or a forced resync).
+
+Layout, as in kube-proxy's nftables mode (table `nfproxy` instead of `kube-proxy`):
+dispatch by verdict maps (`service-ips`, `service-nodeports`) from the nat hooks; no-endpoint
+drop/reject and LoadBalancerSourceRanges checks by verdict maps from filter hooks that run before
+DNAT; per service port a cluster-policy chain, a local-policy chain, an external-entry chain and
+a firewall chain; per endpoint a chain that marks hairpin traffic, records affinity and DNATs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from nfproxy.backends import gc_paused
+from nfproxy.core.categorize import NoEndpoints, Routing, categorize
+from nfproxy.core.model import (
+    MASQUERADE_MARK,
+    ClusterState,
+    Endpoint,
+    IPFamily,
+    NodeConfig,
+    ServicePort,
+    ServicePortKey,
+    ServicePortName,
+)
+
+TABLE = "nfproxy"
+
+# Top-level chains and maps. Service and endpoint chain names always contain a "/", these
+# never do: that is how a sync tells its own per-service chains apart from the fixed ones.
+SERVICES_CHAIN = "services"
+SERVICE_IPS_MAP = "service-ips"
+SERVICE_NODEPORTS_MAP = "service-nodeports"
+NODEPORT_IPS_SET = "nodeport-ips"
+CLUSTER_CIDRS_SET = "cluster-cidrs"
+SERVICE_ENDPOINTS_CHECK_CHAIN = "service-endpoints-check"
+NODEPORT_ENDPOINTS_CHECK_CHAIN = "nodeport-endpoints-check"
+NO_ENDPOINT_SERVICES_MAP = "no-endpoint-services"
+NO_ENDPOINT_NODEPORTS_MAP = "no-endpoint-nodeports"
+# External and LoadBalancer IPs without endpoints, checked on input and forward only: the node's
+# own traffic to them is left alone, as kube-proxy's iptables mode (KUBE-EXTERNAL-SERVICES is not
+# hooked on OUTPUT) leaves it, so that both backends agree and the eTP=Local short-circuit for
+# the node's own traffic still works. Upstream's nftables mode checks them on output too.
+NO_ENDPOINT_EXTERNAL_MAP = "no-endpoint-external-ips"
+EXTERNAL_ENDPOINTS_CHECK_CHAIN = "external-endpoints-check"
+REJECT_CHAIN = "reject-chain"
+FIREWALL_IPS_MAP = "firewall-ips"
+FIREWALL_CHECK_CHAIN = "firewall-check"
+MARK_MASQ_CHAIN = "mark-for-masquerade"
+MASQUERADING_CHAIN = "masquerading"
+HAIRPIN_SET = "hairpin"
+# Endpoint slots: every endpoint-selecting chain owns a block of consecutive integers, and a
+# data map `endpoints-M` (M = block start // SHARD_SLOTS) turns a slot into the endpoint's
+# address and port. Why shards and blocks: see docs/design.md ("The nft layout at scale").
+SHARD_PREFIX = "endpoints-"
+SHARD_SLOTS = 1024
+BLOCK_MIN = 16
+
+# Per service port / per endpoint name prefixes (kube-proxy's; none longer than 16 characters,
+# which is what keeps prefix + hashAndTruncate's 240-character base within nft's 256).
+SERVICE_PREFIX = "service-"
+LOCAL_PREFIX = "local-"
+EXTERNAL_PREFIX = "external-"
+FIREWALL_PREFIX = "firewall-"
+ENDPOINT_PREFIX = "endpoint-"
+AFFINITY_PREFIX = "affinity-"
+
+NAME_LENGTH_MAX = 256
+_NAME_BASE_LENGTH_MAX = NAME_LENGTH_MAX - 16
+COMMENT_LENGTH_MAX = 128  # nft refuses longer comments ("comment too long")
+
+_MARK = f"{MASQUERADE_MARK:#x}"
+
+# --------------------------------------------------------------------------------------------
+# Quoting: every string that reaches the script from the model goes through one of these two.
+
+_NAME_RE = re.compile(r"[A-Za-z_.][A-Za-z0-9_./-]*")
+_COMMENT_RE = re.compile(r"[A-Za-z0-9 _./:@,()+=-]*")
+_ADDRESS_RE = re.compile(r"[0-9A-Fa-f.:/]+")
+_IP_CHARS = "0123456789abcdefABCDEF.:"
+
+
+def nft_name(text: str) -> str:
+    """Return `text` unchanged if nft can take it bare as a chain or set name.
+
+    Names are written unquoted (as kube-proxy writes them), so anything else could change the
+    meaning of the statement it sits in; refuse it rather than guess an escape.
+    """
+    if len(text) > NAME_LENGTH_MAX or _NAME_RE.fullmatch(text) is None:
+        raise ValueError(f"not a safe nftables name: {text!r}")
+    return text
+
+
+def nft_comment(text: str) -> str:
+    """Return `text` as a double-quoted nft comment.
+
+    nft has no escape for `"` inside a string, so the only safe way is a small allow-list. Over-long
+    texts are cut instead of refused: a service port name can legally be 143 characters, and a
+    comment is only a label, never worth failing a sync for.
+    """
+    if _COMMENT_RE.fullmatch(text) is None:
+        raise ValueError(f"not safe in an nftables comment: {text!r}")
+    if len(text) > COMMENT_LENGTH_MAX:
+        text = text[: COMMENT_LENGTH_MAX - 3] + "..."
+    return f'"{text}"'
+
+
+def _address(text: str) -> str:
+    """Addresses and CIDRs are spliced into rules bare; make sure one cannot carry syntax."""
+    if _ADDRESS_RE.fullmatch(text) is None:
+        raise ValueError(f"not an address or CIDR: {text!r}")
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Names that carry identity (kube-proxy's scheme, so dumps read the same).
+
+
+# Base32 (RFC 4648) of 10 bits at a time: four lookups encode the 40 bits the hash prefix
+# needs, where base64.b32encode (pure Python in 3.11) costs more than the sha256 itself.
+_B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+_B32_PAIRS = tuple(a + b for a in _B32 for b in _B32)
+
+
+_FIRST_8_BYTES = struct.Struct(">Q").unpack_from
+
+
+def hash_and_truncate(name: str) -> str:
+    """`HASH8-name`, cut to 240 characters: the hash keeps truncated names unique and makes
+    neighbouring endpoint chains (differing in one digit) visually distinct."""
+    n = _FIRST_8_BYTES(hashlib.sha256(name.encode()).digest())[0] >> 24
+    p = _B32_PAIRS
+    name = f"{p[n >> 30]}{p[(n >> 20) & 1023]}{p[(n >> 10) & 1023]}{p[n & 1023]}-{name}"
+    if len(name) > _NAME_BASE_LENGTH_MAX:
+        name = name[: _NAME_BASE_LENGTH_MAX - 3] + "..."
+    return name
+
+
+def service_chain_base(spn: ServicePortName) -> str:
+    """`HASH-ns/name/proto/port`: "/" cannot occur in any of the parts, so it separates them."""
+    return hash_and_truncate(f"{spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}")
+
+
+def endpoint_chain_base(spn: ServicePortName, ep: Endpoint) -> str:
+    """`HASH-ns/name/proto/port__ip/port`; IPv6 colons become dots (colons are not allowed)."""
+    ip = ep.ip.replace(":", ".")
+    return hash_and_truncate(
+        f"{spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}__{ip}/{ep.port}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The structure.
+
+
+@dataclass(frozen=True, slots=True)
+class BaseChain:
+    name: str
+    type: str
+    hook: str
+    priority: str
+
+    @property
+    def spec(self) -> str:
+        return f"type {self.type} hook {self.hook} priority {self.priority} ;"
+
+
+@dataclass(frozen=True, slots=True)
+class SetDecl:
+    """A named set or map; `spec` is what goes between the braces of `add set|map`."""
+
+    kind: str  # "set" or "map"
+    spec: str
+
+
+@dataclass(frozen=True, slots=True)
+class Element:
+    """One set or map element, keyed elsewhere by its key text.
+
+    The comment is kept apart from the key because nft identifies (and deletes) an element by
+    key alone; `value` is "" for set elements.
+    """
+
+    value: str = ""
+    comment: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRules:
+    """Everything one service port owns, so a sync can rewrite just the ports that changed.
+
+    `chains` is ordered (policy chains, external, firewall, then endpoint chains) and maps a
+    chain name to its rules; `affinity_sets` maps set name to declaration spec; `elements` are
+    the (map or set name, key, element) triples this port adds to the shared maps.
+    """
+
+    chains: Mapping[str, tuple[str, ...]]
+    affinity_sets: Mapping[str, str]
+    elements: tuple[tuple[str, str, Element], ...]
+    # Slot blocks (chain name -> (first slot, size)) and the endpoint IPs this port adds to the
+    # shared hairpin set; both empty for ports that keep per-endpoint chains (affinity).
+    blocks: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
+    shards: tuple[str, ...] = ()  # the data map of each block, in the same order
+    hairpin: tuple[str, ...] = ()
+
+
+def block_size(n: int) -> int:
+    """Slots reserved for a chain of n endpoints: room to grow without moving, and a power of
+    two so that aligned blocks never straddle a shard (1 024 slots)."""
+    return max(BLOCK_MIN, 1 << (max(n, 1) - 1).bit_length())
+
+
+def shard_of(base: int, proto: str) -> str:
+    """The data map holding slot `base`. One set of shards per protocol: a map's data type
+    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port."""
+    return f"{SHARD_PREFIX}{proto}-{base // SHARD_SLOTS}"
+
+
+def _shard_order(name: str) -> tuple[str, int]:
+    proto, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
+    return proto, int(index)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAllocator:
+    """Where the next block of slots goes: a bump pointer plus free lists per block size.
+
+    Immutable, so that a ruleset keeps the allocator state it was rendered with and a failed
+    sync can simply forget the new one. Blocks are aligned to their size.
+    """
+
+    next_slot: int = 0
+    free: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def allocate(self, size: int) -> tuple[int, SlotAllocator]:
+        spare = self.free.get(size)
+        if spare:
+            free = dict(self.free)
+            free[size] = spare[1:]
+            return spare[0], SlotAllocator(self.next_slot, MappingProxyType(free))
+        base = -(-self.next_slot // size) * size
+        if base + size > 1 << 32:
+            raise ValueError("nft endpoint slots exhausted (2^32): restart nfproxy to compact them")
+        return base, SlotAllocator(base + size, self.free)
+
+    def release(self, base: int, size: int) -> SlotAllocator:
+        free = dict(self.free)
+        free[size] = (*free.get(size, ()), base)
+        return SlotAllocator(self.next_slot, MappingProxyType(free))
+
+
+@dataclass(frozen=True, slots=True)
+class NftRuleset:
+    """One family's complete nfproxy table as structure.
+
+    `chains` holds the static chains (base chains first) and their rules; `sets` the static
+    set and map declarations, each flushed and refilled from `elements` on a full sync;
+    `unused_sets` the static sets this node's configuration does not use, which a full sync
+    deletes if an earlier configuration created them. `elements` merges the static elements
+    with every service port's (the first service port, in name order, wins a duplicated key).
+    """
+
+    family: IPFamily
+    table: str
+    base_chains: tuple[BaseChain, ...]
+    chains: Mapping[str, tuple[str, ...]]
+    sets: Mapping[str, SetDecl]
+    unused_sets: Mapping[str, SetDecl]
+    elements: Mapping[str, Mapping[str, Element]]
+    services: Mapping[ServicePortKey, ServiceRules]
+    # (map, key) pairs that more than one service port claims: the first one in name order
+    # owns the element, and a partial sync that touches one of them falls back to a full one.
+    contested: frozenset[tuple[str, str]] = frozenset()
+    # Endpoint IP -> number of service ports that put it in the hairpin set.
+    hairpin_refs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Shard map name -> number of slot blocks in it; the allocator's state for partial syncs.
+    shard_users: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    allocator: SlotAllocator | None = None
+
+    @property
+    def nft_family(self) -> str:
+        return "ip" if self.family is IPFamily.V4 else "ip6"
+
+    def shard_spec(self, name: str) -> str:
+        """Key: the numgen slot (a 32-bit integer: `type mark` is refused for a numgen key);
+        data: address . port of the shard's protocol."""
+        proto = _shard_order(name)[0]
+        return f"typeof numgen random mod 1 : {self.nft_family} daddr . {proto} dport ;"
+
+    def script(self) -> str:
+        """A complete `nft -f` script: one atomic transaction.
+
+        Valid on a fresh namespace and over an existing `nfproxy` table alike: everything it owns
+        is added (a no-op when present) and then flushed before being refilled. Base chains are
+        deleted and re-added so that a changed hook or priority cannot fail the transaction.
+        Affinity sets are added but never flushed, so client stickiness survives a resync.
+        Chains of services that no longer exist are not known here and are left alone (unused,
+        unreferenced); removing them needs the kernel's chain list and belongs to the sync.
+        """
+        t = f"{self.nft_family} {self.table}"
+        add_chain = f"add chain {t} "
+        flush_chain = f"flush chain {t} "
+        add_rule = f"add rule {t} "
+        out: list[str] = [f"add table {t} {{ comment {nft_comment('rules for nfproxy')} ; }}\n"]
+        for bc in self.base_chains:
+            out.append(f"{add_chain}{bc.name}\ndelete chain {t} {bc.name}\n")
+        for bc in self.base_chains:
+            out.append(f"{add_chain}{bc.name} {{ {bc.spec} }}\n")
+        base_names = {bc.name for bc in self.base_chains}
+        for name in self.chains:
+            if name in base_names:
+                continue
+            if name == REJECT_CHAIN:
+                helper = nft_comment("helper for @no-endpoint-services / @no-endpoint-nodeports")
+                out.append(f"{add_chain}{name} {{ comment {helper} ; }}\n")
+            else:
+                out.append(f"{add_chain}{name}\n")
+            out.append(f"{flush_chain}{name}\n")
+        for name, decl in self.sets.items():
+            out.append(f"add {decl.kind} {t} {name} {{ {decl.spec} }}\nflush {decl.kind} {t} {name}\n")
+        for name, decl in self.unused_sets.items():
+            out.append(f"add {decl.kind} {t} {name} {{ {decl.spec} }}\ndelete {decl.kind} {t} {name}\n")
+        for name in sorted(self.shard_users, key=_shard_order):
+            out.append(f"add map {t} {name} {{ {self.shard_spec(name)} }}\nflush map {t} {name}\n")
+        for name, rules in self.chains.items():
+            for rule in rules:
+                out.append(f"{add_rule}{name} {rule}\n")
+
+        for (spn, _family), svc in self.services.items():
+            out.append(f"\n# {spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}\n")
+            for name, spec in svc.affinity_sets.items():
+                out.append(f"add set {t} {name} {{ {spec} }}\n")
+            for name in svc.chains:
+                out.append(f"{add_chain}{name}\n{flush_chain}{name}\n")
+            for name, rules in svc.chains.items():
+                for rule in rules:
+                    out.append(f"{add_rule}{name} {rule}\n")
+
+        if self.hairpin_refs:
+            pairs = ",\n".join(f"\t{ip} . {ip}" for ip in self.hairpin_refs)
+            out.append(f"\nadd element {t} {HAIRPIN_SET} {{\n{pairs}\n}}\n")
+        for name, elements in self.elements.items():
+            if not elements:
+                continue
+            items: list[str] = []
+            for key, el in elements.items():
+                comment = f" comment {nft_comment(el.comment)}" if el.comment else ""
+                value = f" : {el.value}" if el.value else ""
+                items.append(f"\t{key}{comment}{value}")
+            out.append(f"\nadd element {t} {name} {{\n" + ",\n".join(items) + "\n}\n")
+        return "".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering.
+
+# Priorities as numbers: nft 1.0.6 only accepts the names "dstnat"/"srcnat" on the prerouting
+# and postrouting hooks. For the ip and ip6 families dstnat is -100 and srcnat 100.
+BASE_CHAINS = (
+    # Filtering runs before DNAT (dstnat - 10) so that it sees the address the client used.
+    BaseChain("filter-prerouting", "filter", "prerouting", "-110"),
+    BaseChain("filter-input", "filter", "input", "-110"),
+    BaseChain("filter-forward", "filter", "forward", "-110"),
+    BaseChain("filter-output", "filter", "output", "-110"),
+    BaseChain("nat-prerouting", "nat", "prerouting", "-100"),
+    BaseChain("nat-output", "nat", "output", "-100"),
+    BaseChain("nat-postrouting", "nat", "postrouting", "100"),
+)
+
+# (target, from base chain, gate): kube-proxy's nftablesJumpChains without the cluster-ips-check
+# entries. Reject only works from input/forward/output, hence no endpoint checks in prerouting;
+# node ports are only checked on input because only locally addressed traffic can reach one.
+_JUMPS = (
+    (NODEPORT_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
+    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
+    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output", "ct state new "),
+    (FIREWALL_CHECK_CHAIN, "filter-prerouting", "ct state new "),
+    (FIREWALL_CHECK_CHAIN, "filter-output", "ct state new "),
+    (SERVICES_CHAIN, "nat-output", ""),
+    (SERVICES_CHAIN, "nat-prerouting", ""),
+    (MASQUERADING_CHAIN, "nat-postrouting", ""),
+)
+
+_NO_ENDPOINT_VERDICT = {NoEndpoints.REJECT: f"goto {REJECT_CHAIN}", NoEndpoints.DROP: "drop"}
+
+
+def _collapse(cidrs: Iterable[str]) -> tuple[str, ...]:
+    """Canonical, non-overlapping CIDRs: an interval set refuses overlapping elements, and a
+    canonical text keeps element keys stable from one render to the next."""
+    nets = [ipaddress.ip_network(_address(c), strict=False) for c in cidrs]
+    return tuple(str(n) for n in ipaddress.collapse_addresses(nets))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """Per-render constants, computed once instead of once per service or endpoint."""
+
+    node: NodeConfig
+    family: IPFamily
+    ipx: str
+    addr_type: str
+    # Match for "source is a pod" and its negation, "" when no pod CIDR is known.
+    from_pod: str
+    not_from_pod: str
+    node_ips: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]
+
+
+def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, ...]]:
+    ipx = "ip" if family is IPFamily.V4 else "ip6"
+    cidrs = _collapse(node.cluster_cidrs_of(family))
+    if not cidrs:
+        from_pod = not_from_pod = ""
+    elif len(cidrs) == 1:
+        from_pod, not_from_pod = f"{ipx} saddr {cidrs[0]}", f"{ipx} saddr != {cidrs[0]}"
+    else:
+        # A named set, not an anonymous one per rule: anonymous sets cost the kernel
+        # quadratic time to bind across a large transaction.
+        from_pod = f"{ipx} saddr @{CLUSTER_CIDRS_SET}"
+        not_from_pod = f"{ipx} saddr != @{CLUSTER_CIDRS_SET}"
+    node_ips = tuple(ipaddress.ip_address(_address(ip)) for ip in node.ips_of(family))
+    ctx = _Context(
+        node=node,
+        family=family,
+        ipx=ipx,
+        addr_type="ipv4_addr" if family is IPFamily.V4 else "ipv6_addr",
+        from_pod=from_pod,
+        not_from_pod=not_from_pod,
+        node_ips=node_ips,
+    )
+    return ctx, cidrs
+
+
+def _static(
+    ctx: _Context, cluster_cidrs: tuple[str, ...]
+) -> tuple[dict[str, tuple[str, ...]], dict[str, SetDecl], dict[str, SetDecl], dict[str, dict[str, Element]]]:
+    ipx, addr = ctx.ipx, ctx.addr_type
+    loopback = "127.0.0.0/8" if ctx.family is IPFamily.V4 else "::1"
+    nodeport_cidrs = _collapse(ctx.node.nodeport_addresses_of(ctx.family))
+    # nfproxy resolves --nodeport-addresses CIDRs in the kernel (an interval set, intersected
+    # with "is a local address") instead of listing interface addresses at render time, so the
+    # rules stay right when addresses come and go. Loopback is excluded either way, as
+    # kube-proxy's nftables mode does: DNAT of 127/8 traffic to a remote pod cannot work.
+    nodeport_match = f"fib daddr type local {ipx} daddr != {loopback}"
+    if nodeport_cidrs:
+        nodeport_match = f"{ipx} daddr @{NODEPORT_IPS_SET} {nodeport_match}"
+
+    chains: dict[str, list[str]] = {bc.name: [] for bc in BASE_CHAINS}
+    # KUBE-FORWARD in the iptables backend drops INVALID packets; keep the two equal.
+    chains["filter-forward"].append("ct state invalid drop")
+    for name in (
+        NODEPORT_ENDPOINTS_CHECK_CHAIN,
+        SERVICE_ENDPOINTS_CHECK_CHAIN,
+        EXTERNAL_ENDPOINTS_CHECK_CHAIN,
+        FIREWALL_CHECK_CHAIN,
+        SERVICES_CHAIN,
+        MASQUERADING_CHAIN,
+        MARK_MASQ_CHAIN,
+        REJECT_CHAIN,
+    ):
+        chains[name] = []
+    # Hairpin: a pod that reaches its own service through a data-map DNAT must be masqueraded
+    # or it would answer itself directly. After DNAT to E the source equals E exactly then, so
+    # one rule and a set of E . E pairs do what kube-proxy's per-endpoint `ip saddr E` rules do.
+    chains["nat-postrouting"].append(
+        f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN_SET} jump {MARK_MASQ_CHAIN}"
+    )
+    for target, base, gate in _JUMPS:
+        chains[base].append(f"{gate}jump {target}")
+    chains[MARK_MASQ_CHAIN].append(f"meta mark set meta mark or {_MARK}")
+    chains[MASQUERADING_CHAIN] += [
+        f"meta mark and {_MARK} == 0 return",
+        f"meta mark set meta mark xor {_MARK}",
+        "masquerade fully-random",
+    ]
+    chains[REJECT_CHAIN].append("reject")
+    dispatch = f"{ipx} daddr . meta l4proto . th dport vmap"
+    chains[FIREWALL_CHECK_CHAIN].append(f"{dispatch} @{FIREWALL_IPS_MAP}")
+    chains[SERVICE_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_SERVICES_MAP}")
+    chains[EXTERNAL_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_EXTERNAL_MAP}")
+    chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(
+        f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}"
+    )
+    chains[SERVICES_CHAIN] += [
+        f"{dispatch} @{SERVICE_IPS_MAP}",
+        f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
+    ]
+
+    ip_key = f"{addr} . inet_proto . inet_service : verdict"
+    port_key = "inet_proto . inet_service : verdict"
+    sets = {
+        FIREWALL_IPS_MAP: SetDecl(
+            "map", f"type {ip_key} ; comment {nft_comment('destinations that are subject to LoadBalancerSourceRanges')} ;"
+        ),
+        NO_ENDPOINT_NODEPORTS_MAP: SetDecl(
+            "map", f"type {port_key} ; comment {nft_comment('vmap to drop or reject packets to service nodeports with no endpoints')} ;"
+        ),
+        NO_ENDPOINT_SERVICES_MAP: SetDecl(
+            "map", f"type {ip_key} ; comment {nft_comment('vmap to drop or reject packets to services with no endpoints')} ;"
+        ),
+        NO_ENDPOINT_EXTERNAL_MAP: SetDecl(
+            "map", f"type {ip_key} ; comment {nft_comment('vmap to drop or reject packets to external IPs with no endpoints')} ;"
+        ),
+        SERVICE_IPS_MAP: SetDecl(
+            "map", f"type {ip_key} ; comment {nft_comment('ClusterIP, ExternalIP and LoadBalancer IP traffic')} ;"
+        ),
+        SERVICE_NODEPORTS_MAP: SetDecl("map", f"type {port_key} ; comment {nft_comment('NodePort traffic')} ;"),
+        HAIRPIN_SET: SetDecl(
+            "set", f"type {addr} . {addr} ; comment {nft_comment('endpoint E . E: a pod reaching itself through a service')} ;"
+        ),
+    }
+    nodeport_decl = SetDecl(
+        "set", f"type {addr} ; flags interval ; comment {nft_comment('CIDRs whose local IPs accept NodePort traffic')} ;"
+    )
+    elements: dict[str, dict[str, Element]] = {name: {} for name in sets if name != HAIRPIN_SET}
+    unused: dict[str, SetDecl] = {}
+    if nodeport_cidrs:
+        sets[NODEPORT_IPS_SET] = nodeport_decl
+        elements[NODEPORT_IPS_SET] = {c: Element() for c in nodeport_cidrs}
+    else:
+        unused[NODEPORT_IPS_SET] = nodeport_decl
+    if len(cluster_cidrs) > 1:
+        # Not deleted when unused: stale service chains may still reference it.
+        sets[CLUSTER_CIDRS_SET] = SetDecl(
+            "set", f"type {addr} ; flags interval ; comment {nft_comment('pod CIDRs: sources that are not masqueraded')} ;"
+        )
+        elements[CLUSTER_CIDRS_SET] = {c: Element() for c in cluster_cidrs}
+    return {k: tuple(v) for k, v in chains.items()}, sets, unused, elements
+
+
+def _policy_rules(
+    ipx: str,
+    masquerade: str,
+    chains: list[str],
+    sets: list[str],
+    affinity: bool,
+) -> tuple[str, ...]:
+    """A policy chain: optional masquerade rule, affinity lookups, then one random choice."""
+    rules = [masquerade] if masquerade else []
+    if affinity:
+        rules += [f"{ipx} saddr @{aset} goto {chain}" for chain, aset in zip(chains, sets)]
+    slots = " , ".join([f"{i} : goto {chain}" for i, chain in enumerate(chains)])
+    rules.append(f"numgen random mod {len(chains)} vmap {{ {slots} }}")
+    return tuple(rules)
+
+
+def _pick(
+    subset: tuple[Endpoint, ...],
+    reachable: tuple[Endpoint, ...],
+    chains: list[str],
+    sets: list[str],
+) -> tuple[list[str], list[str]]:
+    """Names of `subset`'s endpoints. categorize hands back the very objects it was given, so
+    identity finds them; hashing a frozen Endpoint would cost more than naming it."""
+    if subset is reachable:
+        return chains, sets
+    index = {id(ep): i for i, ep in enumerate(reachable)}
+    picked = [index[id(ep)] for ep in subset]
+    return [chains[i] for i in picked], [sets[i] for i in picked] if sets else []
+
+
+class _Slots:
+    """Hands out slot blocks during one render, keeping a chain's previous block when its size
+    still fits (so a partial sync rewrites as few elements as possible)."""
+
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        previous: Mapping[str, tuple[int, int]] = MappingProxyType({}),
+        previous_elements: Iterable[tuple[str, str, Element]] = (),
+    ) -> None:
+        self.allocator = allocator
+        self.previous = previous
+        self.kept: set[str] = set()
+        self._held = {(m, k): el.value for m, k, el in previous_elements} if previous else {}
+
+    def arrange(self, shard: str, first: int, values: list[str]) -> list[str]:
+        """Slot order for a kept block: endpoints stay on their slots, the ones past the new end
+        move into the holes, new ones fill what is left. One endpoint added or removed then
+        changes one or two elements instead of shifting every slot after it. Any order is the
+        same uniform choice; only which endpoint gets which slot differs."""
+        held = self._held
+        before: list[str] = []
+        while (v := held.get((shard, str(first + len(before))))) is not None:
+            before.append(v)
+        n = len(values)
+        wanted = set(values)
+        slots: list[str | None] = [v if v in wanted else None for v in before[:n]]
+        slots += [None] * (n - len(slots))
+        placed = {v for v in slots if v is not None}
+        waiting = [v for v in values if v not in placed]
+        it = iter(waiting)
+        return [v if v is not None else next(it) for v in slots]
+
+    def take(self, chain: str, n: int) -> tuple[int, int]:
+        size = block_size(n)
+        prev = self.previous.get(chain)
+        if prev is not None and prev[1] == size and chain not in self.kept:
+            self.kept.add(chain)
+            return prev
+        base, self.allocator = self.allocator.allocate(size)
+        return base, size
+
+    def release_unkept(self) -> None:
+        for chain, (base, size) in self.previous.items():
+            if chain not in self.kept:
+                self.allocator = self.allocator.release(base, size)
+
+
+def _render_service(
+    ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, ...], slots: _Slots
+) -> ServiceRules:
+    r: Routing = categorize(svc, endpoints, ctx.node)
+    spn = svc.name
+    ipx = ctx.ipx
+    proto = spn.protocol.lower
+    base = service_chain_base(spn)
+    cluster_chain = nft_name(SERVICE_PREFIX + base)
+    local_chain = LOCAL_PREFIX + base
+    external_chain = EXTERNAL_PREFIX + base
+    firewall_chain = FIREWALL_PREFIX + base
+    comment = str(spn)
+    nft_comment(comment)  # refuse early, not when the script is written
+    affinity = svc.affinity_timeout > 0
+    cluster_ip = _address(svc.cluster_ip)
+    port = svc.port
+
+    reachable = r.reachable
+    blocks: dict[str, tuple[int, int]] = {}
+    shards: list[str] = []
+    slot_elements: list[tuple[str, str, Element]] = []
+    hairpin: tuple[str, ...] = ()
+    if not affinity:
+        for ep in reachable:
+            if not ep.ip or ep.ip.strip(_IP_CHARS):
+                raise ValueError(f"not an endpoint address: {ep.ip!r}")
+        hairpin = tuple(dict.fromkeys(ep.ip for ep in reachable))
+
+    def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
+        """Layout s: one random slot, looked up in a shared data map; no per-endpoint chains."""
+        kept_before = chain in slots.kept
+        block = slots.take(chain, len(subset))
+        blocks[chain] = block
+        first = block[0]
+        shard = shard_of(first, proto)
+        shards.append(shard)
+        values = [f"{ep.ip} . {ep.port}" for ep in subset]
+        if not kept_before and chain in slots.kept:
+            values = slots.arrange(shard, first, values)
+        slot_elements.extend((shard, str(first + i), Element(v)) for i, v in enumerate(values))
+        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
+
+    # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
+    # per-endpoint chains. The hot loop (names once per endpoint) runs only for them.
+    ep_chain_names: list[str] = []
+    ep_set_names: list[str] = []
+    ep_chains: dict[str, tuple[str, ...]] = {}
+    affinity_sets: dict[str, str] = {}
+    svc_part = f"{spn.namespace}/{spn.name}/{proto}/{spn.port}__"
+    hairpin_tail = f" jump {MARK_MASQ_CHAIN}"
+    dnat_head = f"meta l4proto {proto} dnat to "
+    update = f" {{ {ipx} saddr }}"
+    timeout = f"type {ctx.addr_type} ; flags dynamic,timeout ; timeout {svc.affinity_timeout}s ;"
+    sha256 = hashlib.sha256
+    pairs = _B32_PAIRS
+    unpack = _FIRST_8_BYTES
+    for ep in reachable if affinity else ():
+        ip = ep.ip
+        ep_port = ep.port
+        text = f"{svc_part}{ip.replace(':', '.')}/{ep_port}"
+        n = unpack(sha256(text.encode()).digest())[0] >> 24
+        ep_base = f"{pairs[n >> 30]}{pairs[(n >> 20) & 1023]}{pairs[(n >> 10) & 1023]}{pairs[n & 1023]}-{text}"
+        if len(ep_base) > _NAME_BASE_LENGTH_MAX:
+            ep_base = ep_base[: _NAME_BASE_LENGTH_MAX - 3] + "..."
+        chain = ENDPOINT_PREFIX + ep_base
+        if not ip or ip.strip(_IP_CHARS):
+            # The rest of the name is the already checked service part and an int: the
+            # address is all that can still carry syntax into the chain name and the rules.
+            raise ValueError(f"not an endpoint address: {ip!r}")
+        ep_chain_names.append(chain)
+        dest = f"[{ip}]:{ep_port}" if ":" in ip else f"{ip}:{ep_port}"
+        if affinity:
+            aset = AFFINITY_PREFIX + ep_base
+            ep_set_names.append(aset)
+            affinity_sets[aset] = timeout
+            ep_chains[chain] = (f"{ipx} saddr {ip}{hairpin_tail}", f"update @{aset}{update}", dnat_head + dest)
+        else:
+            ep_chains[chain] = (f"{ipx} saddr {ip}{hairpin_tail}", dnat_head + dest)
+
+    if ctx.node.masquerade_all:
+        masquerade = f"{ipx} daddr {cluster_ip} jump {MARK_MASQ_CHAIN}"
+    elif ctx.not_from_pod:
+        # Off-cluster sources reaching a cluster IP (a static route to the service range via
+        # some node) may be answered from another node: masquerade them.
+        masquerade = f"{ipx} daddr {cluster_ip} {ctx.not_from_pod} jump {MARK_MASQ_CHAIN}"
+    else:
+        masquerade = ""
+    internal_local = svc.internal_policy_local
+    chains: dict[str, tuple[str, ...]] = {}
+    # The masquerade rule goes where cluster-IP traffic enters: the local chain under
+    # internalTrafficPolicy=Local, else the cluster chain.
+    for chain, subset, masq in (
+        (cluster_chain, r.cluster, "" if internal_local else masquerade),
+        (local_chain, r.local, masquerade if internal_local else ""),
+    ):
+        if not subset:
+            continue
+        if affinity:
+            chains[chain] = _policy_rules(ipx, masq, *_pick(subset, reachable, ep_chain_names, ep_set_names), affinity)
+        else:
+            chains[chain] = (masq, selection(chain, subset)) if masq else (selection(chain, subset),)
+
+    external_no_endpoints = r.external_no_endpoints
+    if r.uses_external_chain:
+        ext: list[str] = []
+        if not svc.external_policy_local:
+            # Cluster policy may forward to another node: the reply must come back through us.
+            ext.append(f"jump {MARK_MASQ_CHAIN}")
+        else:
+            # Pods and the node itself reaching an external address behave as if they went out
+            # to the load balancer and came back in: neither traffic policy applies to them.
+            # (The service chain exists: see ServicePort.uses_cluster_endpoints.)
+            if ctx.from_pod:
+                ext.append(f'{ctx.from_pod} goto {cluster_chain} comment "short-circuit pod traffic"')
+            ext.append(f'fib saddr type local jump {MARK_MASQ_CHAIN} comment "masquerade local traffic"')
+            ext.append(f'fib saddr type local goto {cluster_chain} comment "short-circuit local traffic"')
+        if external_no_endpoints is None:
+            ext.append(f"goto {local_chain if svc.external_policy_local else cluster_chain}")
+        chains[external_chain] = tuple(ext)
+
+    if r.uses_firewall:
+        ranges = [_address(c) for c in svc.load_balancer_source_ranges]
+        nets = [ipaddress.ip_network(c, strict=False) for c in ranges]
+        # A VIP often is a local address too: the node's own request then loops back with the
+        # VIP as source, which must stay allowed when the node itself is.
+        if any(ip in net for net in nets for ip in ctx.node_ips if ip.version == net.version):
+            ranges += [_address(ip) for ip in svc.load_balancer_ips]
+        chains[firewall_chain] = (f"{ipx} saddr != {{ {', '.join(ranges)} }} drop",)
+
+    chains.update(ep_chains)
+
+    # Map elements, in kube-proxy's order.
+    elements: list[tuple[str, str, Element]] = []
+    suffix = f" . {proto} . {port}"
+    internal_no_endpoints = r.internal_no_endpoints
+    if internal_no_endpoints is None:
+        target = local_chain if internal_local else cluster_chain
+        elements.append((SERVICE_IPS_MAP, cluster_ip + suffix, Element(f"goto {target}")))
+    else:
+        elements.append(
+            (NO_ENDPOINT_SERVICES_MAP, cluster_ip + suffix, Element(_NO_ENDPOINT_VERDICT[internal_no_endpoints], comment))
+        )
+    to_external = Element(f"goto {external_chain}")
+    no_external = (
+        Element(_NO_ENDPOINT_VERDICT[external_no_endpoints], comment) if external_no_endpoints else None
+    )
+    for ip in svc.external_ips:
+        key = _address(ip) + suffix
+        if r.has_endpoints:
+            elements.append((SERVICE_IPS_MAP, key, to_external))
+        if no_external is not None:
+            elements.append((NO_ENDPOINT_EXTERNAL_MAP, key, no_external))
+    for ip in svc.load_balancer_ips:
+        key = _address(ip) + suffix
+        if r.has_endpoints:
+            elements.append((SERVICE_IPS_MAP, key, to_external))
+        if r.uses_firewall:
+            elements.append((FIREWALL_IPS_MAP, key, Element(f"goto {firewall_chain}", comment)))
+        if no_external is not None:
+            elements.append((NO_ENDPOINT_EXTERNAL_MAP, key, no_external))
+    if svc.node_port:
+        key = f"{proto} . {svc.node_port}"
+        if r.has_endpoints:
+            elements.append((SERVICE_NODEPORTS_MAP, key, to_external))
+        if no_external is not None:
+            elements.append((NO_ENDPOINT_NODEPORTS_MAP, key, no_external))
+
+    elements.extend(slot_elements)
+    return ServiceRules(
+        chains=MappingProxyType(chains),
+        affinity_sets=MappingProxyType(affinity_sets),
+        elements=tuple(elements),
+        blocks=MappingProxyType(blocks),
+        shards=tuple(shards),
+        hairpin=hairpin,
+    )
+
+
+def _service_order(key: ServicePortKey) -> tuple[str, str, str, str]:
+    spn = key[0]
+    return (spn.namespace, spn.name, spn.port, spn.protocol)
+
+
+def render(state: ClusterState, family: IPFamily) -> NftRuleset:
+    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`."""
+    with gc_paused():
+        return _render(state, family)
+
+
+def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
+    ctx, cluster_cidrs = _context(state.node, family)
+    chains, sets, unused, elements = _static(ctx, cluster_cidrs)
+
+    services: dict[ServicePortKey, ServiceRules] = {}
+    all_endpoints = state.endpoints
+    svc_map = state.services
+    contested: set[tuple[str, str]] = set()
+    slots = _Slots(SlotAllocator())
+    hairpin_refs: dict[str, int] = {}
+    shard_users: dict[str, int] = {}
+    # Sorted by plain string tuples: far cheaper than the dataclass ordering at 10 000 services.
+    keys = sorted((k for k in svc_map if k[1] is family), key=_service_order)
+    for key in keys:
+        rules = _render_service(ctx, svc_map[key], all_endpoints.get(key, ()), slots)
+        services[key] = rules
+        for ip in rules.hairpin:
+            hairpin_refs[ip] = hairpin_refs.get(ip, 0) + 1
+        for shard in rules.shards:
+            shard_users[shard] = shard_users.get(shard, 0) + 1
+        for map_name, elem_key, element in rules.elements:
+            # A key claimed twice (e.g. one external IP on two services) would make nft fail
+            # the whole transaction ("File exists"); the first service port keeps it.
+            held = elements.get(map_name)
+            if held is None:
+                held = elements[map_name] = {}
+            if elem_key in held:
+                contested.add((map_name, elem_key))
+            else:
+                held[elem_key] = element
+
+    return NftRuleset(
+        family=family,
+        table=TABLE,
+        base_chains=BASE_CHAINS,
+        chains=MappingProxyType(chains),
+        sets=MappingProxyType(sets),
+        unused_sets=MappingProxyType(unused),
+        elements=MappingProxyType({k: MappingProxyType(v) for k, v in elements.items()}),
+        services=MappingProxyType(services),
+        contested=frozenset(contested),
+        hairpin_refs=MappingProxyType(hairpin_refs),
+        shard_users=MappingProxyType(shard_users),
+        allocator=slots.allocator,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Partial syncs: re-render only what changed, and say it to the kernel as a delta.
+
+
+class NeedsFullSync(Exception):
+    """A partial update cannot be expressed safely; the caller must do a full sync instead."""
+
+
+def render_update(
+    previous: NftRuleset, state: ClusterState, keys: Iterable[ServicePortKey]
+) -> NftRuleset:
+    """`previous` with the service ports in `keys` (of this family) rendered again from `state`.
+
+    Equivalent to `render(state, family)` as long as only those ports changed and the node did
+    not (the caller checks the node: a changed node means a full render); slot numbers may
+    differ, since a port keeps its block while it fits. Contested element keys (an address
+    claimed by two services) move between owners in ways only a full render gets right, so
+    touching one raises NeedsFullSync.
+    """
+    with gc_paused():
+        family = previous.family
+        ctx, _ = _context(state.node, family)
+        services = previous.services.copy()  # MappingProxyType.copy: a dict copy, 10x dict(...)
+        elements: dict[str, Mapping[str, Element]] = previous.elements.copy()
+        copied: dict[str, dict[str, Element]] = {}
+
+        def writable(name: str) -> dict[str, Element]:
+            m = copied.get(name)
+            if m is None:
+                held = elements.get(name)
+                m = copied[name] = held.copy() if held is not None else {}
+                elements[name] = m
+            return m
+
+        contested = previous.contested
+        allocator = previous.allocator or SlotAllocator()
+        hairpin = previous.hairpin_refs.copy()
+        shard_users = previous.shard_users.copy()
+        removed: list[tuple[str, str, Element]] = []
+        added: list[tuple[str, str, Element]] = []
+        for key in sorted((k for k in keys if k[1] is family), key=_service_order):
+            old = services.pop(key, None)
+            old_blocks: Mapping[str, tuple[int, int]] = MappingProxyType({})
+            if old is not None:
+                removed.extend(old.elements)
+                old_blocks = old.blocks
+                for ip in old.hairpin:
+                    left = hairpin[ip] - 1
+                    if left:
+                        hairpin[ip] = left
+                    else:
+                        del hairpin[ip]
+                for shard in old.shards:
+                    shard_users[shard] -= 1
+                    if not shard_users[shard]:
+                        del shard_users[shard]
+            svc = state.services.get(key)
+            slots = _Slots(allocator, old_blocks, old.elements if old is not None else ())
+            if svc is not None:
+                rules = _render_service(ctx, svc, state.endpoints.get(key, ()), slots)
+                services[key] = rules
+                added.extend(rules.elements)
+                for ip in rules.hairpin:
+                    hairpin[ip] = hairpin.get(ip, 0) + 1
+                for shard in rules.shards:
+                    shard_users[shard] = shard_users.get(shard, 0) + 1
+            slots.release_unkept()
+            allocator = slots.allocator
+        # Elements a changed port keeps as they were are left alone: copying a big map (the
+        # service-ips map holds every service) costs more than the rest of a partial sync.
+        unchanged = {(m, k, el) for m, k, el in removed} & {(m, k, el) for m, k, el in added}
+        if unchanged:
+            removed = [r for r in removed if r not in unchanged]
+            added = [a for a in added if a not in unchanged]
+        for map_name, elem_key, _el in removed:
+            if (map_name, elem_key) in contested:
+                raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
+            writable(map_name).pop(elem_key, None)
+        for map_name, elem_key, el in added:
+            if (map_name, elem_key) in contested:
+                raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
+            target = writable(map_name)
+            if elem_key in target:
+                raise NeedsFullSync(f"element {elem_key} of map {map_name} would be claimed twice")
+            target[elem_key] = el
+        for name in [n for n, m in elements.items() if n.startswith(SHARD_PREFIX) and not m]:
+            del elements[name]
+        return NftRuleset(
+            family=family,
+            table=previous.table,
+            base_chains=previous.base_chains,
+            chains=previous.chains,
+            sets=previous.sets,
+            unused_sets=previous.unused_sets,
+            elements=MappingProxyType(
+                {k: v if isinstance(v, MappingProxyType) else MappingProxyType(v) for k, v in elements.items()}
+            ),
+            services=MappingProxyType(services),
+            contested=contested,
+            hairpin_refs=MappingProxyType(hairpin),
+            shard_users=MappingProxyType(shard_users),
+            allocator=allocator,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NftDelta:
+    """One partial sync's transaction, and what it leaves for a later one.
+
+    `commands` are nft commands (one per line, no trailing newline) forming one atomic
+    transaction; an empty tuple means there is nothing to send. `stale_chains` and
+    `stale_sets` were emptied by this transaction but are still named by the previous
+    transaction's elements or rules in flight: they are deleted by the next sync (kube-proxy's
+    nftables mode does the same, because deleting a chain in the transaction that deletes the
+    last element jumping to it can fail with EBUSY).
+    """
+
+    commands: tuple[str, ...]
+    stale_chains: tuple[str, ...]
+    stale_sets: tuple[str, ...]
+
+    def script(self) -> str:
+        return "\n".join(self.commands) + "\n" if self.commands else ""
+
+
+def _element_text(key: str, el: Element) -> str:
+    comment = f" comment {nft_comment(el.comment)}" if el.comment else ""
+    value = f" : {el.value}" if el.value else ""
+    return f"{key}{comment}{value}"
+
+
+def delta(
+    previous: NftRuleset,
+    new: NftRuleset,
+    keys: Iterable[ServicePortKey],
+    *,
+    delete_chains: Iterable[str] = (),
+    delete_sets: Iterable[str] = (),
+) -> NftDelta:
+    """The transaction that turns the kernel's `previous` into `new`, for changed `keys` only.
+
+    `delete_chains`/`delete_sets` are the stale objects an earlier delta left behind; they are
+    deleted first unless `new` uses those names again.
+    """
+    t = f"{new.nft_family} {new.table}"
+    cmds: list[str] = []
+    live_sets = (
+        {name for svc in new.services.values() for name in svc.affinity_sets} | set(new.shard_users)
+        if delete_sets
+        else set()
+    )
+    live_chains = {name for svc in new.services.values() for name in svc.chains} if delete_chains else set()
+    for name in delete_chains:
+        if name not in live_chains:
+            cmds.append(f"delete chain {t} {nft_name(name)}")
+    for name in delete_sets:
+        if name not in live_sets:
+            cmds.append(f"delete set {t} {nft_name(name)}")
+
+    stale_chains: list[str] = []
+    stale_sets: list[str] = [n for n in previous.shard_users if n not in new.shard_users]
+    adds: list[str] = [
+        f"add map {t} {n} {{ {new.shard_spec(n)} }}" for n in new.shard_users if n not in previous.shard_users
+    ]
+    hairpin_ips: set[str] = set()
+    rules_out: list[str] = []
+    old_elements: dict[tuple[str, str], Element] = {}
+    new_elements: dict[tuple[str, str], Element] = {}
+    empty = ServiceRules(MappingProxyType({}), MappingProxyType({}), ())
+    for key in keys:
+        if key[1] is not new.family:
+            continue
+        old = previous.services.get(key, empty)
+        cur = new.services.get(key, empty)
+        if old is cur:
+            continue
+        for name, spec in cur.affinity_sets.items():
+            if name not in old.affinity_sets:
+                adds.append(f"add set {t} {name} {{ {spec} }}")
+        stale_sets.extend(name for name in old.affinity_sets if name not in cur.affinity_sets)
+        for name, rules in cur.chains.items():
+            before = old.chains.get(name)
+            if before == rules:
+                continue
+            if before is None:
+                adds.append(f"add chain {t} {name}")
+            else:
+                rules_out.append(f"flush chain {t} {name}")
+            rules_out.extend([f"add rule {t} {name} {rule}" for rule in rules])
+        for name in old.chains:
+            if name not in cur.chains:
+                rules_out.append(f"flush chain {t} {name}")
+                stale_chains.append(name)
+        hairpin_ips.update(old.hairpin)
+        hairpin_ips.update(cur.hairpin)
+        for map_name, elem_key, el in old.elements:
+            old_elements[(map_name, elem_key)] = el
+        for map_name, elem_key, el in cur.elements:
+            new_elements[(map_name, elem_key)] = el
+    cmds.extend(adds)
+    cmds.extend(rules_out)
+    # Elements: deletes before adds, so that a changed element (same key, other verdict or
+    # comment) is replaced inside the one transaction. Only elements the maps actually hold
+    # are deleted: a contested key never reaches here (render_update refused it).
+    for (map_name, elem_key), el in old_elements.items():
+        if new_elements.get((map_name, elem_key)) != el:
+            cmds.append(f"delete element {t} {map_name} {{ {elem_key} }}")
+    for (map_name, elem_key), el in new_elements.items():
+        if old_elements.get((map_name, elem_key)) != el:
+            cmds.append(f"add element {t} {map_name} {{ {_element_text(elem_key, el)} }}")
+    for ip in sorted(hairpin_ips):
+        was, now = ip in previous.hairpin_refs, ip in new.hairpin_refs
+        if was and not now:
+            cmds.append(f"delete element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
+        elif now and not was:
+            cmds.append(f"add element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
+    return NftDelta(tuple(cmds), tuple(stale_chains), tuple(stale_sets))

@@ -1,0 +1,1 @@
+"""The command line: flags and configuration, one module per command."""

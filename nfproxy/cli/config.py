@@ -1,0 +1,89 @@
+"""Node flags shared by every command that renders (kube-proxy's names where they exist)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+
+from nfproxy.core.model import IPFamily, NodeConfig
+from nfproxy.sources.validation import FieldError, cidr, dns_subdomain, family_of, ip_address
+
+
+class FlagError(ValueError):
+    """A flag value is invalid; the message names the flag and the value."""
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("node")
+    g.add_argument("--node-name", "--hostname-override", dest="node_name", metavar="NAME",
+                   help="this node's name: endpoints on it are local (default: from a Node object in the manifests)")
+    g.add_argument("--node-ip", action="append", default=[], metavar="IP",
+                   help="a node IP (repeat for dual-stack)")
+    g.add_argument("--cluster-cidr", action="append", default=[], metavar="CIDR",
+                   help="pod CIDR(s), comma-separated or repeated: cluster-IP traffic from outside them is masqueraded")
+    g.add_argument("--masquerade-all", action="store_true",
+                   help="masquerade all traffic to cluster IPs")
+    g.add_argument("--nodeport-addresses", action="append", default=[], metavar="CIDR",
+                   help="only local addresses in these CIDRs accept NodePort traffic (default: all)")
+
+
+def _split(values: list[str]) -> list[str]:
+    return [v.strip() for raw in values for v in raw.split(",") if v.strip()]
+
+
+def _each(flag: str, values: list[str], check: Callable[[object], str]) -> tuple[str, ...]:
+    out = []
+    for v in _split(values):
+        try:
+            out.append(check(v))
+        except FieldError as exc:
+            raise FlagError(f"{flag}: {exc}") from None
+    return tuple(out)
+
+
+def _one_per_family(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
+    """kube-proxy takes at most one value per IP family for these flags (dual-stack pairs)."""
+    for family in IPFamily:
+        of = [v for v in values if family_of(v.split("/")[0]) is family]
+        if len(of) > 1:
+            raise FlagError(f"{flag}: more than one IPv{family.value} value: {', '.join(of)}")
+    return values
+
+
+def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
+    name = args.node_name or ""
+    if name:
+        try:
+            name = dns_subdomain(name)
+        except FieldError as exc:
+            raise FlagError(f"--node-name: {exc}") from None
+    return NodeConfig(
+        name=name,
+        ips=_one_per_family("--node-ip", _each("--node-ip", args.node_ip, ip_address)),
+        cluster_cidrs=_one_per_family(
+            "--cluster-cidr", _each("--cluster-cidr", args.cluster_cidr, cidr)
+        ),
+        masquerade_all=bool(args.masquerade_all),
+        nodeport_addresses=_each("--nodeport-addresses", args.nodeport_addresses, cidr),
+    )
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(flag: str, text: str) -> float:
+    """A Go duration ("1s", "500ms", "1h30m"), as kube-proxy's flags take them, in seconds."""
+    value = text.strip()
+    if value == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    for m in _DURATION_RE.finditer(value):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT[m.group(2)]
+        pos = m.end()
+    if not value or pos != len(value):
+        raise FlagError(f"{flag}: not a duration: {text!r} (examples: 1s, 500ms, 1h30m)")
+    return total

@@ -1,0 +1,2 @@
+"""The node daemon: the sync loop, its servers, health, metrics, conntrack policy
+and cleanup."""

@@ -1,0 +1,167 @@
+"""Which conntrack entries a change of services or endpoints leaves stale (UDP only).
+
+NAT rules run for a connection's first packet only; conntrack replays the decision for every
+later packet. UDP has no end, so a client that keeps sending from one source port keeps its
+entry alive forever, and two cases go wrong (kube-proxy's pkg/proxy/conntrack/cleanup.go):
+
+- An endpoint goes away: the entry still DNATs the client to the dead address. Entries whose
+  original destination is one of the service's addresses and port (cluster IP, external IPs,
+  load-balancer IPs), or its node port, and whose reply source is the endpoint are deleted.
+- A service goes from no endpoints to some: while it had none, datagrams to its address created
+  entries without NAT (before the rules existed, or routed past them), which would keep
+  black-holing the client. Entries to the service's addresses and port, and to its node port,
+  are deleted.
+
+Also, as kube-proxy does for deleted services: when a service port (or one of its addresses)
+disappears, entries to that address and port are deleted.
+
+"Endpoint" here means a serving one, as kube-proxy's tracker counts: traffic policy, topology
+and the terminating fallback are not consulted, so a policy change does not cut existing flows
+(UDP then behaves as TCP does). Only the protocol UDP is handled, as upstream: TCP and SCTP
+connections end, and the endpoint's own stack resets them.
+
+Pure: `stale_flows(old, new)` returns filters; nfproxy.kernel.conntrack deletes what matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from nfproxy.core.model import ClusterState, Endpoint, IPFamily, Protocol, ServicePort, ServicePortKey
+
+
+@dataclass(frozen=True, slots=True)
+class FlowFilter:
+    """Matches conntrack entries; every field left None matches anything.
+
+    Field names follow the conntrack tool: `orig_dst`/`orig_dport` are the destination the
+    client sent to (a service address, or any address for a node port), `reply_src`/`reply_sport`
+    the address the reply comes from, which is the DNAT target (the endpoint) when NAT happened.
+    """
+
+    family: IPFamily
+    protocol: Protocol = Protocol.UDP
+    orig_dst: str | None = None
+    orig_dport: int | None = None
+    reply_src: str | None = None
+    reply_sport: int | None = None
+    reason: str = field(default="", compare=False)
+
+    @property
+    def sort_key(self) -> tuple[int, str, str, int, str, int]:
+        return (
+            self.family.value, self.protocol.value, self.orig_dst or "", self.orig_dport or 0,
+            self.reply_src or "", self.reply_sport or 0,
+        )
+
+    def matches(
+        self,
+        protocol: Protocol,
+        orig_dst: str,
+        orig_dport: int | None,
+        reply_src: str,
+        reply_sport: int | None,
+    ) -> bool:
+        """Whether an entry (its original destination and reply source) is one of ours.
+
+        Addresses must be in canonical form (what the model and the kernel both produce).
+        """
+        return (
+            protocol is self.protocol
+            and (self.orig_dst is None or self.orig_dst == orig_dst)
+            and (self.orig_dport is None or self.orig_dport == orig_dport)
+            and (self.reply_src is None or self.reply_src == reply_src)
+            and (self.reply_sport is None or self.reply_sport == reply_sport)
+        )
+
+    def __str__(self) -> str:
+        parts = [f"-f {'ipv4' if self.family is IPFamily.V4 else 'ipv6'}", f"-p {self.protocol.lower}"]
+        if self.orig_dst is not None:
+            parts.append(f"--orig-dst {self.orig_dst}")
+        if self.orig_dport is not None:
+            parts.append(f"--orig-port-dst {self.orig_dport}")
+        if self.reply_src is not None:
+            parts.append(f"--reply-src {self.reply_src}")
+        if self.reply_sport is not None:
+            parts.append(f"--reply-port-src {self.reply_sport}")
+        return " ".join(parts)
+
+
+def _frontends(svc: ServicePort) -> tuple[tuple[str, int], ...]:
+    """Every (address, port) clients reach the service at, besides its node port."""
+    ips = (svc.cluster_ip, *svc.external_ips, *svc.load_balancer_ips)
+    return tuple((ip, svc.port) for ip in dict.fromkeys(ips) if ip)
+
+
+def _serving(endpoints: tuple[Endpoint, ...]) -> dict[str, Endpoint]:
+    return {ep.address: ep for ep in endpoints if ep.serving}
+
+
+def _service_flows(
+    key: ServicePortKey, old: ClusterState, new: ClusterState
+) -> Iterator[FlowFilter]:
+    o_svc = old.services.get(key)
+    n_svc = new.services.get(key)
+    family = key[1]
+    name = str(key[0])
+    o_eps = _serving(old.endpoints.get(key, ())) if o_svc is not None else {}
+    n_eps = _serving(new.endpoints.get(key, ())) if n_svc is not None else {}
+    o_front = set(_frontends(o_svc)) if o_svc is not None else set()
+    n_front = set(_frontends(n_svc)) if n_svc is not None else set()
+    o_node_port = o_svc.node_port if o_svc is not None else 0
+    n_node_port = n_svc.node_port if n_svc is not None else 0
+
+    # Addresses (or the node port) the service no longer has: nothing should DNAT there now.
+    for ip, port in sorted(o_front - n_front):
+        yield FlowFilter(family, orig_dst=ip, orig_dport=port, reason=f"{name}: {ip}:{port} removed")
+    if o_node_port and o_node_port != n_node_port:
+        yield FlowFilter(family, orig_dport=o_node_port, reason=f"{name}: node port {o_node_port} removed")
+
+    # Endpoints gone (or no longer serving): only through the addresses that remain, since the
+    # removed ones were cleared whole above.
+    for address in sorted(set(o_eps) - set(n_eps)):
+        ep = o_eps[address]
+        why = f"{name}: endpoint {address} removed"
+        for ip, port in sorted(o_front & n_front):
+            yield FlowFilter(
+                family, orig_dst=ip, orig_dport=port, reply_src=ep.ip, reply_sport=ep.port, reason=why
+            )
+        if o_node_port and o_node_port == n_node_port:
+            yield FlowFilter(
+                family, orig_dport=o_node_port, reply_src=ep.ip, reply_sport=ep.port, reason=why
+            )
+
+    # From no endpoints to some: whatever went to the service meanwhile was not DNATed.
+    if n_svc is not None and n_eps and not o_eps:
+        why = f"{name}: first endpoint"
+        for ip, port in sorted(n_front):
+            yield FlowFilter(family, orig_dst=ip, orig_dport=port, reason=why)
+        if n_node_port:
+            yield FlowFilter(family, orig_dport=n_node_port, reason=why)
+
+
+def stale_flows(
+    old: ClusterState, new: ClusterState, changed: Iterable[ServicePortKey] | None = None
+) -> list[FlowFilter]:
+    """Filters for the UDP conntrack entries that `old` -> `new` leaves pointing the wrong way.
+
+    Sorted and free of duplicates; empty when nothing UDP changed. Call it with the state the
+    kernel held before a sync and the state it holds after (deleting before the new rules are in
+    would let the next packet be NATed by the old ones). `changed`, when the caller already knows
+    which service ports differ (a sync does), spares walking every service.
+    """
+    candidates = (*old.services, *new.services) if changed is None else changed
+    keys = {
+        k for k in candidates
+        if (svc := old.services.get(k) or new.services.get(k)) is not None and svc.protocol is Protocol.UDP
+    }
+    found: dict[FlowFilter, FlowFilter] = {}
+    for key in sorted(keys):
+        if old.services.get(key) == new.services.get(key) and old.endpoints.get(
+            key, ()
+        ) == new.endpoints.get(key, ()):
+            continue
+        for flow in _service_flows(key, old, new):
+            found.setdefault(flow, flow)
+    return sorted(found, key=FlowFilter.sort_key.fget)  # type: ignore[arg-type]

@@ -1,0 +1,282 @@
+"""Prometheus metrics of the sync loop, under kube-proxy's names so existing dashboards work.
+
+Names, types, label sets and buckets follow kube-proxy's pkg/proxy/metrics (v1.33: the per-proxier
+metrics carry `ip_family` = "IPv4" / "IPv6", since each family is synced on its own). What
+kube-proxy has no metric for (kernel operations per sync, nft object counts, sync kinds) is
+exported under the `nfproxy_` prefix. Everything lives in a registry of its own, so a test (or a
+second proxier in one process) never collides with another's counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import PlatformCollector, ProcessCollector
+
+from nfproxy.core.model import IPFamily
+
+SyncKind = Literal["full", "partial"]
+Backend = Literal["iptables", "nft"]
+
+SUBSYSTEM = "kubeproxy"
+# kube-proxy's ExponentialBuckets(0.001, 2, 15): 1 ms .. 16.384 s.
+SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
+# Kernel operations per sync: 0 (the unchanged sync) is a bucket of its own.
+OPERATION_BUCKETS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
+IPTABLES_TABLES = ("filter", "nat")
+NFT_OBJECTS = ("chains", "rules", "sets", "maps", "elements")
+
+
+def family_label(family: IPFamily) -> str:
+    """kube-proxy's label value: the core/v1 IPFamily string."""
+    return "IPv4" if family is IPFamily.V4 else "IPv6"
+
+
+class ProxyMetrics:
+    """The metrics the proxier and the health server update, in one registry.
+
+    Methods name events of the sync loop, so the proxier never touches a metric object directly
+    and the mapping to kube-proxy's names lives in one place.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        process_metrics: bool = True,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._clock = clock
+        r = self.registry
+        fam = ("ip_family",)
+        if process_metrics:
+            # kube-proxy exports process_* too; scrape configs expect them next to kubeproxy_*.
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, fam, subsystem=SUBSYSTEM, registry=r, buckets=SYNC_BUCKETS)
+
+        self.sync_duration = hist("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds")
+        self.sync_full_duration = hist(
+            "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+        )
+        self.sync_partial_duration = hist(
+            "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+        )
+        self.last_timestamp = Gauge(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            fam, subsystem=SUBSYSTEM, registry=r,
+        )
+        self.last_queued_timestamp = Gauge(
+            "sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            fam, subsystem=SUBSYSTEM, registry=r,
+        )
+        self.endpoint_changes_pending = Gauge(
+            "sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes", subsystem=SUBSYSTEM, registry=r,
+        )
+        self.endpoint_changes_total = Counter(
+            "sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes", subsystem=SUBSYSTEM, registry=r,
+        )
+        self.service_changes_pending = Gauge(
+            "sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes", subsystem=SUBSYSTEM, registry=r,
+        )
+        self.service_changes_total = Counter(
+            "sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes", subsystem=SUBSYSTEM, registry=r,
+        )
+        self.iptables_restore_failures = Counter(
+            "sync_proxy_rules_iptables_restore_failures",
+            "Cumulative proxy iptables restore failures", fam, subsystem=SUBSYSTEM, registry=r,
+        )
+        self.iptables_partial_restore_failures = Counter(
+            "sync_proxy_rules_iptables_partial_restore_failures",
+            "Cumulative proxy iptables partial restore failures",
+            fam, subsystem=SUBSYSTEM, registry=r,
+        )
+        self.iptables_rules = Gauge(
+            "sync_proxy_rules_iptables_total",
+            "Total number of iptables rules owned by kube-proxy",
+            ("ip_family", "table"), subsystem=SUBSYSTEM, registry=r,
+        )
+        self.iptables_rules_last = Gauge(
+            "sync_proxy_rules_iptables_last",
+            "Number of iptables rules written by kube-proxy in last sync",
+            ("ip_family", "table"), subsystem=SUBSYSTEM, registry=r,
+        )
+        self.nftables_sync_failures = Counter(
+            "sync_proxy_rules_nftables_sync_failures",
+            "Cumulative proxy nftables sync failures", fam, subsystem=SUBSYSTEM, registry=r,
+        )
+        self.nftables_cleanup_failures = Counter(
+            "sync_proxy_rules_nftables_cleanup_failures",
+            "Cumulative proxy nftables cleanup failures", fam, subsystem=SUBSYSTEM, registry=r,
+        )
+        self.no_local_endpoints = Gauge(
+            "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            ("ip_family", "traffic_policy"), subsystem=SUBSYSTEM, registry=r,
+        )
+        self.healthz_total = Counter(
+            "proxy_healthz", "Cumulative proxy healthz HTTP status", ("code",),
+            subsystem=SUBSYSTEM, registry=r,
+        )
+        self.livez_total = Counter(
+            "proxy_livez", "Cumulative proxy livez HTTP status", ("code",),
+            subsystem=SUBSYSTEM, registry=r,
+        )
+        # nfproxy's own: what kube-proxy does not measure.
+        self.syncs_total = Counter(
+            "nfproxy_syncs", "Successful syncs, by kind (full or partial)",
+            ("ip_family", "kind"), registry=r,
+        )
+        self.sync_operations = Histogram(
+            "nfproxy_sync_kernel_operations",
+            "Kernel operations (nft commands, iptables-restore lines) sent per sync",
+            ("ip_family", "kind"), registry=r, buckets=OPERATION_BUCKETS,
+        )
+        self.sync_operations_last = Gauge(
+            "nfproxy_sync_kernel_operations_last",
+            "Kernel operations sent by the last successful sync", fam, registry=r,
+        )
+        self.nft_objects = Gauge(
+            "nfproxy_nftables_objects",
+            "nftables objects owned by nfproxy after the last sync",
+            ("ip_family", "object"), registry=r,
+        )
+        self.conntrack_deleted = Counter(
+            "nfproxy_conntrack_deleted_entries",
+            "Stale UDP conntrack entries deleted after endpoint or service changes",
+            fam, registry=r,
+        )
+        self.conntrack_failures = Counter(
+            "nfproxy_conntrack_cleanup_failures",
+            "Conntrack cleanups that failed (entries may still pin traffic to gone endpoints)",
+            fam, registry=r,
+        )
+
+    # ---- events of the sync loop
+
+    def queued(
+        self,
+        families: Iterable[IPFamily] = tuple(IPFamily),
+        *,
+        pending_services: int | None = None,
+        pending_endpoints: int | None = None,
+    ) -> None:
+        """A change arrived and a sync is queued; pending counts when the loop knows them."""
+        now = self._clock()
+        for family in families:
+            self.last_queued_timestamp.labels(family_label(family)).set(now)
+        if pending_services is not None:
+            self.service_changes_pending.set(pending_services)
+        if pending_endpoints is not None:
+            self.endpoint_changes_pending.set(pending_endpoints)
+
+    def observe_sync(
+        self,
+        kind: SyncKind,
+        seconds: float,
+        *,
+        family: IPFamily,
+        services_changed: int = 0,
+        endpoints_changed: int = 0,
+        operations: int = 0,
+    ) -> None:
+        """A sync of one family's rules succeeded: durations, change counts, kernel operations."""
+        if kind not in ("full", "partial"):
+            raise ValueError(f"sync kind must be 'full' or 'partial', not {kind!r}")
+        if min(seconds, services_changed, endpoints_changed, operations) < 0:
+            raise ValueError("sync durations and counts cannot be negative")
+        f = family_label(family)
+        self.sync_duration.labels(f).observe(seconds)
+        (self.sync_full_duration if kind == "full" else self.sync_partial_duration).labels(
+            f
+        ).observe(seconds)
+        self.last_timestamp.labels(f).set(self._clock())
+        self.service_changes_total.inc(services_changed)
+        self.endpoint_changes_total.inc(endpoints_changed)
+        self.service_changes_pending.set(0)
+        self.endpoint_changes_pending.set(0)
+        self.syncs_total.labels(f, kind).inc()
+        self.sync_operations.labels(f, kind).observe(operations)
+        self.sync_operations_last.labels(f).set(operations)
+
+    def apply_failed(self, backend: Backend, *, family: IPFamily, partial: bool = False) -> None:
+        """The kernel refused a sync (iptables-restore or the nft transaction failed)."""
+        f = family_label(family)
+        if backend == "iptables":
+            if partial:
+                self.iptables_partial_restore_failures.labels(f).inc()
+            else:
+                self.iptables_restore_failures.labels(f).inc()
+        elif backend == "nft":
+            self.nftables_sync_failures.labels(f).inc()
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+
+    def cleanup_failed(self, *, family: IPFamily) -> None:
+        """Deleting stale nft chains failed (they are retried at the next sync)."""
+        self.nftables_cleanup_failures.labels(family_label(family)).inc()
+
+    def set_no_local_endpoints(self, internal: int, external: int, *, family: IPFamily) -> None:
+        """Services whose Local policy finds no local endpoint (their traffic is dropped)."""
+        f = family_label(family)
+        self.no_local_endpoints.labels(f, "internal").set(internal)
+        self.no_local_endpoints.labels(f, "external").set(external)
+
+    def set_rule_counts(
+        self,
+        backend: Backend,
+        counts: Mapping[str, int],
+        *,
+        family: IPFamily,
+        written: Mapping[str, int] | None = None,
+    ) -> None:
+        """What the kernel holds after a sync: rules per iptables table, or nft objects by kind.
+
+        `written` (iptables only) is the number of rules the last sync sent per table.
+        """
+        f = family_label(family)
+        if backend == "iptables":
+            for table, n in counts.items():
+                _check_key(table, IPTABLES_TABLES, "iptables table")
+                self.iptables_rules.labels(f, table).set(n)
+            for table, n in (written or {}).items():
+                _check_key(table, IPTABLES_TABLES, "iptables table")
+                self.iptables_rules_last.labels(f, table).set(n)
+        elif backend == "nft":
+            if written:
+                raise ValueError("`written` counts are an iptables metric")
+            for kind, n in counts.items():
+                _check_key(kind, NFT_OBJECTS, "nft object kind")
+                self.nft_objects.labels(f, kind).set(n)
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+
+    def conntrack_cleaned(self, deleted: int, *, family: IPFamily) -> None:
+        self.conntrack_deleted.labels(family_label(family)).inc(deleted)
+
+    def conntrack_failed(self, *, family: IPFamily) -> None:
+        self.conntrack_failures.labels(family_label(family)).inc()
+
+    def probe_answered(self, probe: Literal["healthz", "livez"], status: int) -> None:
+        """The health server answered /healthz or /livez with `status`."""
+        counter = self.healthz_total if probe == "healthz" else self.livez_total
+        counter.labels(str(status)).inc()
+
+
+def _check_key(key: str, allowed: tuple[str, ...], what: str) -> None:
+    if key not in allowed:
+        raise ValueError(f"unknown {what} {key!r} (expected one of {', '.join(allowed)})")

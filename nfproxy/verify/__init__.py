@@ -1,0 +1,2 @@
+"""Verification tools: compare, validate, the lab, the traffic sandbox and its
+statistics."""

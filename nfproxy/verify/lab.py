@@ -1,0 +1,687 @@
+"""The lab: both backends, the same services, real connections, and what the rules promise.
+
+A claim like "both backends split traffic 1/n" is only worth something when it is measured on
+real packets and compared with an exact expectation. The lab builds one traffic sandbox per
+backend (so conntrack and affinity state never leak between them), applies the backend to the
+node namespace, reads the rules back from that kernel, asks the exact interpreter what each
+traffic class should see, opens real connections, and tests the counts against the expectation
+(chi-square goodness of fit) and against the other backend (a two-sample test).
+
+Layout: a pure planning part (`plan`: which clients, endpoints and traffic classes a cluster
+needs), a pure judging part (expected outcomes as the sandbox reports them, statistics,
+pass/fail), and a thin imperative part (`run`) that owns every namespace it creates.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from nfproxy.core.categorize import NoEndpoints, categorize
+from nfproxy.kernel import netns
+from nfproxy.kernel.iptables import IptablesRunner
+from nfproxy.kernel.nft import NftSession
+from nfproxy.kernel.process import KernelError
+from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePort
+from nfproxy.verify.sandbox import NODE, Outcome, Sandbox, SandboxSpec
+
+BACKENDS = ("iptables", "nft")
+ALPHA = 0.001
+"""Below this p-value a distribution counts as not matching (a correct ruleset trips it in
+about 0.1 % of the tests it runs)."""
+
+MAX_CONNECTIONS = 10_000
+"""Per service; UDP probes need a fresh client source port per connection (28 232 per client)."""
+
+_UDP_SOURCE_PORTS = 60999 - 32768 + 1
+_CHUNK = 250  # connections per sandbox call: the progress granularity
+_DROP_TIMEOUT = 0.5  # seconds a dropped flow is waited for: the kernel answers in microseconds
+
+
+class LabError(RuntimeError):
+    """The lab cannot run (not root, a kernel feature missing, nothing to measure)."""
+
+
+class Check(enum.Enum):
+    """The traffic classes shown as pass/fail rows (the distributions are rows of their own)."""
+
+    NODE_PORT = "NodePort"
+    LB_ALLOWED = "LoadBalancer, allowed source"
+    LB_BLOCKED = "LoadBalancer, blocked source"
+    EXTERNAL_IP = "external IP"
+    FROM_NODE = "NodePort from the node itself"
+    AFFINITY = "session affinity"
+    NO_ENDPOINTS = "no endpoints"
+    NO_LOCAL_ENDPOINTS = "internalTrafficPolicy Local, no local endpoint"
+
+
+# --------------------------------------------------------------------------------------------
+# Planning (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One traffic class: `count` fresh connections from a client to one address and port."""
+
+    service: str
+    """`ns/name:port` of the service port under test."""
+    protocol: Protocol
+    family: IPFamily
+    client: str
+    """Sandbox client name ("node" for the node itself)."""
+    source: str
+    """The client's address of this family: what the server sees unless something masquerades."""
+    destination: str
+    port: int
+    count: int
+    check: Check | None = None
+    """None for a distribution row; else the pass/fail row this probe backs."""
+    timeout: float = 1.0
+
+    @property
+    def proto(self) -> str:
+        return self.protocol.lower
+
+    @property
+    def target(self) -> str:
+        return f"[{self.destination}]:{self.port}" if ":" in self.destination else (
+            f"{self.destination}:{self.port}"
+        )
+
+    @property
+    def title(self) -> str:
+        what = self.check.value if self.check else "ClusterIP"
+        return f"{what} {self.target}/{self.proto} from {self.client}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    spec: SandboxSpec
+    probes: tuple[Probe, ...]
+    node_ips: tuple[str, ...]
+    node_name: str
+    connections_per_service: int
+    skipped: tuple[str, ...] = ()
+    """Service ports the sandbox cannot exercise, with the reason."""
+
+    @property
+    def distributions(self) -> tuple[Probe, ...]:
+        return tuple(p for p in self.probes if p.check is None)
+
+    @property
+    def checks(self) -> tuple[Probe, ...]:
+        return tuple(p for p in self.probes if p.check is not None)
+
+    @property
+    def connections(self) -> int:
+        return sum(p.count for p in self.probes)
+
+
+def _net(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    return ipaddress.ip_network(text, strict=False)
+
+
+def _in_any(ip: str, nets: Iterable[str]) -> bool:
+    addr = ipaddress.ip_address(ip)
+    return any(addr.version == _net(n).version and addr in _net(n) for n in nets)
+
+
+# Where the outside client lives when nothing in the cluster claims it: shared address space
+# (RFC 6598) and a unique-local prefix, far from documentation ranges examples like to use.
+_OUTSIDE_CANDIDATES = {
+    IPFamily.V4: ("100.64.0.0/24", "172.31.255.0/24", "10.255.255.0/24"),
+    IPFamily.V6: ("fd7a:1ab::/120", "fd7a:1ac::/120"),
+}
+
+
+def _pick(candidates: Iterable[str], taken: set[str], avoid: Iterable[str] = ()) -> str | None:
+    avoid = tuple(avoid)
+    for ip in candidates:
+        if ip not in taken and not _in_any(ip, avoid):
+            return ip
+    return None
+
+
+def _hosts_from_top(cidr: str, limit: int = 4096) -> Iterator[str]:
+    """Host addresses of a range, highest first: far from the low addresses pods usually get."""
+    net = _net(cidr)
+    if net.num_addresses <= 2:
+        yield from (str(a) for a in net)
+        return
+    top = int(net.broadcast_address) - 1
+    low = int(net.network_address) + 1
+    for value in range(top, max(low, top - limit) - 1, -1):
+        yield str(ipaddress.ip_address(value))
+
+
+def _hosts_from_bottom(cidr: str) -> Iterator[str]:
+    net = _net(cidr)
+    yield from (str(a) for a in net.hosts())
+
+
+def _testable(svc: ServicePort) -> bool:
+    return svc.protocol in (Protocol.TCP, Protocol.UDP)
+
+
+def plan(state: ClusterState, connections: int = 2000) -> Plan:
+    """Derive the sandbox and the traffic classes from the services, so any cluster can be run.
+
+    Clients: a pod in this node's pod CIDR (one address per family), an outside client that no
+    pod CIDR or source range contains, one allowed client per LoadBalancer with source ranges
+    (an address inside its first range), and the node itself. Endpoints: every endpoint IP with
+    every (port, protocol) it serves. One distribution probe per load-balanced service port,
+    one pass/fail probe per traffic class beyond ClusterIP.
+    """
+    if not 1 <= connections <= MAX_CONNECTIONS:
+        raise LabError(f"connections per service must be 1..{MAX_CONNECTIONS}, not {connections}")
+    node = state.node
+    families = sorted({svc.family for svc in state.services.values()})
+    skipped: list[str] = []
+
+    # Every address the cluster already uses: no client may take one of them.
+    taken: set[str] = set(node.ips)
+    ranges: list[str] = []
+    for svc in state.services.values():
+        taken.add(svc.cluster_ip)
+        taken.update(svc.external_ips)
+        taken.update(svc.load_balancer_ips)
+        ranges.extend(svc.load_balancer_source_ranges)
+    endpoint_ports: dict[str, dict[tuple[int, str], None]] = {}
+    for key, eps in state.endpoints.items():
+        svc = state.services.get(key)
+        if svc is None or not _testable(svc):
+            continue
+        for ep in eps:
+            endpoint_ports.setdefault(ep.ip, {})[(ep.port, svc.protocol.lower)] = None
+    taken.update(endpoint_ports)
+
+    clients: dict[str, dict[IPFamily, str]] = {}
+
+    def claim(name: str, family: IPFamily, ip: str) -> None:
+        taken.add(ip)
+        clients.setdefault(name, {})[family] = ip
+
+    for family in families:
+        cidrs = node.cluster_cidrs_of(family)
+        if cidrs:
+            ip = _pick(_hosts_from_top(cidrs[0]), taken)
+            if ip is None:
+                raise LabError(f"no free address for a pod client in pod CIDR {cidrs[0]}")
+            claim("pod", family, ip)
+        candidates = (a for c in _OUTSIDE_CANDIDATES[family] for a in _hosts_from_bottom(c))
+        ip = _pick(candidates, taken, [*node.cluster_cidrs, *ranges])
+        if ip is None:
+            raise LabError(f"no free IPv{family.value} address outside every pod CIDR and source range")
+        claim("outside", family, ip)
+
+    allowed_for: dict[tuple[str, IPFamily], str] = {}  # (service, family) -> client name
+    for (spn, family), svc in sorted(state.services.items()):
+        own = [r for r in svc.load_balancer_source_ranges if (":" in r) == (family is IPFamily.V6)]
+        if not (svc.load_balancer_ips and own and _testable(svc)):
+            continue
+        reuse = next(
+            (n for n, a in clients.items() if n.startswith("allowed") and family in a
+             and _in_any(a[family], own)),
+            None,
+        )
+        if reuse is None:
+            ip = _pick(_hosts_from_top(own[0]), taken, node.cluster_cidrs)
+            if ip is None:
+                skipped.append(f"{spn}: no free client address inside {own[0]}")
+                continue
+            reuse = f"allowed{sum(1 for n in clients if n.startswith('allowed'))}"
+            claim(reuse, family, ip)
+        allowed_for[(str(spn), family)] = reuse
+
+    def address(client: str, family: IPFamily) -> str | None:
+        if client == NODE:
+            ips = node.ips_of(family)
+            return ips[0] if ips else None
+        return clients.get(client, {}).get(family)
+
+    check_count = max(20, min(connections // 10, 200))
+    probes: list[Probe] = []
+    udp_per_client: Counter[tuple[str, IPFamily]] = Counter()
+
+    def probe(svc: ServicePort, client: str, dst: str, port: int, count: int,
+              check: Check | None = None, timeout: float = 1.0) -> None:
+        src = address(client, svc.family)
+        if src is None:
+            skipped.append(f"{svc.name} {svc.protocol.value}: no IPv{svc.family.value} {client} client")
+            return
+        if svc.protocol is Protocol.UDP:
+            udp_per_client[(client, svc.family)] += count
+        probes.append(Probe(str(svc.name), svc.protocol, svc.family, client, src, dst, port,
+                            count, check, timeout))
+
+    for svc, eps in (pair for f in families for pair in state.service_ports(f)):
+        if not _testable(svc):
+            skipped.append(f"{svc.name} {svc.protocol.value}: the sandbox speaks TCP and UDP only")
+            continue
+        routing = categorize(svc, eps, node)
+        inside = "pod" if "pod" in clients else "outside"
+        if routing.internal_no_endpoints is NoEndpoints.REJECT:
+            probe(svc, inside, svc.cluster_ip, svc.port, check_count, Check.NO_ENDPOINTS,
+                  _DROP_TIMEOUT)
+        elif routing.internal_no_endpoints is None and svc.affinity_timeout:
+            probe(svc, inside, svc.cluster_ip, svc.port, check_count, Check.AFFINITY)
+        elif routing.internal_no_endpoints is NoEndpoints.DROP:
+            probe(svc, inside, svc.cluster_ip, svc.port, min(check_count, 20),
+                  Check.NO_LOCAL_ENDPOINTS, _DROP_TIMEOUT)
+        else:
+            probe(svc, inside, svc.cluster_ip, svc.port, connections)
+        if not routing.has_endpoints:
+            continue
+        dropped = routing.external_no_endpoints is not None
+        timeout = _DROP_TIMEOUT if dropped else 1.0
+        few = min(check_count, 20) if dropped else check_count
+        if svc.node_port:
+            for ip in node.ips_of(svc.family)[:1]:
+                probe(svc, "outside", ip, svc.node_port, few, Check.NODE_PORT, timeout)
+                probe(svc, NODE, ip, svc.node_port, check_count, Check.FROM_NODE)
+        for ip in svc.external_ips:
+            probe(svc, "outside", ip, svc.port, few, Check.EXTERNAL_IP, timeout)
+        for ip in svc.load_balancer_ips:
+            allowed = allowed_for.get((str(svc.name), svc.family))
+            if allowed is not None:
+                probe(svc, allowed, ip, svc.port, few, Check.LB_ALLOWED, timeout)
+                if not _in_any(clients["outside"][svc.family], svc.load_balancer_source_ranges):
+                    probe(svc, "outside", ip, svc.port, min(check_count, 20), Check.LB_BLOCKED,
+                          _DROP_TIMEOUT)
+            elif not svc.load_balancer_source_ranges:
+                probe(svc, "outside", ip, svc.port, few, Check.LB_ALLOWED, timeout)
+
+    for (client, family), n in udp_per_client.items():
+        if n > _UDP_SOURCE_PORTS:
+            raise LabError(
+                f"{n} UDP connections from the {client} client (IPv{family.value}) need more fresh "
+                f"source ports than exist ({_UDP_SOURCE_PORTS}): lower --connections"
+            )
+    if not probes:
+        raise LabError("nothing to measure: no TCP or UDP service port with a cluster IP")
+
+    spec = SandboxSpec.of(
+        node_ips=node.ips,
+        clients={name: tuple(addrs.values()) for name, addrs in clients.items()},
+        endpoints={ip: list(ports) for ip, ports in endpoint_ports.items()},
+    )
+    return Plan(spec, tuple(probes), node.ips, node.name, connections, tuple(skipped))
+
+
+# --------------------------------------------------------------------------------------------
+# What the sandbox should see (pure): the interpreter's outcomes, as the client observes them
+
+Seen = tuple[str, str | None]
+"""(label, source): label is `ip:port` of the answering endpoint or the failure kind
+(refused, timeout, ...); source is the address the endpoint saw, None for failures."""
+
+
+def seen_as(verdict: str, endpoint: str | None, masquerade: bool, probe: Probe,
+            node_ips: Sequence[str]) -> Seen:
+    """How one interpreter outcome shows up in the sandbox.
+
+    A DNAT to an endpoint is answered by that endpoint, which sees the node's first address of
+    the family when masqueraded (the sandbox routes endpoints with that preferred source) and
+    the client's own otherwise. A reject is refused at once; a drop is a timeout; a packet let
+    through untouched reaches the node itself when it was sent to a node IP (nothing listens:
+    refused) and the sandbox's silent uplink otherwise (timeout).
+    """
+    verdict = verdict.lower()
+    if endpoint:
+        own = [ip for ip in node_ips if (":" in ip) == (probe.family is IPFamily.V6)]
+        src = own[0] if masquerade and own else probe.source
+        return (endpoint, src)
+    if verdict == "reject":
+        return ("refused", None)
+    if verdict == "drop":
+        return ("timeout", None)
+    return ("refused" if probe.destination in node_ips else "timeout", None)
+
+
+def observed(outcomes: Iterable[Outcome]) -> Counter[Seen]:
+    return Counter((o.endpoint, o.source) if o.ok else (o.kind, None) for o in outcomes)
+
+
+def labels(counts: Mapping[Seen, Any]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for (label, _), n in counts.items():
+        out[label] += n
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass(frozen=True, slots=True)
+class Test:
+    statistic: float
+    p: float
+
+
+def goodness_of_fit(observed_counts: Mapping[str, int], expected: Mapping[str, Fraction]) -> Test:
+    """Chi-square of the observed labels against the exact shares (an impossible label: p = 0)."""
+    from nfproxy.verify import stats
+
+    statistic, p = stats.goodness_of_fit(dict(observed_counts), dict(expected))
+    return Test(statistic, p)
+
+
+def two_sample(a: Mapping[str, int], b: Mapping[str, int]) -> Test:
+    """Whether two backends' counts could come from one distribution (chi-square contingency)."""
+    from nfproxy.verify import stats
+
+    statistic, p = stats.two_sample(dict(a), dict(b))
+    return Test(statistic, p)
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One probe on one backend: the exact expectation and what the connections saw."""
+
+    expected: Mapping[Seen, Fraction]
+    seen: Mapping[Seen, int]
+    seconds: float
+
+    @property
+    def expected_labels(self) -> dict[str, Fraction]:
+        out: dict[str, Fraction] = {}
+        for (label, _), share in self.expected.items():
+            out[label] = out.get(label, Fraction(0)) + share
+        return out
+
+    @property
+    def seen_labels(self) -> Counter[str]:
+        return labels(self.seen)
+
+    @property
+    def unexpected(self) -> dict[Seen, int]:
+        """Observations the rules give no chance: a wrong endpoint, failure or source."""
+        return {s: n for s, n in self.seen.items() if n and not self.expected.get(s)}
+
+    def fit(self) -> Test:
+        return goodness_of_fit(self.seen_labels, self.expected_labels)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    probe: Probe
+    by_backend: Mapping[str, Measured]
+
+    @property
+    def labels(self) -> list[str]:
+        """Every label expected or seen on any backend, endpoints first, in address order."""
+        found: set[str] = set()
+        for m in self.by_backend.values():
+            found.update(k for k, v in m.expected_labels.items() if v)
+            found.update(m.seen_labels)
+        return sorted(found, key=_label_order)
+
+    def fits(self) -> dict[str, Test]:
+        return {b: m.fit() for b, m in self.by_backend.items()}
+
+    def between(self) -> Test | None:
+        if len(self.by_backend) != 2:
+            return None
+        a, b = self.by_backend.values()
+        return two_sample(a.seen_labels, b.seen_labels)
+
+    def passed(self, backend: str) -> bool:
+        """No outcome the rules give no chance (wrong endpoint, source or failure), and for check
+        rows: every endpoint the rules give a fair chance was reached, and (affinity) one client
+        stayed on one endpoint. Distribution p-values are reported beside this, not folded in:
+        a correct ruleset falls below any alpha now and then."""
+        m = self.by_backend[backend]
+        if m.unexpected:
+            return False
+        if self.probe.check is None:
+            return True
+        if self.probe.check is Check.AFFINITY:
+            return len(m.seen_labels) == 1
+        total = sum(m.seen.values())
+        for label, share in m.expected_labels.items():
+            # Must be seen unless missing it is plausible (probability above one in a million).
+            if share and (1 - float(share)) ** total < 1e-6 and not m.seen_labels.get(label):
+                return False
+        return True
+
+
+def _label_order(label: str) -> tuple[int, int, int, str]:
+    """Endpoints by family, address and port; then failure kinds by name."""
+    host, _, port = label.rpartition(":")
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+        return (addr.version, int(addr), int(port), "")
+    except ValueError:
+        return (99, 0, 0, label)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    plan: Plan
+    backends: tuple[str, ...]
+    results: tuple[ProbeResult, ...]
+    seconds: float
+    apply_seconds: Mapping[str, float] = field(default_factory=dict)
+    alpha: float = ALPHA
+
+    @property
+    def distributions(self) -> tuple[ProbeResult, ...]:
+        return tuple(r for r in self.results if r.probe.check is None)
+
+    @property
+    def checks(self) -> tuple[ProbeResult, ...]:
+        return tuple(r for r in self.results if r.probe.check is not None)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed(b) for r in self.results for b in self.backends)
+
+    def low_p(self) -> list[tuple[ProbeResult, str, Test]]:
+        """Distribution tests below alpha: (result, backend or "two-sample", test)."""
+        out = []
+        for r in self.distributions:
+            for b, t in r.fits().items():
+                if t.p < self.alpha:
+                    out.append((r, b, t))
+            between = r.between()
+            if between is not None and between.p < self.alpha:
+                out.append((r, "two-sample", between))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel side: feature probes, applying, reading back, expectations
+
+
+@dataclass(frozen=True, slots=True)
+class Feature:
+    name: str
+    backend: str
+    payload: str
+    """An nft script (nft) or an iptables-restore payload (iptables) that needs the feature."""
+
+
+_NFT_BASE = (
+    "add table ip nfp_lab_probe\n"
+    "add chain ip nfp_lab_probe f { type filter hook input priority 0; }\n"
+    "add chain ip nfp_lab_probe n { type nat hook prerouting priority -100; }\n"
+    "add chain ip nfp_lab_probe p { type nat hook postrouting priority 100; }\n"
+)
+FEATURES: tuple[Feature, ...] = (
+    Feature("nf_tables", "nft", "add table ip nfp_lab_probe\n"),
+    Feature("nf_tables NAT chains (nft_chain_nat)", "nft", _NFT_BASE),
+    Feature("nft numgen (nft_numgen)", "nft",
+            _NFT_BASE + "add rule ip nfp_lab_probe f numgen random mod 2 vmap { 0 : accept, 1 : accept }\n"),
+    Feature("nft conntrack expressions (nft_ct)", "nft",
+            _NFT_BASE + "add rule ip nfp_lab_probe f ct state new accept\n"),
+    Feature("nft DNAT (nft_nat)", "nft",
+            _NFT_BASE + "add rule ip nfp_lab_probe n ip daddr 10.0.0.1 tcp dport 80 dnat to 10.0.0.2:80\n"),
+    Feature("nft masquerade (nft_masq)", "nft",
+            _NFT_BASE + "add rule ip nfp_lab_probe p masquerade fully-random\n"),
+    Feature("nft reject (nft_reject)", "nft", _NFT_BASE + "add rule ip nfp_lab_probe f reject\n"),
+    Feature("nft dynamic sets with timeouts (nft_set_hash, nft_dynset)", "nft",
+            _NFT_BASE + "add set ip nfp_lab_probe s { type ipv4_addr; flags dynamic,timeout; timeout 10s; }\n"
+            "add rule ip nfp_lab_probe f update @s { ip saddr }\n"),
+    Feature("iptables statistic match (xt_statistic)", "iptables",
+            "*filter\n:P - [0:0]\n-A P -m statistic --mode random --probability 0.5 -j RETURN\nCOMMIT\n"),
+    Feature("iptables recent match (xt_recent)", "iptables",
+            "*filter\n:P - [0:0]\n-A P -m recent --name p --rcheck --seconds 10 --reap -j RETURN\nCOMMIT\n"),
+    Feature("iptables conntrack match (xt_conntrack)", "iptables",
+            "*filter\n:P - [0:0]\n-A P -m conntrack --ctstate NEW -j RETURN\nCOMMIT\n"),
+    Feature("iptables comment and mark (xt_comment, xt_mark)", "iptables",
+            '*filter\n:P - [0:0]\n-A P -m comment --comment "x" -m mark --mark 0x4000/0x4000 -j RETURN\nCOMMIT\n'),
+    Feature("iptables REJECT (ipt_REJECT)", "iptables",
+            "*filter\n:P - [0:0]\n-A P -j REJECT\nCOMMIT\n"),
+    Feature("iptables DNAT (xt_nat)", "iptables",
+            "*nat\n:P - [0:0]\n-A P -p tcp -m tcp -j DNAT --to-destination 10.0.0.2:80\nCOMMIT\n"),
+    Feature("iptables MASQUERADE --random-fully (xt_MASQUERADE)", "iptables",
+            "*nat\n:P - [0:0]\n-A P -j MASQUERADE --random-fully\nCOMMIT\n"),
+)
+
+
+def preflight(backends: Sequence[str], features: Sequence[Feature] = FEATURES) -> None:
+    """Try each kernel feature the backends need in a throwaway namespace; name the first one
+    missing, instead of failing later on a large ruleset with an error that names none."""
+    wanted = [f for f in features if f.backend in backends]
+    if not wanted:
+        return
+    with netns.throwaway("nfp-lab-probe") as ns:
+        session = NftSession(ns) if "nft" in backends else None
+        runner = IptablesRunner(IPFamily.V4, ns) if "iptables" in backends else None
+        for feature in wanted:
+            try:
+                if feature.backend == "nft":
+                    assert session is not None
+                    session.apply(feature.payload)
+                    session.apply("delete table ip nfp_lab_probe\n")
+                else:
+                    assert runner is not None
+                    runner.restore(feature.payload, noflush=False)
+            except KernelError as exc:
+                raise LabError(f"this kernel lacks {feature.name}, which the {feature.backend} "
+                               f"backend needs ({exc})") from None
+
+
+def apply(backend: str, state: ClusterState, ns: str) -> float:
+    """Apply a backend's full ruleset for both families into `ns`; return the seconds taken."""
+    from nfproxy.verify.validate import apply_iptables, apply_nft
+
+    start = time.perf_counter()
+    if backend == "iptables":
+        apply_iptables(state, ns)
+    elif backend == "nft":
+        apply_nft(state, ns)
+    else:
+        raise LabError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    return time.perf_counter() - start
+
+
+def read_back(backend: str, ns: str, family: IPFamily) -> Any:
+    """The rules the kernel of `ns` holds, parsed for the interpreter (never what we meant)."""
+    from nfproxy.analysis import iptables_save, nft_json
+
+    try:
+        if backend == "iptables":
+            return iptables_save.parse(IptablesRunner(family, ns).save(), family)
+        name = "ip" if family is IPFamily.V4 else "ip6"
+        doc = NftSession(ns).list_table(name, "nfproxy")
+        if doc is None:
+            raise LabError(f"the nft backend left no table {name} nfproxy in the node namespace")
+        return nft_json.parse(doc)
+    except (iptables_save.ParseError, nft_json.ParseError) as exc:
+        raise LabError(f"cannot parse the {backend} rules read back (IPv{family.value}): {exc}") from None
+
+
+def expectation(ruleset: Any, probe: Probe, node_ips: Sequence[str]) -> dict[Seen, Fraction]:
+    """The exact share of each outcome the rules give a fresh connection of this probe, from
+    the interpreter in kernel mode (the kernel's quantised probabilities, not 1/n)."""
+    from nfproxy.analysis import interpret
+
+    origin = "node" if probe.client == NODE else "pod" if probe.client == "pod" else "outside"
+    packet = interpret.Packet(probe.source, probe.destination, probe.port, probe.proto, origin)
+    try:
+        outcomes = interpret.interpret(ruleset, packet, node_ips=tuple(node_ips), mode="kernel")
+    except interpret.InterpretError as exc:
+        raise LabError(f"the interpreter cannot follow the rules for {probe.title}: {exc}") from None
+    out: dict[Seen, Fraction] = {}
+    for outcome, share in outcomes.items():
+        key = seen_as(_verdict(outcome.verdict), outcome.endpoint, bool(outcome.masquerade),
+                      probe, node_ips)
+        out[key] = out.get(key, Fraction(0)) + Fraction(share)
+    return out
+
+
+def _verdict(v: Any) -> str:
+    return str(getattr(v, "value", v))
+
+
+# Sandbox building and teardown hold SIGINT/SIGTERM (delivered afterwards), so that Ctrl-C
+# cannot strand a namespace that pyroute2's helper is still creating.
+uninterrupted = netns.signals_held
+
+
+Progress = Callable[[int, int, str], None]
+"""(done, total, what): called as connections complete."""
+
+
+def run(
+    state: ClusterState,
+    *,
+    backends: Sequence[str] = BACKENDS,
+    connections: int = 2000,
+    progress: Progress | None = None,
+    alpha: float = ALPHA,
+) -> Report:
+    """Measure each backend on its own sandbox; every namespace is gone when this returns or
+    raises (Sandbox and throwaway clean up on any exception, Ctrl-C included)."""
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root: it creates network namespaces and applies rules there")
+    for b in backends:
+        if b not in BACKENDS:
+            raise LabError(f"unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
+    the_plan = plan(state, connections)
+    with uninterrupted():
+        preflight(backends)
+    started = time.perf_counter()
+    total = the_plan.connections * len(backends)
+    done = 0
+    measured: dict[Probe, dict[str, Measured]] = {p: {} for p in the_plan.probes}
+    applied: dict[str, float] = {}
+    for backend in backends:
+        sb = Sandbox(the_plan.spec)
+        try:
+            with uninterrupted():
+                sb.start()
+            applied[backend] = apply(backend, state, sb.node_ns)
+            rulesets = {f: read_back(backend, sb.node_ns, f)
+                        for f in {p.family for p in the_plan.probes}}
+            for p in the_plan.probes:
+                expected = expectation(rulesets[p.family], p, the_plan.node_ips)
+                t0 = time.perf_counter()
+                outcomes: list[Outcome] = []
+                while len(outcomes) < p.count:
+                    n = min(_CHUNK, p.count - len(outcomes))
+                    outcomes += sb.connect(p.client, p.destination, p.port, p.proto, n,
+                                           timeout=p.timeout)
+                    done += n
+                    if progress is not None:
+                        progress(done, total, f"{backend}: {p.service}")
+                measured[p][backend] = Measured(expected, observed(outcomes),
+                                                time.perf_counter() - t0)
+        finally:
+            with uninterrupted():
+                sb.close()
+    results = tuple(ProbeResult(p, measured[p]) for p in the_plan.probes)
+    return Report(the_plan, tuple(backends), results, time.perf_counter() - started, applied, alpha)
