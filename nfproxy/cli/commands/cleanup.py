@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
 def run(args: argparse.Namespace) -> int:
     from nfproxy.daemon.cleanup import cleanup_iptables, cleanup_nft
 
-    if os.geteuid() != 0:
-        print("nfproxy cleanup: needs root (CAP_NET_ADMIN)", file=sys.stderr)
+    from nfproxy.kernel import capabilities as caps
+
+    lacking = caps.missing(caps.CAP_NET_ADMIN, *((caps.CAP_SYS_ADMIN,) if args.netns else ()))
+    if lacking:
+        print(f"nfproxy cleanup: needs {' and '.join(lacking)}", file=sys.stderr)
         return 1
     removed = []
     if args.backend in ("nft", "all"):

@@ -33,8 +33,11 @@ def run(args: argparse.Namespace) -> int:
     from nfproxy.daemon.node import Daemon, DaemonConfig
     from nfproxy.kernel import netns as netns_mod
 
-    if os.geteuid() != 0:
-        print("nfproxy: needs root (CAP_NET_ADMIN) to program the kernel", file=sys.stderr)
+    from nfproxy.kernel import capabilities as caps
+
+    lacking = caps.missing(caps.CAP_NET_ADMIN, *((caps.CAP_SYS_ADMIN,) if args.netns else ()))
+    if lacking:
+        print(f"nfproxy: needs {' and '.join(lacking)} to program the kernel", file=sys.stderr)
         return 1
     if args.netns and not netns_mod.exists(args.netns):
         raise FlagError(f"--netns: no network namespace named {args.netns!r} (see `ip netns list`)")
