@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nfproxy.analysis.interpret import Outcome, Packet
+from nfproxy.analysis.interpret import Outcome
 from nfproxy.cli.main import main
 from nfproxy.verify.compare import Agreement, Comparison, compare, probes
 from nfproxy.verify.probe import Probe

@@ -31,7 +31,7 @@ from nfproxy.backends.nft import render as nft_backend
 from nfproxy.core.categorize import categorize
 from nfproxy.kernel import netns
 from nfproxy.kernel.nft import NftSession
-from nfproxy.core.model import ClusterState, IPFamily, ServicePort
+from nfproxy.core.model import ClusterState, IPFamily
 from nfproxy.verify.probe import Probe, of_family
 
 KERNEL_TOLERANCE = Fraction(1, 10**9)

@@ -8,8 +8,10 @@ traffic class should see, opens real connections, and tests the counts against t
 (chi-square goodness of fit) and against the other backend (a two-sample test).
 
 Layout: a pure planning part (`plan`: which clients, endpoints and traffic classes a cluster
-needs), a pure judging part (expected outcomes as the sandbox reports them, statistics,
-pass/fail), and a thin imperative part (`run`) that owns every namespace it creates.
+needs, as verify.probe's `Probe`s), a pure judging part (expected outcomes as the sandbox
+reports them; `judge` turns what was seen into problems; the statistics and the result types
+are verify.probe's, shared with the compat corpus), and a thin imperative part (`run`) that
+owns every namespace it creates.
 """
 
 from __future__ import annotations
