@@ -27,15 +27,16 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from nfproxy.verify import stats
 from nfproxy.kernel.iptables import Flavour, detect_flavour
 from nfproxy.core.model import ClusterState, Protocol, ServicePort
+from nfproxy.verify.probe import Expect, Measured, Probe, ProbeResult, observed
 from nfproxy.verify.sandbox import NODE, Outcome, Sandbox, SandboxSpec, endpoint_label, summarize
-from tests.scenarios import Probe, Scenario
 from nfproxy.verify.validate import apply_iptables, apply_nft
+from tests.scenarios import Scenario
 
 BACKENDS = ("iptables", "nft")
 
@@ -60,22 +61,6 @@ CLASH_REMAP_SHARE = 1 - MASQUERADED_SHARE
 
 
 @dataclass(frozen=True, slots=True)
-class ProbeResult:
-    probe: Probe
-    sent: int = 0
-    counts: tuple[tuple[str, int], ...] = ()
-    """Outcomes per answering endpoint (failures by kind)."""
-    problems: tuple[str, ...] = ()
-    not_sent: str = ""
-    """Why the probe was not sent (exact-only); empty when it was."""
-    p_value: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass(frozen=True, slots=True)
 class ScenarioResult:
     scenario: str
     backend: str
@@ -93,7 +78,7 @@ class ScenarioResult:
         lines = [f"{self.scenario} [{self.backend}]: {self.error}"] if self.error else []
         for p in self.probes:
             if p.problems:
-                counts = dict(p.counts)
+                counts = dict(p.measured().seen_labels) if p.by_backend else {}
                 lines.append(
                     f"{self.scenario} [{self.backend}] {p.probe}: {'; '.join(p.problems)} "
                     f"(seen {counts})"
@@ -161,10 +146,6 @@ def target(state: ClusterState, probe: Probe) -> ServicePort | None:
 # Judging one probe
 
 
-def _client_address(sb: Sandbox, client: str, probe: Probe) -> str:
-    return sb.address(client, 6 if ":" in probe.dst else 4)
-
-
 def _masquerade_problems(
     outcomes: Sequence[Outcome], expected: bool | None, own: str, node: bool
 ) -> list[str]:
@@ -195,80 +176,117 @@ def _masquerade_problems(
     return []
 
 
-def _judge(sb: Sandbox, scenario: Scenario, probe: Probe) -> ProbeResult:
+@dataclass(frozen=True, slots=True)
+class _Sender:
+    """One probe's client in a running sandbox: sends connections and knows its own address."""
+
+    sb: Sandbox
+    client: str
+    probe: Probe
+
+    @property
+    def own(self) -> str:
+        return self.sb.address(self.client, self.probe.family.value)
+
+    @property
+    def is_node(self) -> bool:
+        return self.client == NODE
+
+    def connect(self, count: int, timeout: float = CONNECT_TIMEOUT) -> list[Outcome]:
+        p = self.probe
+        return self.sb.connect(self.client, p.dst, p.port, p.proto, count, timeout=timeout)
+
+
+Judged = tuple[list[Outcome], list[str], float | None]
+"""What was sent, what is wrong with it, and the split's p-value where one was tested."""
+
+
+def _judge(sb: Sandbox, scenario: Scenario, probe: Probe, backend: str) -> ProbeResult:
     if probe.exact_only:
-        return ProbeResult(probe, not_sent=probe.exact_only)
+        return ProbeResult(probe, {}, not_sent=probe.exact_only)
     if probe.proto == "sctp":
-        return ProbeResult(
-            probe, problems=("SCTP cannot be sent in the sandbox: mark the probe exactOnly",)
-        )
-    names = _client_names(scenario)
-    client = NODE if probe.src == NODE else names.get(probe.src, probe.src)
-    own = _client_address(sb, client, probe)
-    expect = probe.expect
+        problem = "SCTP cannot be sent in the sandbox: mark the probe exactOnly"
+        return ProbeResult(probe, {backend: Measured({}, {}, 0.0, (problem,))})
+    client = NODE if probe.src == NODE else _client_names(scenario).get(probe.src, probe.src)
+    sender = _Sender(sb, client, probe)
+    assert probe.expect is not None
+    started = time.monotonic()
+    outcomes, problems, p_value = _BY_VERDICT[probe.expect.verdict](sender, scenario, probe.expect)
+    seen = Measured({}, observed(outcomes), time.monotonic() - started, tuple(problems), p_value)
+    return ProbeResult(probe, {backend: seen})
+
+
+def _judge_dnat(sender: _Sender, scenario: Scenario, expect: Expect) -> Judged:
+    assert expect.uniform is not None
+    wanted = set(expect.uniform)
+    sp = target(scenario.state, sender.probe)
+    sticky = sp is not None and sp.affinity_timeout > 0
+    count = AFFINITY_CONNECTIONS if sticky else max(
+        MIN_CONNECTIONS, CONNECTIONS_PER_ENDPOINT * len(wanted)
+    )
+    outcomes = sender.connect(count)
+    counts = summarize(outcomes)
+    answered = [o for o in outcomes if o.ok]
     problems: list[str] = []
     p_value: float | None = None
+    if len(answered) != count:
+        problems.append(f"{count - len(answered)} of {count} connections were not answered")
+    stray = sorted(k for k in set(counts) - wanted if ":" in k)
+    if stray:
+        problems.append(f"answered by endpoints outside the expected set: {stray}")
+    if sticky:
+        if len({o.endpoint for o in answered}) > 1:
+            problems.append("ClientIP affinity: one client reached several endpoints")
+    else:
+        missing = sorted(wanted - set(counts))
+        if missing:
+            problems.append(f"expected endpoints never answered: {missing}")
+        if not problems and 1 < len(wanted) <= CHI_SQUARE_MAX_ENDPOINTS:
+            _, p_value = stats.goodness_of_fit(
+                {k: counts[k] for k in wanted}, stats.uniform(sorted(wanted))
+            )
+            if p_value < P_MIN:
+                problems.append(f"split not uniform: chi-square p = {p_value:.2g}")
+    problems += _masquerade_problems(answered, expect.masquerade, sender.own, sender.is_node)
+    return outcomes, problems, p_value
 
-    def connect(count: int, timeout: float = CONNECT_TIMEOUT) -> list[Outcome]:
-        return sb.connect(client, probe.dst, probe.port, probe.proto, count, timeout=timeout)
 
-    if expect.verdict == "dnat":
-        assert expect.uniform is not None
-        wanted = set(expect.uniform)
-        sp = target(scenario.state, probe)
-        sticky = sp is not None and sp.affinity_timeout > 0
-        count = AFFINITY_CONNECTIONS if sticky else max(
-            MIN_CONNECTIONS, CONNECTIONS_PER_ENDPOINT * len(wanted)
-        )
-        outcomes = connect(count)
-        counts = summarize(outcomes)
-        answered = [o for o in outcomes if o.ok]
-        if len(answered) != count:
-            problems.append(f"{count - len(answered)} of {count} connections were not answered")
-        stray = sorted(k for k in set(counts) - wanted if ":" in k)
-        if stray:
-            problems.append(f"answered by endpoints outside the expected set: {stray}")
-        if sticky:
-            if len({o.endpoint for o in answered}) > 1:
-                problems.append("ClientIP affinity: one client reached several endpoints")
-        else:
-            missing = sorted(wanted - set(counts))
-            if missing:
-                problems.append(f"expected endpoints never answered: {missing}")
-            if not problems and 1 < len(wanted) <= CHI_SQUARE_MAX_ENDPOINTS:
-                _, p_value = stats.goodness_of_fit(
-                    {k: counts[k] for k in wanted}, stats.uniform(sorted(wanted))
-                )
-                if p_value < P_MIN:
-                    problems.append(f"split not uniform: chi-square p = {p_value:.2g}")
-        problems += _masquerade_problems(answered, expect.masquerade, own, client == NODE)
-    elif expect.verdict == "reject":
-        outcomes = connect(REJECT_CONNECTIONS)
-        counts = summarize(outcomes)
-        if set(counts) != {"refused"}:
-            problems.append("expected every connection refused")
-        slow = [o.seconds for o in outcomes if o.kind == "refused" and o.seconds >= REJECT_WITHIN]
-        if slow:
-            problems.append(f"refused only after {max(slow):.2f}s")
-    elif expect.verdict == "drop":
-        outcomes = connect(DROP_CONNECTIONS, DROP_TIMEOUT)
-        counts = summarize(outcomes)
-        # What the node itself sends and its own output path drops fails at once (EPERM).
-        silent = {"timeout", "denied"} if client == NODE else {"timeout"}
-        if not set(counts) <= silent:
-            problems.append("expected every connection to go unanswered (dropped)")
-    else:  # accept: delivered to its own destination, untouched
-        outcomes = connect(REJECT_CONNECTIONS)
-        counts = summarize(outcomes)
-        own_server = endpoint_label(probe.dst, probe.port)
-        if set(counts) != {own_server}:
-            problems.append(f"expected the packets to reach {own_server} itself")
-        problems += _masquerade_problems(
-            [o for o in outcomes if o.ok], expect.masquerade, own, client == NODE
-        )
-    return ProbeResult(
-        probe, len(outcomes), tuple(sorted(counts.items())), tuple(problems), p_value=p_value
+def _judge_reject(sender: _Sender, scenario: Scenario, expect: Expect) -> Judged:
+    outcomes = sender.connect(REJECT_CONNECTIONS)
+    problems = []
+    if set(summarize(outcomes)) != {"refused"}:
+        problems.append("expected every connection refused")
+    slow = [o.seconds for o in outcomes if o.kind == "refused" and o.seconds >= REJECT_WITHIN]
+    if slow:
+        problems.append(f"refused only after {max(slow):.2f}s")
+    return outcomes, problems, None
+
+
+def _judge_drop(sender: _Sender, scenario: Scenario, expect: Expect) -> Judged:
+    outcomes = sender.connect(DROP_CONNECTIONS, DROP_TIMEOUT)
+    # What the node itself sends and its own output path drops fails at once (EPERM).
+    silent = {"timeout", "denied"} if sender.is_node else {"timeout"}
+    if not set(summarize(outcomes)) <= silent:
+        return outcomes, ["expected every connection to go unanswered (dropped)"], None
+    return outcomes, [], None
+
+
+def _judge_accept(sender: _Sender, scenario: Scenario, expect: Expect) -> Judged:
+    """Delivered to its own destination, untouched."""
+    outcomes = sender.connect(REJECT_CONNECTIONS)
+    own_server = endpoint_label(sender.probe.dst, sender.probe.port)
+    problems = []
+    if set(summarize(outcomes)) != {own_server}:
+        problems.append(f"expected the packets to reach {own_server} itself")
+    problems += _masquerade_problems(
+        [o for o in outcomes if o.ok], expect.masquerade, sender.own, sender.is_node
     )
+    return outcomes, problems, None
+
+
+_BY_VERDICT: dict[str, Callable[[_Sender, Scenario, Expect], Judged]] = {
+    "dnat": _judge_dnat, "reject": _judge_reject, "drop": _judge_drop, "accept": _judge_accept,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +310,7 @@ def run_scenario(
     try:
         with Sandbox(sandbox_spec(scenario)) as sb:
             _apply(scenario.state, backend, sb.node_ns, flavour)
-            results = tuple(_judge(sb, scenario, probe) for probe in scenario.probes)
+            results = tuple(_judge(sb, scenario, probe, backend) for probe in scenario.probes)
     except Exception as exc:  # noqa: BLE001 - reported per scenario, the others still run
         return ScenarioResult(
             scenario.name, backend, (), time.monotonic() - started, f"{type(exc).__name__}: {exc}"

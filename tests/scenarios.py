@@ -14,12 +14,11 @@ reported with the file, the probe index and the field path, all at once.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
@@ -27,14 +26,13 @@ from nfproxy.core.model import ClusterState, NodeConfig
 from nfproxy.sources import validation as v
 from nfproxy.sources.manifests import load_objects
 from nfproxy.sources.validation import FieldError, show, type_name
+from nfproxy.verify.probe import Expect, Probe, Verdict, origin_of
+from nfproxy.verify.sandbox import NODE, endpoint_label
 
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "compat"
 
-Origin = Literal["pod", "outside", "node"]
-Verdict = Literal["dnat", "reject", "drop", "accept"]
 VERDICTS: tuple[Verdict, ...] = ("dnat", "reject", "drop", "accept")
 PROTOS = ("tcp", "udp", "sctp")
-NODE = "node"
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _TOP_KEYS = {"name", "description", "node", "objects", "probes"}
@@ -51,49 +49,12 @@ class ScenarioError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Expect:
-    """What kube-proxy does with a probe's first packet.
-
-    `uniform` lists the `ip:port` endpoints the connection is spread over with equal
-    probability (verdict "dnat"); `masquerade` is whether the endpoint sees the node instead
-    of the client (None: not asserted).
-    """
-
-    uniform: tuple[str, ...] | None
-    verdict: Verdict
-    masquerade: bool | None
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """One packet. The first five fields are the interpreter's `Packet`, one for one."""
-
-    src: str
-    """An IP address, or "node" for the node's own traffic."""
-    dst: str
-    port: int
-    proto: str
-    origin: Origin
-    """Derived: "node" for src "node", "pod" inside the node's cluster CIDR, else "outside"."""
-    expect: Expect
-    exact_only: str = ""
-    """Why the kernel runner cannot send this probe (the exact interpreter still checks it)."""
-
-    def __str__(self) -> str:
-        return f"{self.proto} {self.src} -> {_join(self.dst, self.port)}"
-
-
-@dataclass(frozen=True, slots=True)
 class Scenario:
     name: str
     description: str
     path: Path
     state: ClusterState
     probes: tuple[Probe, ...]
-
-
-def _join(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def load_all(directory: str | Path = COMPAT_DIR) -> list[Scenario]:
@@ -271,7 +232,8 @@ class _Reader:
             return None
         assert src is not None and dst is not None and port is not None and proto is not None
         assert expect is not None
-        return Probe(src, dst, port, proto, origin_of(src, node), expect, exact_only.strip())
+        return Probe(src, dst, port, proto, origin_of(src, node), expect=expect,
+                     exact_only=exact_only.strip())
 
     def expect(self, field: str, raw: Any, endpoints: set[str]) -> Expect | None:
         e = self.mapping(field, raw, _EXPECT_KEYS, set())
@@ -328,7 +290,7 @@ class _Reader:
         if (m.group("v6") is not None) != (":" in ip):
             self.add(field, f"{show(raw)}: IPv6 endpoints are bracketed, IPv4 ones are not")
             return None
-        return _join(ip, port)
+        return endpoint_label(ip, port)
 
 
 def _matching_name(value: Any) -> str:
@@ -336,15 +298,3 @@ def _matching_name(value: Any) -> str:
     if len(text) > 63 or not _NAME.fullmatch(text):
         raise FieldError(f"{show(text)} is not a valid scenario name (lower-case DNS label)")
     return text
-
-
-def origin_of(src: str, node: NodeConfig) -> Origin:
-    """Where a packet comes from, as the rules see it: the node, a pod, or off the cluster."""
-    if src == NODE:
-        return "node"
-    addr = ipaddress.ip_address(src)
-    for cidr in node.cluster_cidrs:
-        net = ipaddress.ip_network(cidr)
-        if net.version == addr.version and addr in net:
-            return "pod"
-    return "outside"

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from nfproxy.analysis.interpret import Outcome, Packet
+from nfproxy.analysis.interpret import Outcome
 from nfproxy.cli.main import main
-from nfproxy.verify.compare import Comparison, Probe, ProbeResult, compare, probes
+from nfproxy.verify.compare import Agreement, Comparison, compare, probes
+from nfproxy.verify.probe import Probe
 from nfproxy.core.model import IPFamily, NodeConfig
 from nfproxy.sources import manifests
 from nfproxy.testing import random_cluster
@@ -59,10 +60,10 @@ def test_node_traffic_to_external_ips_without_endpoints_is_equivalent() -> None:
 
 
 def test_a_difference_is_reported() -> None:
-    probe = Probe("x", "cluster IP from pod", Packet("10.0.0.1", "10.96.0.1", 80, "tcp", "pod"))
+    probe = Probe("10.0.0.1", "10.96.0.1", 80, "tcp", "pod", service="x", traffic="cluster IP from pod")
     same = {Outcome("dnat", "10.0.0.2:80"): Fraction(1)}
     other = {Outcome("dnat", "10.0.0.2:80", True): Fraction(1)}
-    r = ProbeResult(probe, same, other, same, other)
+    r = Agreement(probe, same, other, same, other)
     assert not r.equivalent and r.total_variation == 1
     assert not Comparison((r,)).equivalent
 

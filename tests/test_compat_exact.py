@@ -7,21 +7,13 @@ from fractions import Fraction
 
 import pytest
 
-from nfproxy.analysis.interpret import Outcome, Packet, interpret
+from nfproxy.analysis.interpret import Outcome, interpret
 from nfproxy.verify.compare import compare, iptables_ruleset, nft_ruleset
 from nfproxy.kernel.nft import NftSession
 from nfproxy.core.model import IPFamily
 from tests.scenarios import load_all
 
 SCENARIOS = load_all()
-
-
-def _packet(probe, state) -> tuple[Packet, IPFamily]:  # noqa: ANN001
-    family = IPFamily.V6 if ":" in probe.dst else IPFamily.V4
-    src = probe.src
-    if src == "node":
-        src = state.node.ips_of(family)[0]
-    return Packet(src, probe.dst, probe.port, probe.proto, probe.origin), family
 
 
 def _check(dist: dict[Outcome, Fraction], expect, exact: bool, where: str) -> None:  # noqa: ANN001
@@ -49,7 +41,7 @@ def test_scenario_exact(scenario, netns: str) -> None:  # noqa: ANN001
     session = NftSession(netns)
     rendered: dict[tuple[str, IPFamily], object] = {}
     for probe in scenario.probes:
-        packet, family = _packet(probe, scenario.state)
+        packet, family = probe.packet(scenario.state.node.ips), probe.family
         for backend in ("iptables", "nft"):
             if (backend, family) not in rendered:
                 rendered[(backend, family)] = (

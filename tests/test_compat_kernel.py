@@ -18,7 +18,8 @@ from tests.compat_kernel import (
     sandbox_spec,
     target,
 )
-from tests.scenarios import COMPAT_DIR, Expect, load, load_all
+from nfproxy.verify.probe import Expect
+from tests.scenarios import COMPAT_DIR, load, load_all
 
 pytestmark = pytest.mark.kernel
 
@@ -46,7 +47,7 @@ def test_every_scenario_behaves_as_kube_proxy_documents(backend: str) -> None:
     # Only the SCTP probes stay with the exact interpreter; everything else went on the wire.
     assert unsent and all(p.probe.proto == "sctp" for p in unsent)
     assert len(sent) + len(unsent) == sum(len(s.probes) for s in scenarios)
-    connections = sum(p.sent for p in sent)
+    connections = sum(p.measured().sent for p in sent)
     print(f"\n{backend}: {len(scenarios)} scenarios, {len(sent)} probes, {connections} connections,"
           f" {len(unsent)} exact-only, {elapsed:.1f}s")
 
@@ -118,7 +119,8 @@ def test_affinity_probes_check_stickiness_not_spread() -> None:
     # client that sees two is a failure.
     result = run_scenario(s, "iptables")
     assert result.ok, result.report()
-    assert all(len(p.counts) == 1 for p in result.probes), [p.counts for p in result.probes]
+    assert all(len(p.measured().seen_labels) == 1 for p in result.probes), [
+        p.measured().seen_labels for p in result.probes]
 
 
 def test_the_sandbox_gets_one_client_per_source_and_every_server() -> None:

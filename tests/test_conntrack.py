@@ -18,7 +18,8 @@ from hypothesis import given
 from pyroute2.conntrack import Conntrack, NFCTAttrTuple
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy.daemon.conntrack import FlowFilter, stale_flows
+from nfproxy.daemon.conntrack import stale_flows
+from nfproxy.kernel.conntrack import FlowFilter
 from nfproxy.kernel import conntrack as kct
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.core.model import (

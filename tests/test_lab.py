@@ -78,8 +78,8 @@ def test_plan_has_a_distribution_per_load_balanced_port_and_every_traffic_class(
     }
     assert all(p.count == 700 and p.client == "pod" for p in plan.distributions)
     catalog = dist[("shop/catalog:http", Protocol.TCP)]
-    assert (catalog.destination, catalog.port) == ("10.96.10.10", 80)
-    checks = {(p.check, p.service, p.client, p.destination, p.port) for p in plan.checks}
+    assert (catalog.dst, catalog.port) == ("10.96.10.10", 80)
+    checks = {(p.check, p.service, p.client, p.dst, p.port) for p in plan.checks}
     lab_ = lab.Check
     assert checks == {
         (lab_.NODE_PORT, "shop/frontend:http", "outside", NODE_IP, 30080),
@@ -173,7 +173,7 @@ def test_plan_for_another_cluster_dual_stack_local_policy_and_sctp() -> None:
     clients = {c.name: c.addresses for c in plan.spec.clients}
     assert len(clients["pod"]) == len(clients["outside"]) == 2
     assert ipaddress.ip_address(clients["pod"][1]) in _net("fd00:244::/64")
-    probes = {(p.check, p.family, p.destination, p.port) for p in plan.probes}
+    probes = {(p.check, p.family, p.dst, p.port) for p in plan.probes}
     assert probes == {
         (None, IPFamily.V4, "10.96.5.5", 80),
         (None, IPFamily.V6, "fd00:96::5", 80),
@@ -229,8 +229,9 @@ endpoints: [{{addresses: [10.244.0.{i}]}}, {{addresses: [10.244.1.{i}]}}]
 
 def _probe(check: lab.Check | None = None, client: str = "pod", source: str = "10.244.0.254",
            destination: str = "10.96.10.10") -> lab.Probe:
-    return lab.Probe("shop/catalog:http", Protocol.TCP, IPFamily.V4, client, source,
-                     destination, 80, 300, check)
+    origin = "pod" if client == "pod" else "outside"
+    return lab.Probe(source, destination, 80, "tcp", origin, service="shop/catalog:http",
+                     client=client, count=300, check=check)
 
 
 def test_interpreter_outcomes_map_to_what_the_sandbox_reports() -> None:
@@ -253,8 +254,9 @@ EXPECTED = {(f"10.244.{i}:8080", "10.244.0.254"): THIRD for i in ("0.11", "1.12"
 
 def _result(seen: dict[lab.Seen, int], check: lab.Check | None = None,
             expected: dict[lab.Seen, Fraction] | None = None) -> lab.ProbeResult:
-    m = lab.Measured(expected or EXPECTED, seen, 0.1)
-    return lab.ProbeResult(_probe(check), {"iptables": m, "nft": m})
+    probe = _probe(check)
+    m = lab.measure(probe, expected or EXPECTED, seen, 0.1)
+    return lab.ProbeResult(probe, {"iptables": m, "nft": m})
 
 
 def test_distribution_rows_fail_only_on_impossible_outcomes() -> None:
@@ -289,7 +291,7 @@ def _report() -> lab.Report:
     results = []
     for p in plan.probes:
         if p.check is None:
-            exp = {(f"10.244.7.{i}:80", p.source): Fraction(1, 3) for i in (1, 2, 3)}
+            exp = {(f"10.244.7.{i}:80", p.src): Fraction(1, 3) for i in (1, 2, 3)}
             by = {"iptables": lab.Measured(exp, dict(zip(exp, (97, 101, 102))), 0.25),
                   "nft": lab.Measured(exp, dict(zip(exp, (110, 95, 95))), 0.5)}
         else:
@@ -542,7 +544,7 @@ def test_dual_stack_cluster_on_both_backends() -> None:
         m = v6.by_backend[backend]
         assert sum(m.expected_labels.values()) == 1 and len(m.expected_labels) == 3
         assert set(m.seen_labels) == set(m.expected_labels)
-        assert {src for _, src in m.seen} == {v6.probe.source}  # pods are not masqueraded
+        assert {src for _, src in m.seen} == {v6.probe.src}  # pods are not masqueraded
     node_port = next(r for r in report.checks
                      if r.probe.check is lab.Check.NODE_PORT and r.probe.family is IPFamily.V6)
     for m in node_port.by_backend.values():

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from nfproxy.core.model import IPFamily, NodeConfig, Protocol, ServiceType
-from tests.scenarios import COMPAT_DIR, Probe, ScenarioError, load, load_all, origin_of
+from nfproxy.verify.probe import Probe, origin_of
+from tests.scenarios import COMPAT_DIR, ScenarioError, load, load_all
 
 SCENARIOS = load_all()
 

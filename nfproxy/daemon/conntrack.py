@@ -20,72 +20,15 @@ and the terminating fallback are not consulted, so a policy change does not cut 
 (UDP then behaves as TCP does). Only the protocol UDP is handled, as upstream: TCP and SCTP
 connections end, and the endpoint's own stack resets them.
 
-Pure: `stale_flows(old, new)` returns filters; nfproxy.kernel.conntrack deletes what matches.
+Pure: `stale_flows(old, new)` returns filters (nfproxy.kernel.conntrack.FlowFilter, the value the
+kernel layer deletes by); nfproxy.kernel.conntrack deletes what matches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-
-from nfproxy.core.model import ClusterState, Endpoint, IPFamily, Protocol, ServicePort, ServicePortKey
-
-
-@dataclass(frozen=True, slots=True)
-class FlowFilter:
-    """Matches conntrack entries; every field left None matches anything.
-
-    Field names follow the conntrack tool: `orig_dst`/`orig_dport` are the destination the
-    client sent to (a service address, or any address for a node port), `reply_src`/`reply_sport`
-    the address the reply comes from, which is the DNAT target (the endpoint) when NAT happened.
-    """
-
-    family: IPFamily
-    protocol: Protocol = Protocol.UDP
-    orig_dst: str | None = None
-    orig_dport: int | None = None
-    reply_src: str | None = None
-    reply_sport: int | None = None
-    reason: str = field(default="", compare=False)
-
-    @property
-    def sort_key(self) -> tuple[int, str, str, int, str, int]:
-        return (
-            self.family.value, self.protocol.value, self.orig_dst or "", self.orig_dport or 0,
-            self.reply_src or "", self.reply_sport or 0,
-        )
-
-    def matches(
-        self,
-        protocol: Protocol,
-        orig_dst: str,
-        orig_dport: int | None,
-        reply_src: str,
-        reply_sport: int | None,
-    ) -> bool:
-        """Whether an entry (its original destination and reply source) is one of ours.
-
-        Addresses must be in canonical form (what the model and the kernel both produce).
-        """
-        return (
-            protocol is self.protocol
-            and (self.orig_dst is None or self.orig_dst == orig_dst)
-            and (self.orig_dport is None or self.orig_dport == orig_dport)
-            and (self.reply_src is None or self.reply_src == reply_src)
-            and (self.reply_sport is None or self.reply_sport == reply_sport)
-        )
-
-    def __str__(self) -> str:
-        parts = [f"-f {'ipv4' if self.family is IPFamily.V4 else 'ipv6'}", f"-p {self.protocol.lower}"]
-        if self.orig_dst is not None:
-            parts.append(f"--orig-dst {self.orig_dst}")
-        if self.orig_dport is not None:
-            parts.append(f"--orig-port-dst {self.orig_dport}")
-        if self.reply_src is not None:
-            parts.append(f"--reply-src {self.reply_src}")
-        if self.reply_sport is not None:
-            parts.append(f"--reply-port-src {self.reply_sport}")
-        return " ".join(parts)
+from nfproxy.core.model import ClusterState, Endpoint, Protocol, ServicePort, ServicePortKey
+from nfproxy.kernel.conntrack import FlowFilter
 
 
 def _frontends(svc: ServicePort) -> tuple[tuple[str, int], ...]:

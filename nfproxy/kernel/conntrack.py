@@ -20,13 +20,12 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyroute2.conntrack import AsyncConntrack, NFCTAttrTuple
 from pyroute2.netlink.exceptions import NetlinkError
 
-from nfproxy.daemon.conntrack import FlowFilter
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.process import KernelError
 from nfproxy.core.model import IPFamily, Protocol
@@ -36,6 +35,63 @@ log = logging.getLogger(__name__)
 _AF = {IPFamily.V4: socket.AF_INET, IPFamily.V6: socket.AF_INET6}
 _PROTO = {Protocol.TCP: socket.IPPROTO_TCP, Protocol.UDP: socket.IPPROTO_UDP, Protocol.SCTP: 132}
 _PROTO_BY_NUMBER = {v: k for k, v in _PROTO.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class FlowFilter:
+    """Matches conntrack entries; every field left None matches anything.
+
+    Field names follow the conntrack tool: `orig_dst`/`orig_dport` are the destination the
+    client sent to (a service address, or any address for a node port), `reply_src`/`reply_sport`
+    the address the reply comes from, which is the DNAT target (the endpoint) when NAT happened.
+    """
+
+    family: IPFamily
+    protocol: Protocol = Protocol.UDP
+    orig_dst: str | None = None
+    orig_dport: int | None = None
+    reply_src: str | None = None
+    reply_sport: int | None = None
+    reason: str = field(default="", compare=False)
+
+    @property
+    def sort_key(self) -> tuple[int, str, str, int, str, int]:
+        return (
+            self.family.value, self.protocol.value, self.orig_dst or "", self.orig_dport or 0,
+            self.reply_src or "", self.reply_sport or 0,
+        )
+
+    def matches(
+        self,
+        protocol: Protocol,
+        orig_dst: str,
+        orig_dport: int | None,
+        reply_src: str,
+        reply_sport: int | None,
+    ) -> bool:
+        """Whether an entry (its original destination and reply source) is one of ours.
+
+        Addresses must be in canonical form (what the model and the kernel both produce).
+        """
+        return (
+            protocol is self.protocol
+            and (self.orig_dst is None or self.orig_dst == orig_dst)
+            and (self.orig_dport is None or self.orig_dport == orig_dport)
+            and (self.reply_src is None or self.reply_src == reply_src)
+            and (self.reply_sport is None or self.reply_sport == reply_sport)
+        )
+
+    def __str__(self) -> str:
+        parts = [f"-f {'ipv4' if self.family is IPFamily.V4 else 'ipv6'}", f"-p {self.protocol.lower}"]
+        if self.orig_dst is not None:
+            parts.append(f"--orig-dst {self.orig_dst}")
+        if self.orig_dport is not None:
+            parts.append(f"--orig-port-dst {self.orig_dport}")
+        if self.reply_src is not None:
+            parts.append(f"--reply-src {self.reply_src}")
+        if self.reply_sport is not None:
+            parts.append(f"--reply-port-src {self.reply_sport}")
+        return " ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ Equivalent means: for every probe, the same outcomes (verdict, endpoint, masquer
 equal probabilities in ideal mode and within 1e-9 of each other in kernel mode (the two kernels'
 quantisations genuinely differ by that much).
 
-Public API: `compare(state) -> Comparison`; `probes(state, family)`; `ProbeResult`.
+Public API: `compare(state) -> Comparison`; `probes(state, family)` (verify.probe's `Probe`);
+`Agreement`, one probe's four exact distributions. It is not verify.probe's `ProbeResult`: no
+traffic is sent, so there is nothing measured, only two rule sets' promises side by side.
 """
 
 from __future__ import annotations
@@ -22,27 +24,23 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from nfproxy.analysis import iptables_save, nft_json
-from nfproxy.analysis.interpret import Outcome, Packet, interpret
+from nfproxy.analysis.interpret import Origin, Outcome, interpret
 from nfproxy.analysis.ir import Ruleset
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
 from nfproxy.core.categorize import categorize
 from nfproxy.kernel import netns
 from nfproxy.kernel.nft import NftSession
-from nfproxy.core.model import ClusterState, IPFamily, ServicePort
+from nfproxy.core.model import ClusterState, IPFamily
+from nfproxy.verify.probe import Probe, of_family
 
 KERNEL_TOLERANCE = Fraction(1, 10**9)
 
 
 @dataclass(frozen=True, slots=True)
-class Probe:
-    service: str
-    traffic: str  # e.g. "cluster IP from pod"
-    packet: Packet
+class Agreement:
+    """What the two backends' rules do with one probe, exactly, in both interpreter modes."""
 
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
     probe: Probe
     iptables: dict[Outcome, Fraction]
     nft: dict[Outcome, Fraction]
@@ -70,7 +68,7 @@ class ProbeResult:
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    results: tuple[ProbeResult, ...]
+    results: tuple[Agreement, ...]
 
     @property
     def equivalent(self) -> bool:
@@ -120,9 +118,9 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
     for svc, endpoints in state.service_ports(family):
         name = f"{svc.name} ({svc.protocol.lower})"
         proto = svc.protocol.lower
-        ranges = [r for r in svc.load_balancer_source_ranges if (":" in r) == (family is IPFamily.V6)]
+        ranges = of_family(svc.load_balancer_source_ranges, family)
         outside = _outside(state, family, ranges)
-        sources: list[tuple[str, str, str]] = []  # (label, src, origin)
+        sources: list[tuple[str, str, Origin]] = []  # (label, src, origin)
         if pods:
             sources.append(("pod", _inside(pods[0]), "pod"))
         if node_ips:
@@ -134,24 +132,20 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
             ep = routing.reachable[0].ip
             sources.append(("hairpin endpoint", ep, "pod"))
 
-        def emit(traffic: str, dst: str, port: int, srcs: list[tuple[str, str, str]]) -> Iterator[Probe]:
+        def emit(traffic: str, dst: str, port: int, srcs: list[tuple[str, str, Origin]]) -> Iterator[Probe]:
             for label, src, origin in srcs:
-                yield Probe(name, f"{traffic} from {label}", Packet(src, dst, port, proto, origin))  # type: ignore[arg-type]
+                yield Probe(src, dst, port, proto, origin, service=name, traffic=f"{traffic} from {label}")
 
         yield from emit("cluster IP", svc.cluster_ip, svc.port, sources)
         if svc.node_port and node_ips:
             yield from emit("node port", node_ips[0], svc.node_port, sources)
-        for ip in _of(svc.external_ips, family):
+        for ip in of_family(svc.external_ips, family):
             yield from emit(f"external IP {ip}", ip, svc.port, sources)
-        for ip in _of(svc.load_balancer_ips, family):
+        for ip in of_family(svc.load_balancer_ips, family):
             srcs = list(sources)
             if ranges:
                 srcs.append(("allowed range", _inside(ranges[0]), "outside"))
             yield from emit(f"LB IP {ip}", ip, svc.port, srcs)
-
-
-def _of(ips: tuple[str, ...], family: IPFamily) -> list[str]:
-    return [ip for ip in ips if (":" in ip) == (family is IPFamily.V6)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,7 +170,7 @@ def families(state: ClusterState) -> list[IPFamily]:
 
 
 def compare(state: ClusterState) -> Comparison:
-    results: list[ProbeResult] = []
+    results: list[Agreement] = []
     with netns.throwaway("nfp-compare") as ns:
         session = NftSession(ns)
         for family in families(state):
@@ -184,13 +178,14 @@ def compare(state: ClusterState) -> Comparison:
             nft = nft_ruleset(state, family, session)
             node_ips = state.node.ips_of(family)
             for probe in probes(state, family):
+                packet = probe.packet()
                 results.append(
-                    ProbeResult(
+                    Agreement(
                         probe,
-                        interpret(ipt, probe.packet, node_ips=node_ips),
-                        interpret(nft, probe.packet, node_ips=node_ips),
-                        interpret(ipt, probe.packet, node_ips=node_ips, mode="ideal"),
-                        interpret(nft, probe.packet, node_ips=node_ips, mode="ideal"),
+                        interpret(ipt, packet, node_ips=node_ips),
+                        interpret(nft, packet, node_ips=node_ips),
+                        interpret(ipt, packet, node_ips=node_ips, mode="ideal"),
+                        interpret(nft, packet, node_ips=node_ips, mode="ideal"),
                     )
                 )
     return Comparison(tuple(results))

@@ -8,13 +8,14 @@ traffic class should see, opens real connections, and tests the counts against t
 (chi-square goodness of fit) and against the other backend (a two-sample test).
 
 Layout: a pure planning part (`plan`: which clients, endpoints and traffic classes a cluster
-needs), a pure judging part (expected outcomes as the sandbox reports them, statistics,
-pass/fail), and a thin imperative part (`run`) that owns every namespace it creates.
+needs, as verify.probe's `Probe`s), a pure judging part (expected outcomes as the sandbox
+reports them; `judge` turns what was seen into problems; the statistics and the result types
+are verify.probe's, shared with the compat corpus), and a thin imperative part (`run`) that
+owns every namespace it creates.
 """
 
 from __future__ import annotations
 
-import enum
 import ipaddress
 import os
 import time
@@ -24,12 +25,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from nfproxy.core.categorize import NoEndpoints, categorize
+from nfproxy.core.categorize import NoEndpoints, Routing, categorize
 from nfproxy.kernel import netns
 from nfproxy.kernel.iptables import IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import KernelError
-from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePort
+from nfproxy.core.model import ClusterState, Endpoint, IPFamily, Protocol, ServicePort
+from nfproxy.verify.probe import Check, Measured, Probe, ProbeResult, Seen, Test, observed, of_family
 from nfproxy.verify.sandbox import NODE, Outcome, Sandbox, SandboxSpec
 
 BACKENDS = ("iptables", "nft")
@@ -49,56 +51,8 @@ class LabError(RuntimeError):
     """The lab cannot run (not root, a kernel feature missing, nothing to measure)."""
 
 
-class Check(enum.Enum):
-    """The traffic classes shown as pass/fail rows (the distributions are rows of their own)."""
-
-    NODE_PORT = "NodePort"
-    LB_ALLOWED = "LoadBalancer, allowed source"
-    LB_BLOCKED = "LoadBalancer, blocked source"
-    EXTERNAL_IP = "external IP"
-    FROM_NODE = "NodePort from the node itself"
-    AFFINITY = "session affinity"
-    NO_ENDPOINTS = "no endpoints"
-    NO_LOCAL_ENDPOINTS = "internalTrafficPolicy Local, no local endpoint"
-
-
 # --------------------------------------------------------------------------------------------
 # Planning (pure)
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """One traffic class: `count` fresh connections from a client to one address and port."""
-
-    service: str
-    """`ns/name:port` of the service port under test."""
-    protocol: Protocol
-    family: IPFamily
-    client: str
-    """Sandbox client name ("node" for the node itself)."""
-    source: str
-    """The client's address of this family: what the server sees unless something masquerades."""
-    destination: str
-    port: int
-    count: int
-    check: Check | None = None
-    """None for a distribution row; else the pass/fail row this probe backs."""
-    timeout: float = 1.0
-
-    @property
-    def proto(self) -> str:
-        return self.protocol.lower
-
-    @property
-    def target(self) -> str:
-        return f"[{self.destination}]:{self.port}" if ":" in self.destination else (
-            f"{self.destination}:{self.port}"
-        )
-
-    @property
-    def title(self) -> str:
-        what = self.check.value if self.check else "ClusterIP"
-        return f"{what} {self.target}/{self.proto} from {self.client}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,147 +135,185 @@ def plan(state: ClusterState, connections: int = 2000) -> Plan:
     """
     if not 1 <= connections <= MAX_CONNECTIONS:
         raise LabError(f"connections per service must be 1..{MAX_CONNECTIONS}, not {connections}")
-    node = state.node
     families = sorted({svc.family for svc in state.services.values()})
-    skipped: list[str] = []
+    endpoint_ports = _endpoint_ports(state)
+    clients = _Clients(state, taken=_used_addresses(state) | set(endpoint_ports))
+    for family in families:
+        clients.claim_pod_and_outside(family)
+    clients.claim_allowed()
+    probes = _Probes(state, clients, connections)
+    for svc, eps in (pair for f in families for pair in state.service_ports(f)):
+        probes.add_service(svc, eps)
+    probes.check_udp_source_ports()
+    if not probes.probes:
+        raise LabError("nothing to measure: no TCP or UDP service port with a cluster IP")
+    spec = SandboxSpec.of(
+        node_ips=state.node.ips,
+        clients={name: tuple(addrs.values()) for name, addrs in clients.by_name.items()},
+        endpoints={ip: list(ports) for ip, ports in endpoint_ports.items()},
+    )
+    return Plan(spec, tuple(probes.probes), state.node.ips, state.node.name, connections,
+                tuple([*clients.skipped, *probes.skipped]))
 
-    # Every address the cluster already uses: no client may take one of them.
-    taken: set[str] = set(node.ips)
-    ranges: list[str] = []
+
+def _used_addresses(state: ClusterState) -> set[str]:
+    """Every address the cluster already uses: no client may take one of them."""
+    taken: set[str] = set(state.node.ips)
     for svc in state.services.values():
         taken.add(svc.cluster_ip)
         taken.update(svc.external_ips)
         taken.update(svc.load_balancer_ips)
-        ranges.extend(svc.load_balancer_source_ranges)
-    endpoint_ports: dict[str, dict[tuple[int, str], None]] = {}
+    return taken
+
+
+def _endpoint_ports(state: ClusterState) -> dict[str, dict[tuple[int, str], None]]:
+    """Endpoint IP -> every (port, protocol) it serves, in first-seen order."""
+    out: dict[str, dict[tuple[int, str], None]] = {}
     for key, eps in state.endpoints.items():
         svc = state.services.get(key)
         if svc is None or not _testable(svc):
             continue
         for ep in eps:
-            endpoint_ports.setdefault(ep.ip, {})[(ep.port, svc.protocol.lower)] = None
-    taken.update(endpoint_ports)
+            out.setdefault(ep.ip, {})[(ep.port, svc.protocol.lower)] = None
+    return out
 
-    clients: dict[str, dict[IPFamily, str]] = {}
 
-    def claim(name: str, family: IPFamily, ip: str) -> None:
-        taken.add(ip)
-        clients.setdefault(name, {})[family] = ip
+class _Clients:
+    """The sandbox's clients as they are claimed: name -> address per family (planning state)."""
 
-    for family in families:
-        cidrs = node.cluster_cidrs_of(family)
+    def __init__(self, state: ClusterState, taken: set[str]) -> None:
+        self.node = state.node
+        self.state = state
+        self.taken = taken
+        self.ranges = [r for svc in state.services.values() for r in svc.load_balancer_source_ranges]
+        self.by_name: dict[str, dict[IPFamily, str]] = {}
+        self.skipped: list[str] = []
+        self.allowed_for: dict[tuple[str, IPFamily], str] = {}  # (service, family) -> client
+
+    def claim(self, name: str, family: IPFamily, ip: str) -> None:
+        self.taken.add(ip)
+        self.by_name.setdefault(name, {})[family] = ip
+
+    def claim_pod_and_outside(self, family: IPFamily) -> None:
+        cidrs = self.node.cluster_cidrs_of(family)
         if cidrs:
-            ip = _pick(_hosts_from_top(cidrs[0]), taken)
+            ip = _pick(_hosts_from_top(cidrs[0]), self.taken)
             if ip is None:
                 raise LabError(f"no free address for a pod client in pod CIDR {cidrs[0]}")
-            claim("pod", family, ip)
+            self.claim("pod", family, ip)
         candidates = (a for c in _OUTSIDE_CANDIDATES[family] for a in _hosts_from_bottom(c))
-        ip = _pick(candidates, taken, [*node.cluster_cidrs, *ranges])
+        ip = _pick(candidates, self.taken, [*self.node.cluster_cidrs, *self.ranges])
         if ip is None:
             raise LabError(f"no free IPv{family.value} address outside every pod CIDR and source range")
-        claim("outside", family, ip)
+        self.claim("outside", family, ip)
 
-    allowed_for: dict[tuple[str, IPFamily], str] = {}  # (service, family) -> client name
-    for (spn, family), svc in sorted(state.services.items()):
-        own = [r for r in svc.load_balancer_source_ranges if (":" in r) == (family is IPFamily.V6)]
-        if not (svc.load_balancer_ips and own and _testable(svc)):
-            continue
-        reuse = next(
-            (n for n, a in clients.items() if n.startswith("allowed") and family in a
-             and _in_any(a[family], own)),
-            None,
-        )
-        if reuse is None:
-            ip = _pick(_hosts_from_top(own[0]), taken, node.cluster_cidrs)
-            if ip is None:
-                skipped.append(f"{spn}: no free client address inside {own[0]}")
+    def claim_allowed(self) -> None:
+        """One client inside each LoadBalancer's own source ranges, shared where one fits several."""
+        for (spn, family), svc in sorted(self.state.services.items()):
+            own = of_family(svc.load_balancer_source_ranges, family)
+            if not (svc.load_balancer_ips and own and _testable(svc)):
                 continue
-            reuse = f"allowed{sum(1 for n in clients if n.startswith('allowed'))}"
-            claim(reuse, family, ip)
-        allowed_for[(str(spn), family)] = reuse
+            reuse = next(
+                (n for n, a in self.by_name.items() if n.startswith("allowed") and family in a
+                 and _in_any(a[family], own)),
+                None,
+            )
+            if reuse is None:
+                ip = _pick(_hosts_from_top(own[0]), self.taken, self.node.cluster_cidrs)
+                if ip is None:
+                    self.skipped.append(f"{spn}: no free client address inside {own[0]}")
+                    continue
+                reuse = f"allowed{sum(1 for n in self.by_name if n.startswith('allowed'))}"
+                self.claim(reuse, family, ip)
+            self.allowed_for[(str(spn), family)] = reuse
 
-    def address(client: str, family: IPFamily) -> str | None:
+    def address(self, client: str, family: IPFamily) -> str | None:
         if client == NODE:
-            ips = node.ips_of(family)
+            ips = self.node.ips_of(family)
             return ips[0] if ips else None
-        return clients.get(client, {}).get(family)
+        return self.by_name.get(client, {}).get(family)
 
-    check_count = max(20, min(connections // 10, 200))
-    probes: list[Probe] = []
-    udp_per_client: Counter[tuple[str, IPFamily]] = Counter()
 
-    def probe(svc: ServicePort, client: str, dst: str, port: int, count: int,
-              check: Check | None = None, timeout: float = 1.0) -> None:
-        src = address(client, svc.family)
+class _Probes:
+    """The probes as they are planned, one service port at a time (planning state)."""
+
+    def __init__(self, state: ClusterState, clients: _Clients, connections: int) -> None:
+        self.node = state.node
+        self.clients = clients
+        self.connections = connections
+        self.check_count = max(20, min(connections // 10, 200))
+        self.probes: list[Probe] = []
+        self.skipped: list[str] = []
+        self.udp_per_client: Counter[tuple[str, IPFamily]] = Counter()
+
+    def add(self, svc: ServicePort, client: str, dst: str, port: int, count: int,
+            check: Check | None = None, timeout: float = 1.0) -> None:
+        src = self.clients.address(client, svc.family)
         if src is None:
-            skipped.append(f"{svc.name} {svc.protocol.value}: no IPv{svc.family.value} {client} client")
+            self.skipped.append(f"{svc.name} {svc.protocol.value}: no IPv{svc.family.value} {client} client")
             return
         if svc.protocol is Protocol.UDP:
-            udp_per_client[(client, svc.family)] += count
-        probes.append(Probe(str(svc.name), svc.protocol, svc.family, client, src, dst, port,
-                            count, check, timeout))
+            self.udp_per_client[(client, svc.family)] += count
+        origin = "node" if client == NODE else "pod" if client == "pod" else "outside"
+        self.probes.append(Probe(src, dst, port, svc.protocol.lower, origin, service=str(svc.name),
+                                 client=client, count=count, timeout=timeout, check=check))
 
-    for svc, eps in (pair for f in families for pair in state.service_ports(f)):
+    def add_service(self, svc: ServicePort, eps: tuple[Endpoint, ...]) -> None:
         if not _testable(svc):
-            skipped.append(f"{svc.name} {svc.protocol.value}: the sandbox speaks TCP and UDP only")
-            continue
-        routing = categorize(svc, eps, node)
-        inside = "pod" if "pod" in clients else "outside"
+            self.skipped.append(f"{svc.name} {svc.protocol.value}: the sandbox speaks TCP and UDP only")
+            return
+        routing = categorize(svc, eps, self.node)
+        self._add_cluster_ip(svc, routing)
+        if routing.has_endpoints:
+            self._add_external(svc, routing)
+
+    def _add_cluster_ip(self, svc: ServicePort, routing: Routing) -> None:
+        """The distribution row, or the check row a cluster IP without a plain split needs."""
+        inside = "pod" if "pod" in self.clients.by_name else "outside"
+        n = self.check_count
+        to = (svc, inside, svc.cluster_ip, svc.port)
         if routing.internal_no_endpoints is NoEndpoints.REJECT:
-            probe(svc, inside, svc.cluster_ip, svc.port, check_count, Check.NO_ENDPOINTS,
-                  _DROP_TIMEOUT)
+            self.add(*to, n, Check.NO_ENDPOINTS, _DROP_TIMEOUT)
         elif routing.internal_no_endpoints is None and svc.affinity_timeout:
-            probe(svc, inside, svc.cluster_ip, svc.port, check_count, Check.AFFINITY)
+            self.add(*to, n, Check.AFFINITY)
         elif routing.internal_no_endpoints is NoEndpoints.DROP:
-            probe(svc, inside, svc.cluster_ip, svc.port, min(check_count, 20),
-                  Check.NO_LOCAL_ENDPOINTS, _DROP_TIMEOUT)
+            self.add(*to, min(n, 20), Check.NO_LOCAL_ENDPOINTS, _DROP_TIMEOUT)
         else:
-            probe(svc, inside, svc.cluster_ip, svc.port, connections)
-        if not routing.has_endpoints:
-            continue
+            self.add(*to, self.connections)
+
+    def _add_external(self, svc: ServicePort, routing: Routing) -> None:
+        """Node port, external IPs and LoadBalancer IPs: one check row per address."""
+        n = self.check_count
         dropped = routing.external_no_endpoints is not None
         timeout = _DROP_TIMEOUT if dropped else 1.0
-        few = min(check_count, 20) if dropped else check_count
+        few = min(n, 20) if dropped else n
         if svc.node_port:
-            for ip in node.ips_of(svc.family)[:1]:
-                probe(svc, "outside", ip, svc.node_port, few, Check.NODE_PORT, timeout)
-                probe(svc, NODE, ip, svc.node_port, check_count, Check.FROM_NODE)
+            for ip in self.node.ips_of(svc.family)[:1]:
+                self.add(svc, "outside", ip, svc.node_port, few, Check.NODE_PORT, timeout)
+                self.add(svc, NODE, ip, svc.node_port, n, Check.FROM_NODE)
         for ip in svc.external_ips:
-            probe(svc, "outside", ip, svc.port, few, Check.EXTERNAL_IP, timeout)
+            self.add(svc, "outside", ip, svc.port, few, Check.EXTERNAL_IP, timeout)
         for ip in svc.load_balancer_ips:
-            allowed = allowed_for.get((str(svc.name), svc.family))
+            allowed = self.clients.allowed_for.get((str(svc.name), svc.family))
             if allowed is not None:
-                probe(svc, allowed, ip, svc.port, few, Check.LB_ALLOWED, timeout)
-                if not _in_any(clients["outside"][svc.family], svc.load_balancer_source_ranges):
-                    probe(svc, "outside", ip, svc.port, min(check_count, 20), Check.LB_BLOCKED,
-                          _DROP_TIMEOUT)
+                self.add(svc, allowed, ip, svc.port, few, Check.LB_ALLOWED, timeout)
+                outside = self.clients.by_name["outside"][svc.family]
+                if not _in_any(outside, svc.load_balancer_source_ranges):
+                    self.add(svc, "outside", ip, svc.port, min(n, 20), Check.LB_BLOCKED, _DROP_TIMEOUT)
             elif not svc.load_balancer_source_ranges:
-                probe(svc, "outside", ip, svc.port, few, Check.LB_ALLOWED, timeout)
+                self.add(svc, "outside", ip, svc.port, few, Check.LB_ALLOWED, timeout)
 
-    for (client, family), n in udp_per_client.items():
-        if n > _UDP_SOURCE_PORTS:
-            raise LabError(
-                f"{n} UDP connections from the {client} client (IPv{family.value}) need more fresh "
-                f"source ports than exist ({_UDP_SOURCE_PORTS}): lower --connections"
-            )
-    if not probes:
-        raise LabError("nothing to measure: no TCP or UDP service port with a cluster IP")
-
-    spec = SandboxSpec.of(
-        node_ips=node.ips,
-        clients={name: tuple(addrs.values()) for name, addrs in clients.items()},
-        endpoints={ip: list(ports) for ip, ports in endpoint_ports.items()},
-    )
-    return Plan(spec, tuple(probes), node.ips, node.name, connections, tuple(skipped))
+    def check_udp_source_ports(self) -> None:
+        for (client, family), n in self.udp_per_client.items():
+            if n > _UDP_SOURCE_PORTS:
+                raise LabError(
+                    f"{n} UDP connections from the {client} client (IPv{family.value}) need more fresh "
+                    f"source ports than exist ({_UDP_SOURCE_PORTS}): lower --connections"
+                )
 
 
 # --------------------------------------------------------------------------------------------
 # What the sandbox should see (pure): the interpreter's outcomes, as the client observes them
-
-Seen = tuple[str, str | None]
-"""(label, source): label is `ip:port` of the answering endpoint or the failure kind
-(refused, timeout, ...); source is the address the endpoint saw, None for failures."""
-
 
 def seen_as(verdict: str, endpoint: str | None, masquerade: bool, probe: Probe,
             node_ips: Sequence[str]) -> Seen:
@@ -335,136 +327,40 @@ def seen_as(verdict: str, endpoint: str | None, masquerade: bool, probe: Probe,
     """
     verdict = verdict.lower()
     if endpoint:
-        own = [ip for ip in node_ips if (":" in ip) == (probe.family is IPFamily.V6)]
-        src = own[0] if masquerade and own else probe.source
+        own = of_family(node_ips, probe.family)
+        src = own[0] if masquerade and own else probe.src
         return (endpoint, src)
     if verdict == "reject":
         return ("refused", None)
     if verdict == "drop":
         return ("timeout", None)
-    return ("refused" if probe.destination in node_ips else "timeout", None)
+    return ("refused" if probe.dst in node_ips else "timeout", None)
 
 
-def observed(outcomes: Iterable[Outcome]) -> Counter[Seen]:
-    return Counter((o.endpoint, o.source) if o.ok else (o.kind, None) for o in outcomes)
-
-
-def labels(counts: Mapping[Seen, Any]) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for (label, _), n in counts.items():
-        out[label] += n
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Statistics
-
-
-@dataclass(frozen=True, slots=True)
-class Test:
-    statistic: float
-    p: float
-
-
-def goodness_of_fit(observed_counts: Mapping[str, int], expected: Mapping[str, Fraction]) -> Test:
-    """Chi-square of the observed labels against the exact shares (an impossible label: p = 0)."""
-    from nfproxy.verify import stats
-
-    statistic, p = stats.goodness_of_fit(dict(observed_counts), dict(expected))
-    return Test(statistic, p)
-
-
-def two_sample(a: Mapping[str, int], b: Mapping[str, int]) -> Test:
-    """Whether two backends' counts could come from one distribution (chi-square contingency)."""
-    from nfproxy.verify import stats
-
-    statistic, p = stats.two_sample(dict(a), dict(b))
-    return Test(statistic, p)
-
-
-# --------------------------------------------------------------------------------------------
-# Results
-
-
-@dataclass(frozen=True, slots=True)
-class Measured:
-    """One probe on one backend: the exact expectation and what the connections saw."""
-
-    expected: Mapping[Seen, Fraction]
-    seen: Mapping[Seen, int]
-    seconds: float
-
-    @property
-    def expected_labels(self) -> dict[str, Fraction]:
-        out: dict[str, Fraction] = {}
-        for (label, _), share in self.expected.items():
-            out[label] = out.get(label, Fraction(0)) + share
-        return out
-
-    @property
-    def seen_labels(self) -> Counter[str]:
-        return labels(self.seen)
-
-    @property
-    def unexpected(self) -> dict[Seen, int]:
-        """Observations the rules give no chance: a wrong endpoint, failure or source."""
-        return {s: n for s, n in self.seen.items() if n and not self.expected.get(s)}
-
-    def fit(self) -> Test:
-        return goodness_of_fit(self.seen_labels, self.expected_labels)
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    probe: Probe
-    by_backend: Mapping[str, Measured]
-
-    @property
-    def labels(self) -> list[str]:
-        """Every label expected or seen on any backend, endpoints first, in address order."""
-        found: set[str] = set()
-        for m in self.by_backend.values():
-            found.update(k for k, v in m.expected_labels.items() if v)
-            found.update(m.seen_labels)
-        return sorted(found, key=_label_order)
-
-    def fits(self) -> dict[str, Test]:
-        return {b: m.fit() for b, m in self.by_backend.items()}
-
-    def between(self) -> Test | None:
-        if len(self.by_backend) != 2:
-            return None
-        a, b = self.by_backend.values()
-        return two_sample(a.seen_labels, b.seen_labels)
-
-    def passed(self, backend: str) -> bool:
-        """No outcome the rules give no chance (wrong endpoint, source or failure), and for check
-        rows: every endpoint the rules give a fair chance was reached, and (affinity) one client
-        stayed on one endpoint. Distribution p-values are reported beside this, not folded in:
-        a correct ruleset falls below any alpha now and then."""
-        m = self.by_backend[backend]
-        if m.unexpected:
-            return False
-        if self.probe.check is None:
-            return True
-        if self.probe.check is Check.AFFINITY:
-            return len(m.seen_labels) == 1
-        total = sum(m.seen.values())
+def judge(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen, int]) -> tuple[str, ...]:
+    """What is wrong with what a backend's connections saw: outcomes the rules give no chance
+    (wrong endpoint, source or failure), and for check rows an endpoint the rules give a fair
+    chance never reached, or (affinity) one client spread over several endpoints. Distribution
+    p-values are reported beside this, not folded in: a correct ruleset falls below any alpha
+    now and then."""
+    m = Measured(expected, seen, 0.0)
+    problems = [f"{n} connection(s) saw {label} (source {src}), which the rules give no chance"
+                for (label, src), n in sorted(m.unexpected.items(), key=str)]
+    if probe.check is Check.AFFINITY:
+        if len(m.seen_labels) != 1:
+            problems.append(f"one client reached {len(m.seen_labels)} endpoints under affinity")
+    elif probe.check is not None:
+        total = m.sent
         for label, share in m.expected_labels.items():
             # Must be seen unless missing it is plausible (probability above one in a million).
             if share and (1 - float(share)) ** total < 1e-6 and not m.seen_labels.get(label):
-                return False
-        return True
+                problems.append(f"{label} (share {share}) never reached in {total} connections")
+    return tuple(problems)
 
 
-def _label_order(label: str) -> tuple[int, int, int, str]:
-    """Endpoints by family, address and port; then failure kinds by name."""
-    host, _, port = label.rpartition(":")
-    try:
-        addr = ipaddress.ip_address(host.strip("[]"))
-        return (addr.version, int(addr), int(port), "")
-    except ValueError:
-        return (99, 0, 0, label)
+def measure(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen, int],
+            seconds: float) -> Measured:
+    return Measured(expected, seen, seconds, judge(probe, expected, seen))
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,8 +505,7 @@ def expectation(ruleset: Any, probe: Probe, node_ips: Sequence[str]) -> dict[See
     the interpreter in kernel mode (the kernel's quantised probabilities, not 1/n)."""
     from nfproxy.analysis import interpret
 
-    origin = "node" if probe.client == NODE else "pod" if probe.client == "pod" else "outside"
-    packet = interpret.Packet(probe.source, probe.destination, probe.port, probe.proto, origin)
+    packet = probe.packet(node_ips)
     try:
         outcomes = interpret.interpret(ruleset, packet, node_ips=tuple(node_ips), mode="kernel")
     except interpret.InterpretError as exc:
@@ -673,13 +568,13 @@ def run(
                 outcomes: list[Outcome] = []
                 while len(outcomes) < p.count:
                     n = min(_CHUNK, p.count - len(outcomes))
-                    outcomes += sb.connect(p.client, p.destination, p.port, p.proto, n,
+                    outcomes += sb.connect(p.client, p.dst, p.port, p.proto, n,
                                            timeout=p.timeout)
                     done += n
                     if progress is not None:
                         progress(done, total, f"{backend}: {p.service}")
-                measured[p][backend] = Measured(expected, observed(outcomes),
-                                                time.perf_counter() - t0)
+                measured[p][backend] = measure(p, expected, observed(outcomes),
+                                               time.perf_counter() - t0)
         finally:
             with uninterrupted():
                 sb.close()

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import enum
 import errno
+import functools
 import ipaddress
 import os
 import re
@@ -42,7 +43,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -255,17 +256,12 @@ class Outcome:
 
 
 def summarize(
-    outcomes: Iterable[Outcome], by: Literal["endpoint", "source", "both"] = "endpoint"
+    outcomes: Iterable[Outcome], by: Literal["endpoint", "source"] = "endpoint"
 ) -> collections.Counter[str]:
-    """Count outcomes per endpoint (failures by kind), per seen source, or per both."""
+    """Count outcomes per endpoint (failures by kind) or per seen source."""
     counts: collections.Counter[str] = collections.Counter()
     for o in outcomes:
-        if not o.ok or by == "endpoint":
-            counts[o.label] += 1
-        elif by == "source":
-            counts[o.source or "?"] += 1
-        else:
-            counts[f"{o.endpoint} from {o.source}"] += 1
+        counts[o.label if not o.ok or by == "endpoint" else o.source or "?"] += 1
     return counts
 
 
@@ -458,6 +454,116 @@ class _Flow:
     local_port: int | None = None
 
 
+class _Flows:
+    """`count` connections, up to `parallel` in flight, on one selector; outcomes in order.
+
+    Flows are kept in start order, which is deadline order (one timeout for all), so the oldest
+    is always the next to time out.
+    """
+
+    def __init__(self, family: socket.AddressFamily, proto: Proto, addr: tuple[str, int],
+                 timeout: float, udp_socket: Callable[[], socket.socket]) -> None:
+        self.family = family
+        self.tcp = proto == "tcp"
+        self.addr = addr
+        self.timeout = timeout
+        self.udp_socket = udp_socket
+        self.active: dict[int, _Flow] = {}
+        self.results: list[Outcome | None] = []
+        self.sel = selectors.DefaultSelector()
+
+    def run(self, count: int, parallel: int) -> list[Outcome]:
+        self.results = [None] * count
+        nxt = 0
+        try:
+            while nxt < count or self.active:
+                while nxt < count and len(self.active) < parallel:
+                    self._start(nxt)
+                    nxt += 1
+                if self.active:
+                    self._poll()
+                    self._expire()
+        finally:
+            for flow in list(self.active.values()):
+                flow.sock.close()
+            self.sel.close()
+        return [r for r in self.results if r is not None]
+
+    def _finish(self, flow: _Flow, outcome: Outcome) -> None:
+        del self.active[flow.index]
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(flow.sock)
+        flow.sock.close()
+        if flow.local_port is not None:
+            outcome = dataclasses.replace(outcome, client_port=flow.local_port)
+        self.results[flow.index] = outcome
+
+    def _start(self, i: int) -> None:
+        now = time.monotonic()
+        if self.tcp:
+            sock = socket.socket(self.family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            err = sock.connect_ex(self.addr)
+            flow = self.active[i] = _Flow(i, sock, now, now + self.timeout, True)
+            if err in (errno.EINPROGRESS, 0):
+                self.sel.register(sock, selectors.EVENT_WRITE, flow)
+            else:
+                self._finish(flow, _failure(err, now))
+            return
+        sock = self.udp_socket()
+        sock.setblocking(False)
+        flow = self.active[i] = _Flow(i, sock, now, now + self.timeout, False)
+        flow.local_port = sock.getsockname()[1]
+        try:
+            sock.connect(self.addr)
+            sock.send(b"?\n")
+        except OSError as exc:
+            self._finish(flow, _failure(_send_error(sock, exc), now))
+            return
+        self.sel.register(sock, selectors.EVENT_READ, flow)
+
+    def _poll(self) -> None:
+        oldest = next(iter(self.active.values()))
+        wait = max(0.0, oldest.deadline - time.monotonic())
+        for key, _ in self.sel.select(wait):
+            flow = key.data
+            if flow.index in self.active:
+                self._ready(flow)
+
+    def _ready(self, flow: _Flow) -> None:
+        if flow.connecting:
+            err = flow.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._finish(flow, _failure(err, flow.started))
+                return
+            flow.connecting = False
+            flow.local_port = flow.sock.getsockname()[1]
+            self.sel.modify(flow.sock, selectors.EVENT_READ, flow)
+            return
+        try:
+            chunk = flow.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._finish(flow, _failure(exc.errno or 0, flow.started))
+            return
+        if not chunk and self.tcp:
+            took = time.monotonic() - flow.started
+            self._finish(flow, Outcome("reset", seconds=took, detail="EOF"))
+            return
+        flow.buf += chunk
+        if b"\n" in flow.buf or not self.tcp:
+            self._finish(flow, _answer(flow.buf.split(b"\n", 1)[0], flow.started))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self.active:
+            oldest = next(iter(self.active.values()))
+            if oldest.deadline > now:
+                break
+            self._finish(oldest, Outcome("timeout", seconds=now - oldest.started))
+
+
 class Connection:
     """One held TCP connection (or connected UDP socket): every exchange goes down the same flow.
 
@@ -571,12 +677,6 @@ def write_sysctl(ns: str, key: str, value: str | int) -> None:
     path = "/proc/sys/" + (key.replace(".", "/") if "/" not in key else key)
     with netns_mod.entered(ns), open(path, "w") as f:
         f.write(f"{value}\n")
-
-
-def read_sysctl(ns: str, key: str) -> str:
-    path = "/proc/sys/" + (key.replace(".", "/") if "/" not in key else key)
-    with netns_mod.entered(ns), open(path) as f:
-        return f.read().strip()
 
 
 class Sandbox:
@@ -709,72 +809,88 @@ class Sandbox:
                     f.write(f"{value}\n")
 
     def _build(self) -> None:
-        spec = self.spec
         v6 = os.path.exists("/proc/sys/net/ipv6")
+        self._create_namespaces(v6)
+        with netns_mod.entered(self.node_ns), IPRoute() as node:
+            sink = self._add_sink(node, v6)
+            links = self._add_links(node, v6)
+            uplink = links[0][0] if self.spec.clients else sink
+            for ip in self.spec.node_ips:
+                _add_addr(node, uplink, ip)
+            self._route_links(node, links)
+        self._start_servers()
+
+    def _create_namespaces(self, v6: bool) -> None:
         self._create_ns(self.node_ns)
         write_sysctl(self.node_ns, "net/ipv4/ip_forward", 1)
         if v6:
             write_sysctl(self.node_ns, "net/ipv6/conf/all/forwarding", 1)
-        for c in spec.clients:
+        for c in self.spec.clients:
             self._create_ns(self._client_ns[c.name])
-        for ip, ns in self._endpoint_ns.items():
+        for ns in self._endpoint_ns.values():
             if ns != self.node_ns:
                 self._create_ns(ns)
 
-        with netns_mod.entered(self.node_ns), IPRoute() as node:
-            # The uplink stand-in: default routes into a veth whose twin drops everything.
-            node.link("add", ifname="sink0", kind="veth", peer={"ifname": "sink1"})
-            sink = node.link_lookup(ifname="sink0")[0]
-            for name in ("sink1", "sink0"):
-                node.link("set", index=node.link_lookup(ifname=name)[0], state="up")
-            node.neigh("add", dst=_SINK_V4, lladdr=_SINK_MAC, ifindex=sink, state=_NUD_PERMANENT)
-            node.route("add", dst="0.0.0.0/0", gateway=_SINK_V4, oif=sink, flags=_RTNH_F_ONLINK)
-            if v6:
-                node.neigh(
-                    "add", dst=_SINK_V6, lladdr=_SINK_MAC, ifindex=sink, state=_NUD_PERMANENT,
-                    family=socket.AF_INET6,
-                )
+    def _add_sink(self, node: IPRoute, v6: bool) -> int:
+        """The uplink stand-in: default (and service CIDR) routes into a veth whose twin drops
+        everything."""
+        node.link("add", ifname="sink0", kind="veth", peer={"ifname": "sink1"})
+        sink = node.link_lookup(ifname="sink0")[0]
+        for name in ("sink1", "sink0"):
+            node.link("set", index=node.link_lookup(ifname=name)[0], state="up")
+        node.neigh("add", dst=_SINK_V4, lladdr=_SINK_MAC, ifindex=sink, state=_NUD_PERMANENT)
+        node.route("add", dst="0.0.0.0/0", gateway=_SINK_V4, oif=sink, flags=_RTNH_F_ONLINK)
+        if v6:
+            node.neigh(
+                "add", dst=_SINK_V6, lladdr=_SINK_MAC, ifindex=sink, state=_NUD_PERMANENT,
+                family=socket.AF_INET6,
+            )
+            node.route(
+                "add", dst="::/0", gateway=_SINK_V6, oif=sink, flags=_RTNH_F_ONLINK,
+                family=socket.AF_INET6,
+            )
+        for cidr in self.spec.service_cidrs:
+            v4 = ":" not in cidr
+            if v4 or v6:
                 node.route(
-                    "add", dst="::/0", gateway=_SINK_V6, oif=sink, flags=_RTNH_F_ONLINK,
-                    family=socket.AF_INET6,
+                    "add", dst=cidr, gateway=_SINK_V4 if v4 else _SINK_V6, oif=sink,
+                    flags=_RTNH_F_ONLINK, family=socket.AF_INET if v4 else socket.AF_INET6,
                 )
-            for cidr in spec.service_cidrs:
-                v4 = ":" not in cidr
-                if v4 or v6:
-                    node.route(
-                        "add", dst=cidr, gateway=_SINK_V4 if v4 else _SINK_V6, oif=sink,
-                        flags=_RTNH_F_ONLINK, family=socket.AF_INET if v4 else socket.AF_INET6,
-                    )
-            links: list[tuple[int, tuple[str, ...]]] = []
-            for i, c in enumerate(spec.clients):
-                idx = self._veth(node, f"cl{i}", self._client_ns[c.name], c.addresses, v6)
-                links.append((idx, c.addresses))
-            j = 0
-            for e in spec.endpoints:
-                ns = self._endpoint_ns[e.ip]
-                if ns != self.node_ns:
-                    links.append((self._veth(node, f"ep{j}", ns, (e.ip,), v6), (e.ip,)))
-                    j += 1
-            uplink = links[0][0] if spec.clients else sink
-            for ip in spec.node_ips:
-                _add_addr(node, uplink, ip)
-            # The gateway address is scope link, but a scope-link route would still pick it as
-            # the source; the first node IP is what a real node's own traffic comes from.
-            prefsrc = next((ip for ip in spec.node_ips if _family(ip) == socket.AF_INET), None)
-            for idx, addrs in links:
-                for ip in addrs:
-                    if _family(ip) == socket.AF_INET6:
-                        node.route("add", dst=f"{ip}/128", oif=idx, family=socket.AF_INET6)
-                    elif prefsrc is None:
-                        node.route("add", dst=f"{ip}/32", oif=idx, scope=_RT_SCOPE_LINK)
-                    else:
-                        node.route(
-                            "add", dst=f"{ip}/32", oif=idx, scope=_RT_SCOPE_LINK, prefsrc=prefsrc
-                        )
+        return sink
 
+    def _add_links(self, node: IPRoute, v6: bool) -> list[tuple[int, tuple[str, ...]]]:
+        """A veth per client and per endpoint namespace: (node-side index, far addresses)."""
+        links: list[tuple[int, tuple[str, ...]]] = []
+        for i, c in enumerate(self.spec.clients):
+            idx = self._veth(node, f"cl{i}", self._client_ns[c.name], c.addresses, v6)
+            links.append((idx, c.addresses))
+        j = 0
+        for e in self.spec.endpoints:
+            ns = self._endpoint_ns[e.ip]
+            if ns != self.node_ns:
+                links.append((self._veth(node, f"ep{j}", ns, (e.ip,), v6), (e.ip,)))
+                j += 1
+        return links
+
+    def _route_links(self, node: IPRoute, links: list[tuple[int, tuple[str, ...]]]) -> None:
+        # The gateway address is scope link, but a scope-link route would still pick it as
+        # the source; the first node IP is what a real node's own traffic comes from.
+        prefsrc = next((ip for ip in self.spec.node_ips if _family(ip) == socket.AF_INET), None)
+        for idx, addrs in links:
+            for ip in addrs:
+                if _family(ip) == socket.AF_INET6:
+                    node.route("add", dst=f"{ip}/128", oif=idx, family=socket.AF_INET6)
+                elif prefsrc is None:
+                    node.route("add", dst=f"{ip}/32", oif=idx, scope=_RT_SCOPE_LINK)
+                else:
+                    node.route(
+                        "add", dst=f"{ip}/32", oif=idx, scope=_RT_SCOPE_LINK, prefsrc=prefsrc
+                    )
+
+    def _start_servers(self) -> None:
         servers = _Servers()
         self._servers = servers
-        for e in spec.endpoints:
+        for e in self.spec.endpoints:
             with netns_mod.entered(self._endpoint_ns[e.ip]):
                 for port, proto in e.ports:
                     servers.listen(e.ip, port, proto)
@@ -838,7 +954,9 @@ class Sandbox:
         if count <= 0:
             return []
         with netns_mod.entered(ns):
-            return self._run_flows(client, family, p, dst, port, count, timeout, max(1, parallel))
+            udp_socket = functools.partial(self._fresh_udp_socket, client, family)
+            flows = _Flows(family, p, (dst, port), timeout, udp_socket)
+            return flows.run(count, max(1, parallel))
 
     def _fresh_udp_socket(self, client: str, family: socket.AddressFamily) -> socket.socket:
         """A UDP socket on a source port this sandbox has not used yet (until the range wraps).
@@ -860,105 +978,6 @@ class Sandbox:
                 continue
             return sock
         raise SandboxError("no free UDP source port left")
-
-    def _run_flows(
-        self,
-        client: str,
-        family: socket.AddressFamily,
-        proto: Proto,
-        dst: str,
-        port: int,
-        count: int,
-        timeout: float,
-        parallel: int,
-    ) -> list[Outcome]:
-        results: list[Outcome | None] = [None] * count
-        active: dict[int, _Flow] = {}  # insertion order == deadline order (one timeout for all)
-        sel = selectors.DefaultSelector()
-        R, W = selectors.EVENT_READ, selectors.EVENT_WRITE
-        tcp = proto == "tcp"
-        addr = (dst, port)
-        nxt = 0
-
-        def finish(flow: _Flow, outcome: Outcome) -> None:
-            del active[flow.index]
-            with contextlib.suppress(KeyError, ValueError):
-                sel.unregister(flow.sock)
-            flow.sock.close()
-            if flow.local_port is not None:
-                outcome = dataclasses.replace(outcome, client_port=flow.local_port)
-            results[flow.index] = outcome
-
-        try:
-            while nxt < count or active:
-                while nxt < count and len(active) < parallel:
-                    now = time.monotonic()
-                    i, nxt = nxt, nxt + 1
-                    if tcp:
-                        sock = socket.socket(family, socket.SOCK_STREAM)
-                        sock.setblocking(False)
-                        err = sock.connect_ex(addr)
-                        flow = _Flow(i, sock, now, now + timeout, True)
-                        active[i] = flow
-                        if err in (errno.EINPROGRESS, 0):
-                            sel.register(sock, W, flow)
-                        else:
-                            finish(flow, _failure(err, now))
-                    else:
-                        sock = self._fresh_udp_socket(client, family)
-                        sock.setblocking(False)
-                        flow = _Flow(i, sock, now, now + timeout, False)
-                        flow.local_port = sock.getsockname()[1]
-                        active[i] = flow
-                        try:
-                            sock.connect(addr)
-                            sock.send(b"?\n")
-                        except OSError as exc:
-                            finish(flow, _failure(_send_error(sock, exc), now))
-                            continue
-                        sel.register(sock, R, flow)
-                if not active:
-                    continue
-                oldest = next(iter(active.values()))
-                wait = max(0.0, oldest.deadline - time.monotonic())
-                for key, _ in sel.select(wait):
-                    flow = key.data
-                    if flow.index not in active:
-                        continue
-                    if flow.connecting:
-                        err = flow.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                        if err:
-                            finish(flow, _failure(err, flow.started))
-                            continue
-                        flow.connecting = False
-                        flow.local_port = flow.sock.getsockname()[1]
-                        sel.modify(flow.sock, R, flow)
-                        continue
-                    try:
-                        chunk = flow.sock.recv(4096)
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as exc:
-                        finish(flow, _failure(exc.errno or 0, flow.started))
-                        continue
-                    if not chunk and tcp:
-                        took = time.monotonic() - flow.started
-                        finish(flow, Outcome("reset", seconds=took, detail="EOF"))
-                        continue
-                    flow.buf += chunk
-                    if b"\n" in flow.buf or not tcp:
-                        finish(flow, _answer(flow.buf.split(b"\n", 1)[0], flow.started))
-                now = time.monotonic()
-                while active:
-                    oldest = next(iter(active.values()))
-                    if oldest.deadline > now:
-                        break
-                    finish(oldest, Outcome("timeout", seconds=now - oldest.started))
-        finally:
-            for flow in list(active.values()):
-                flow.sock.close()
-            sel.close()
-        return [r for r in results if r is not None]
 
     def open(
         self, client: str, dst: str, port: int, proto: ProtoLike = "tcp", *, timeout: float = 2.0

@@ -30,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
                     {
                         "service": r.probe.service,
                         "traffic": r.probe.traffic,
-                        "packet": {"src": r.probe.packet.src, "dst": r.probe.packet.dst, "port": r.probe.packet.port,
-                                   "proto": r.probe.packet.proto, "origin": r.probe.packet.origin},
+                        "packet": {"src": r.probe.src, "dst": r.probe.dst, "port": r.probe.port,
+                                   "proto": r.probe.proto, "origin": r.probe.origin},
                         "iptables": _dist(r.iptables),
                         "nft": _dist(r.nft),
                         "max_difference": float(r.max_difference),
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 service = r.probe.service
                 print(service)
             mark = "ok  " if r.equivalent else "DIFF"
-            print(f"  {mark} {r.probe.traffic} ({r.probe.packet.src} -> {r.probe.packet.dst}:{r.probe.packet.port})")
+            print(f"  {mark} {r.probe.traffic} ({r.probe.src} -> {r.probe.dst}:{r.probe.port})")
             for o in sorted(set(r.iptables) | set(r.nft)):
                 a, b = r.iptables.get(o, Fraction(0)), r.nft.get(o, Fraction(0))
                 print(f"         {str(o):<40} iptables {float(a):.12f}  nft {float(b):.12f}")

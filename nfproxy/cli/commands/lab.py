@@ -110,7 +110,7 @@ def table(report: Report, manifests: str) -> str:
     head += "".join(f" {x:>9}" for x in b)
     for r in report.distributions:
         p = r.probe
-        lines += ["", f"{p.service} {p.protocol.value} {p.target} from {p.client} {p.source}, "
+        lines += ["", f"{p.service} {p.protocol.value} {p.target} from {p.client} {p.src}, "
                       f"{p.count} connections", head]
         for label in r.labels:
             row = f"  {label:<24}"
@@ -171,7 +171,7 @@ def _test(t: Any) -> dict[str, float | None]:
 def _probe_json(p: Any) -> dict[str, Any]:
     return {
         "service": p.service, "protocol": p.protocol.value, "family": p.family.value,
-        "client": p.client, "source": p.source, "destination": p.destination, "port": p.port,
+        "client": p.client, "source": p.src, "destination": p.dst, "port": p.port,
         "connections": p.count,
     }
 
