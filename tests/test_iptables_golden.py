@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
+from nfproxy.backends.iptables.backend import IptablesBackend  # noqa: E402
 from nfproxy.cli.commands.render import render_text  # noqa: E402
-from nfproxy.core.model import ClusterState, NodeConfig  # noqa: E402
+from nfproxy.core.model import ClusterState, IPFamily, NodeConfig  # noqa: E402
 from nfproxy.sources import manifests  # noqa: E402
 from nfproxy.testing import random_cluster, uniform_cluster  # noqa: E402
 from tests import scenarios  # noqa: E402
@@ -56,6 +57,14 @@ TEXT_CASES = text_cases()
 @pytest.mark.parametrize("name", sorted(TEXT_CASES))
 def test_render_text_is_unchanged(name: str) -> None:
     assert render_text("iptables", TEXT_CASES[name]) == (GOLDEN / f"{name}.txt").read_text()
+
+
+@pytest.mark.parametrize("name", ["examples", "compat-dual-stack", "compat-ipv6-loadbalancer-source-ranges"])
+def test_the_backend_renders_what_nfproxy_render_prints(name: str) -> None:
+    """What a generic `render` command prints: each family's Rendered.text(), in family order."""
+    backend = IptablesBackend()
+    text = "".join(backend.render(TEXT_CASES[name], family).text() for family in IPFamily)
+    assert text == (GOLDEN / f"{name}.txt").read_text()
 
 
 def test_render_of_random_clusters_is_unchanged() -> None:
