@@ -20,6 +20,7 @@ only after both are read by `analysis.iptables_save.parse`.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ _OTHER_TARGETS = frozenset(
 )
 _TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"|([^\s"]+)')
 _UNESCAPE = re.compile(r"\\(.)")
+_NEEDS_QUOTES = re.compile(r'[\s"]')
 
 
 @dataclass(slots=True)
@@ -45,6 +47,7 @@ class _Table:
     name: str
     chains: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     policies: dict[str, str] = field(default_factory=dict)
+    refs: Counter[str] = field(default_factory=Counter)  # rules jumping to each target
 
     @classmethod
     def fresh(cls, name: str) -> _Table:
@@ -52,7 +55,22 @@ class _Table:
         return cls(name, {c: [] for c in builtins}, {c: "ACCEPT" for c in builtins})
 
     def copy(self) -> _Table:
-        return _Table(self.name, {c: list(r) for c, r in self.chains.items()}, dict(self.policies))
+        chains = {c: list(r) for c, r in self.chains.items()}
+        return _Table(self.name, chains, dict(self.policies), Counter(self.refs))
+
+    def add(self, chain: str, position: int | None, tokens: list[str]) -> None:
+        rule = (_spec(tokens), _target(self, tokens))
+        rules = self.chains[chain]
+        if position is None:
+            rules.append(rule)
+        else:
+            rules.insert(position, rule)
+        self.refs[rule[1]] += 1
+
+    def flush(self, chain: str) -> None:
+        for _, target in self.chains[chain]:
+            self.refs[target] -= 1
+        self.chains[chain] = []
 
 
 class MemoryIptablesKernel:
@@ -116,7 +134,7 @@ class MemoryIptablesKernel:
         if any(s == spec for s, _ in t.chains[chain]):
             return False
         work = t.copy()
-        work.chains[chain].insert(0, (spec, _target(work, spec)))
+        work.add(chain, 0, _split(spec))
         self.tables[table] = work
         return True
 
@@ -146,14 +164,14 @@ def _declare(work: _Table, parts: Sequence[str]) -> None:
     if len(parts) < 2:
         raise KernelError(f"bad chain declaration {' '.join(parts)!r}")
     name, policy = parts[0], parts[1]
-    if name in work.policies:
-        work.chains[name] = []
-        if policy != "-":
-            work.policies[name] = policy
-    elif policy != "-":
+    if name not in work.policies and policy != "-":
         raise KernelError(f"a user chain has no policy: {name} {policy}")
+    if name in work.chains:
+        work.flush(name)  # declaring an existing chain flushes it
     else:
-        work.chains[name] = []  # creates, or flushes an existing chain
+        work.chains[name] = []
+    if policy != "-":
+        work.policies[name] = policy
 
 
 def _command(work: _Table, tokens: list[str]) -> None:
@@ -170,24 +188,23 @@ def _command(work: _Table, tokens: list[str]) -> None:
         raise KernelError(f"no chain {chain} in {work.name}")
     rules = work.chains[chain]
     if op in ("-F", "--flush"):
-        rules.clear()
+        work.flush(chain)
     elif op in ("-X", "--delete-chain"):
         _delete_chain(work, chain)
     elif op in ("-A", "--append"):
-        spec = _spec(args[1:])
-        rules.append((spec, _target(work, spec)))
+        work.add(chain, None, args[1:])
     elif op in ("-I", "--insert"):
         rest = args[1:]
         position = int(rest.pop(0)) - 1 if rest and rest[0].isdigit() else 0
         if not 0 <= position <= len(rules):
             raise KernelError(f"index of insertion too big in {chain}")
-        spec = _spec(rest)
-        rules.insert(position, (spec, _target(work, spec)))
+        work.add(chain, position, rest)
     elif op in ("-D", "--delete"):
         spec = _spec(args[1:])
-        for i, (s, _) in enumerate(rules):
+        for i, (s, target) in enumerate(rules):
             if s == spec:
                 del rules[i]
+                work.refs[target] -= 1
                 return
         raise KernelError(f"no rule {spec!r} in {chain} to delete")
     else:
@@ -199,9 +216,8 @@ def _delete_chain(work: _Table, chain: str) -> None:
         raise KernelError(f"cannot delete built-in chain {chain}")
     if work.chains[chain]:
         raise KernelError(f"chain {chain} is not empty")
-    users = [c for c, rules in work.chains.items() for _, t in rules if t == chain]
-    if users:
-        raise KernelError(f"chain {chain} is still referenced (from {users[0]})")
+    if work.refs[chain] > 0:
+        raise KernelError(f"chain {chain} is still referenced ({work.refs[chain]} rules jump to it)")
     del work.chains[chain]
 
 
@@ -209,16 +225,18 @@ def _spec(tokens: list[str]) -> str:
     """The rule as iptables-restore would re-read it: tokens joined, quoted where needed."""
     if not tokens:
         raise KernelError("empty rule")
+    plain = " ".join(tokens)
+    if '"' not in plain and len(plain.split()) == len(tokens):
+        return plain  # no token holds a blank or a quote
     return " ".join(_quote(t) for t in tokens)
 
 
 def _quote(token: str) -> str:
-    return token if token and not any(c.isspace() or c == '"' for c in token) else f'"{token}"'
+    return f'"{token}"' if not token or _NEEDS_QUOTES.search(token) else token
 
 
-def _target(work: _Table, spec: str) -> str:
+def _target(work: _Table, tokens: list[str]) -> str:
     """The rule's -j/-g target, checked: a chain of this table or a target extension."""
-    tokens = _split(spec)
     target = verb = ""
     for i, tok in enumerate(tokens[:-1]):
         if tok in ("-j", "--jump", "-g", "--goto"):
