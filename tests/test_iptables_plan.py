@@ -166,7 +166,8 @@ def test_crossing_the_large_cluster_threshold_rewrites_every_port() -> None:
     plan = node.sync(grown)
     assert plan is not None and not plan.full
     assert kernel.dump() == fresh_dump(grown)
-    shrunk = dataclasses.replace(grown, endpoints={**grown.endpoints, key: sort_endpoints(state.endpoints[key])})
+    endpoints = {**grown.endpoints, key: sort_endpoints(state.endpoints[key])}
+    shrunk = dataclasses.replace(grown, endpoints=endpoints)
     node.sync(shrunk)
     assert kernel.dump() == fresh_dump(shrunk)
 

@@ -212,7 +212,8 @@ class IptablesRules:
     - `large`: past LARGE_CLUSTER_ENDPOINTS, so endpoint rules carry no comments; when it flips,
       every service's chains change, not only the changed ones'.
 
-    A render with `only` holds the service chains of those keys alone. Every rule is a complete `-A CHAIN ...` line. Nothing is mutated after `render` returns.
+    A render with `only` holds the service chains of those keys alone. Every rule is a complete
+    `-A CHAIN ...` line. Nothing is mutated after `render` returns.
     """
 
     family: IPFamily
@@ -226,7 +227,8 @@ class IptablesRules:
         """What `nfproxy render` prints for this family: a header naming the tool, then the
         payload with the jumps, ready for a fresh namespace."""
         tool = "iptables-restore" if self.family is IPFamily.V4 else "ip6tables-restore"
-        return f"# IPv{self.family.value}: {tool} --noflush\n" + self.restore_text(with_jumps=True)
+        header = f"# IPv{self.family.value}: {tool} --noflush\n"
+        return header + self.restore_text(with_jumps=True)
 
     def restore_text(
         self,
