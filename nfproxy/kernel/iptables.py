@@ -7,9 +7,20 @@ the xtables lock, leaving every chain nfproxy does not own untouched.
 from __future__ import annotations
 
 import enum
+import shlex
+from collections.abc import Sequence
+from typing import Protocol
 
-from nfproxy.kernel.process import KernelError, find_tool, run
 from nfproxy.core.model import IPFamily
+from nfproxy.kernel.base import Owned
+from nfproxy.kernel.process import KernelError, find_tool, run
+
+# The tables an iptables backend writes, and their built-in chains (never owned by anybody).
+TABLES = ("filter", "nat")
+BUILTIN_CHAINS = {
+    "filter": ("INPUT", "FORWARD", "OUTPUT"),
+    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+}
 
 
 class Flavour(enum.Enum):
@@ -66,11 +77,8 @@ class IptablesRunner:
         self.cmd = f"{stem}-{self.flavour.value}"
         find_tool(self.restore_cmd)
 
-    def restore(self, payload: str, *, noflush: bool = True) -> None:
-        argv = [self.restore_cmd, "-w", "5"]
-        if noflush:
-            argv.append("--noflush")
-        run(argv, netns=self.netns, stdin=payload)
+    def restore(self, payload: str) -> None:
+        run([self.restore_cmd, "-w", "5", "--noflush"], netns=self.netns, stdin=payload)
 
     def save(self, table: str | None = None) -> str:
         argv = [self.save_cmd] + (["-t", table] if table else [])
@@ -114,3 +122,90 @@ class IptablesRunner:
                 deleted = True
             except KernelError:
                 return deleted
+
+
+# --------------------------------------------------------------------------------------------
+# The Kernel of the iptables backend
+
+
+class JumpLike(Protocol):
+    """A rule in a built-in chain (the backend's JumpRule), read by shape: the kernel may not
+    import backends."""
+
+    table: str
+    chain: str
+    spec: str
+
+
+class RestorePayloadLike(Protocol):
+    """The backend's RestorePayload, read by shape."""
+
+    text: str
+    jumps: Sequence[JumpLike]
+
+
+class IptablesKernel:
+    """One family's iptables in one namespace, as the proxier's Kernel.
+
+    `apply` is one `iptables-restore --noflush` (atomic for both tables) followed by
+    kube-proxy's check-then-insert of each built-in-chain jump. The jumps are not part of the
+    atomic restore: were one insert to fail, the restore stays and the next (full) plan
+    ensures the jumps again, as kube-proxy's next sync would.
+    """
+
+    def __init__(
+        self, family: IPFamily, netns: str | None = None, flavour: Flavour | None = None
+    ) -> None:
+        self.runner = IptablesRunner(family, netns, flavour)
+        self.family = family
+
+    def owned(self) -> Owned:
+        """Every non-built-in chain of nat and filter: the backend picks the ones it owns."""
+        tables = self.runner.chains()
+        names = {
+            c for t in TABLES for c in tables.get(t, []) if c not in BUILTIN_CHAINS[t]
+        }
+        return Owned(frozenset(names), frozenset())
+
+    def apply(self, payload: RestorePayloadLike) -> None:
+        self.runner.restore(payload.text)
+        for jump in payload.jumps:
+            self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
+
+    def dump(self) -> str:
+        return canonical_save(self.runner.save("filter") + self.runner.save("nat"))
+
+
+def canonical_save(text: str) -> str:
+    """`iptables-save` text of filter and nat in one order, whatever wrote it.
+
+    Comments and counters are dropped; each table is printed even when the kernel does not have
+    it yet (as its empty built-in chains), built-in chains first, then the other chains by
+    name, each chain's rules in kernel order. Rules keep their spelling: iptables-save's and
+    iptables-restore's differ (option order, `/32`), so comparing a dump with restore input
+    goes through `analysis.iptables_save.parse`.
+    """
+    policies: dict[str, dict[str, str]] = {t: {c: "ACCEPT" for c in BUILTIN_CHAINS[t]} for t in TABLES}
+    rules: dict[str, dict[str, list[str]]] = {t: {} for t in TABLES}
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif table not in policies or not line or line.startswith("#") or line == "COMMIT":
+            continue
+        elif line.startswith(":"):
+            name, policy = line[1:].split()[:2]
+            policies[table][name] = policy
+        elif line.startswith("-A "):
+            chain = line.split(" ", 2)[1]
+            rules[table].setdefault(chain, []).append(line)
+    out: list[str] = []
+    for t in TABLES:
+        builtins = sorted(c for c in policies[t] if policies[t][c] != "-")
+        chains = builtins + sorted(c for c in policies[t] if policies[t][c] == "-")
+        out.append(f"*{t}")
+        out.extend(f":{c} {policies[t][c]} [0:0]" for c in chains)
+        for c in chains:
+            out.extend(rules[t].get(c, ()))
+        out.append("COMMIT")
+    return "\n".join(out) + "\n"

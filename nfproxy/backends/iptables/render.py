@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from nfproxy.backends import gc_paused
 from nfproxy.core.categorize import NoEndpoints, Routing, categorize
@@ -32,6 +32,7 @@ from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
+    NodeConfig,
     ServicePort,
     ServicePortKey,
     ServicePortName,
@@ -208,8 +209,11 @@ class IptablesRules:
       alone in the kernel (neither declared, which would flush them, nor rewritten). A service
       with no endpoints at all has no entry: it only has filter-table REJECT rules.
     - `jumps`: the rules in built-in chains (see JumpRule).
+    - `large`: past LARGE_CLUSTER_ENDPOINTS, so endpoint rules carry no comments; when it flips,
+      every service's chains change, not only the changed ones'.
 
-    Every rule is a complete `-A CHAIN ...` line. Nothing is mutated after `render` returns.
+    A render with `only` holds the service chains of those keys alone. Every rule is a complete
+    `-A CHAIN ...` line. Nothing is mutated after `render` returns.
     """
 
     family: IPFamily
@@ -217,13 +221,14 @@ class IptablesRules:
     nat: Mapping[str, list[str]]
     service_chains: Mapping[ServicePortKey, ServiceChains]
     jumps: tuple[JumpRule, ...] = JUMPS
+    large: bool = False
 
-    def nat_chain_names(self) -> list[str]:
-        """Every nat chain this rendering declares: what a stale-chain sweep must keep."""
-        names = list(self.nat)
-        for group in self.service_chains.values():
-            names.extend(group.chains)
-        return names
+    def text(self) -> str:
+        """What `nfproxy render` prints for this family: a header naming the tool, then the
+        payload with the jumps, ready for a fresh namespace."""
+        tool = "iptables-restore" if self.family is IPFamily.V4 else "ip6tables-restore"
+        header = f"# IPv{self.family.value}: {tool} --noflush\n"
+        return header + self.restore_text(with_jumps=True)
 
     def restore_text(
         self,
@@ -293,7 +298,9 @@ def _family_of(addr: str) -> IPFamily:
     return IPFamily.V6 if ":" in addr else IPFamily.V4
 
 
-def render(state: ClusterState, family: IPFamily) -> IptablesRules:
+def render(
+    state: ClusterState, family: IPFamily, *, only: Collection[ServicePortKey] | None = None
+) -> IptablesRules:
     """Render one family's rules: kube-proxy's syncProxyRules minus the kernel calls.
 
     Masquerading of cluster-IP traffic uses the *first* cluster CIDR of the family, like
@@ -308,14 +315,75 @@ def render(state: ClusterState, family: IPFamily) -> IptablesRules:
     With CIDRs, kube-proxy resolves them to node IPs at sync time; nfproxy instead writes one
     `-d CIDR -m addrtype --dst-type LOCAL` rule per CIDR, so the kernel does the resolving and an
     address change needs no resync.
+
+    `only` limits the per-service chains to those keys (a partial sync renders just what it
+    writes); the top-level chains are always complete, since a restore that declares them
+    flushes them.
     """
     with gc_paused():
-        return _render(state, family)
+        return _render(state, family, only)
 
 
-def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
-    node = state.node
-    v6 = family is IPFamily.V6
+def _render(
+    state: ClusterState, family: IPFamily, only: Collection[ServicePortKey] | None
+) -> IptablesRules:
+    ports = _service_ports(state, family)
+    ctx = _context(state.node, family, ports)
+    top = _TopLevel()
+    service_chains: dict[ServicePortKey, ServiceChains] = {}
+    for port in _name_ports(ports, state.node, only):
+        _capture(port, top, family)
+        if port.routing.has_endpoints and port.seps is not None:
+            # With no endpoints at all there are no nat chains: only the filter REJECTs.
+            service_chains[port.svc.key] = _service_chains(port, ctx)
+    top.n_services.extend(_nodeports_tail(state.node, family))
+    filter_table = {
+        KUBE_SERVICES: top.f_services,
+        KUBE_EXTERNAL_SERVICES: top.f_external,
+        KUBE_FORWARD: _forward_rules(),
+        KUBE_NODEPORTS: top.f_nodeports,
+        KUBE_PROXY_FIREWALL: top.f_firewall,
+    }
+    nat_table = {
+        KUBE_SERVICES: top.n_services,
+        KUBE_NODEPORTS: top.n_nodeports,
+        KUBE_POSTROUTING: _postrouting_rules(),
+        KUBE_MARK_MASQ: [f"-A KUBE-MARK-MASQ -j MARK --or-mark {_MARK}"],
+    }
+    return IptablesRules(family, filter_table, nat_table, service_chains, large=ctx.large)
+
+
+# ---- Step 1: the service ports of the family, and what every rule reads from the node.
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """Node-wide facts every service's chains read, worked out once per render."""
+
+    family: IPFamily
+    pod_cidr: str
+    masq_match: str | None  # appended to the masquerade rule; None: no masquerade rule at all
+    node_ips: list[ipaddress.IPv4Address | ipaddress.IPv6Address]
+    large: bool  # past LARGE_CLUSTER_ENDPOINTS: no per-endpoint comments
+
+
+def _service_ports(
+    state: ClusterState, family: IPFamily
+) -> list[tuple[ServicePort, tuple[Endpoint, ...]]]:
+    # Same order as ClusterState.service_ports, but sorted on plain strings: the dataclass
+    # comparison it uses costs more than the rest of a 10 000-service sort.
+    keys = sorted(
+        (k for k in state.services if k[1] is family),
+        key=lambda k: (k[0].namespace, k[0].name, k[0].port, k[0].protocol),
+    )
+    services = state.services
+    endpoints = state.endpoints
+    return [(services[k], endpoints.get(k, ())) for k in keys]
+
+
+def _context(
+    node: NodeConfig, family: IPFamily, ports: list[tuple[ServicePort, tuple[Endpoint, ...]]]
+) -> _Context:
     cidrs = node.cluster_cidrs_of(family)
     pod_cidr = cidrs[0] if cidrs else ""
     if node.masquerade_all:
@@ -325,300 +393,369 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
     else:
         masq_match = None
     node_ips = [ipaddress.ip_address(ip) for ip in node.ips_of(family)]
-
-    # Same order as ClusterState.service_ports, but sorted on plain strings: the dataclass
-    # comparison it uses costs more than the rest of a 10 000-service sort.
-    keys = sorted(
-        (k for k in state.services if k[1] is family),
-        key=lambda k: (k[0].namespace, k[0].name, k[0].port, k[0].protocol),
-    )
-    services = state.services
-    endpoints = state.endpoints
-    ports = [(services[k], endpoints.get(k, ())) for k in keys]
     large = sum(len(eps) for _, eps in ports) > LARGE_CLUSTER_ENDPOINTS
+    return _Context(family, pod_cidr, masq_match, node_ips, large)
 
-    # Pass 1: categorise every service and collect every name to hash, so that all chain names
-    # of the sync are computed in one batch (see _hash16_many).
-    plan: list[tuple[ServicePort, Routing, str, str, list[str]]] = []
+
+# ---- Step 2: categorise every port and name its chains (all names hashed in one batch).
+
+
+@dataclass(slots=True)
+class _Port:
+    """One service port on its way to rules: its routing, chain names and shared comments."""
+
+    svc: ServicePort
+    routing: Routing
+    name: str
+    pm: str  # the protocol match, `-m tcp -p tcp`
+    addrs: list[str]  # reachable endpoints' addresses in routing.reachable order, if seps
+    seps: list[str] | None  # their KUBE-SEP chains; None when this render writes no chains
+    svc_chain: str = ""
+    svl_chain: str = ""
+    ext_chain: str = ""
+    fw_chain: str = ""
+    cip_comment: str = ""
+    lb_ips: Sequence[str] = ()
+    lb_comment: str = ""
+
+    @property
+    def internal_chain(self) -> str:
+        return self.svl_chain if self.svc.internal_policy_local else self.svc_chain
+
+    @property
+    def lb_chain(self) -> str:
+        return self.fw_chain if self.routing.uses_firewall else self.ext_chain
+
+
+def _name_ports(
+    ports: list[tuple[ServicePort, tuple[Endpoint, ...]]],
+    node: NodeConfig,
+    only: Collection[ServicePortKey] | None,
+) -> list[_Port]:
+    """Categorise every port and give it its chain names, hashing all names at once (_hash16_many).
+
+    Endpoint chains are named only for the ports whose chains this render writes (`only`).
+    """
+    out: list[_Port] = []
     texts: list[str] = []
     for svc, eps in ports:
         routing = categorize(svc, eps, node)
         name = str(svc.name)
         proto = svc.name.protocol.lower
         base = name + proto
-        addrs = [ep.address for ep in routing.reachable]
         texts.append(base)
-        texts.extend([base + addr for addr in addrs])
-        plan.append((svc, routing, name, proto, addrs))
+        if only is None or svc.key in only:
+            addrs = [ep.address for ep in routing.reachable]
+            texts.extend([base + addr for addr in addrs])
+            seps: list[str] | None = []
+        else:
+            addrs, seps = [], None
+        out.append(_Port(svc, routing, name, f"-m {proto} -p {proto}", addrs, seps))
     hashes = _hash16_many(texts)
     next_hash = 0
-
-    f_services: list[str] = []
-    f_external: list[str] = []
-    f_forward: list[str] = []
-    f_nodeports: list[str] = []
-    f_firewall: list[str] = []
-    n_services: list[str] = []
-    n_nodeports: list[str] = []
-    service_chains: dict[ServicePortKey, ServiceChains] = {}
-
-    # Pass 2: the rules.
-    for svc, routing, name, proto, addrs in plan:
+    for port in out:
         suffix = hashes[next_hash]
-        names = ["KUBE-SEP-" + h for h in hashes[next_hash + 1 : next_hash + 1 + len(addrs)]]
-        next_hash += 1 + len(addrs)
-        svc_chain = "KUBE-SVC-" + suffix
-        svl_chain = "KUBE-SVL-" + suffix
-        ext_chain = "KUBE-EXT-" + suffix
-        fw_chain = "KUBE-FW-" + suffix
-        pm = f"-m {proto} -p {proto}"
-        port = svc.port
-        cluster = routing.cluster
-        local = routing.local
-        has_endpoints = routing.has_endpoints
-        internal_verdict = routing.internal_no_endpoints
-        external_verdict = routing.external_no_endpoints
-        internal_chain = svl_chain if svc.internal_policy_local else svc_chain
-        uses_fw = routing.uses_firewall
-        lb_chain = fw_chain if uses_fw else ext_chain
-        if external_verdict is not None:
-            ext_target = "REJECT" if external_verdict is NoEndpoints.REJECT else "DROP"
-            ext_comment = quote_comment(
-                f"{name} has no endpoints"
-                if external_verdict is NoEndpoints.REJECT
-                else f"{name} has no local endpoints"
-            )
+        next_hash += 1
+        if port.seps is not None:
+            port.seps = ["KUBE-SEP-" + h for h in hashes[next_hash : next_hash + len(port.addrs)]]
+            next_hash += len(port.addrs)
+        port.svc_chain = "KUBE-SVC-" + suffix
+        port.svl_chain = "KUBE-SVL-" + suffix
+        port.ext_chain = "KUBE-EXT-" + suffix
+        port.fw_chain = "KUBE-FW-" + suffix
+    return out
 
-        # Capture the cluster IP.
-        cip_comment = quote_comment(name + " cluster IP")
-        if internal_verdict is None:
-            n_services.append(
-                f"-A KUBE-SERVICES -m comment --comment {cip_comment}"
-                f" {pm} -d {svc.cluster_ip} --dport {port} -j {internal_chain}"
-            )
-        else:
-            if internal_verdict is NoEndpoints.REJECT:
-                target, comment = "REJECT", f"{name} has no endpoints"
-            else:
-                target, comment = "DROP", f"{name} has no local endpoints"
-            f_services.append(
-                f"-A KUBE-SERVICES -m comment --comment {quote_comment(comment)}"
-                f" {pm} -d {svc.cluster_ip} --dport {port} -j {target}"
-            )
 
-        # Capture external IPs.
-        for eip in svc.external_ips:
-            if _family_of(eip) is not family:
-                continue
-            if has_endpoints:
-                n_services.append(
-                    f"-A KUBE-SERVICES -m comment --comment {quote_comment(name + ' external IP')}"
-                    f" {pm} -d {eip} --dport {port} -j {ext_chain}"
-                )
-            if external_verdict is not None:
-                f_external.append(
-                    f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment}"
-                    f" {pm} -d {eip} --dport {port} -j {ext_target}"
-                )
+# ---- Step 3: each port's rules in the top-level chains.
 
-        # Capture load-balancer ingress.
-        lb_ips = (
-            [ip for ip in svc.load_balancer_ips if _family_of(ip) is family]
-            if svc.load_balancer_ips
-            else ()
+
+@dataclass(slots=True)
+class _TopLevel:
+    """The top-level chains' rules as they accumulate: `f_` filter, `n_` nat."""
+
+    f_services: list[str] = field(default_factory=list)
+    f_external: list[str] = field(default_factory=list)
+    f_nodeports: list[str] = field(default_factory=list)
+    f_firewall: list[str] = field(default_factory=list)
+    n_services: list[str] = field(default_factory=list)
+    n_nodeports: list[str] = field(default_factory=list)
+
+
+def _capture(port: _Port, top: _TopLevel, family: IPFamily) -> None:
+    """Capture the port's addresses, in kube-proxy's order: cluster IP, external IPs, load
+    balancer, node port, health-check node port."""
+    routing = port.routing
+    external_verdict = routing.external_no_endpoints
+    if external_verdict is None:
+        ext_target = ext_comment = ""
+    elif external_verdict is NoEndpoints.REJECT:
+        ext_target, ext_comment = "REJECT", quote_comment(f"{port.name} has no endpoints")
+    else:
+        ext_target, ext_comment = "DROP", quote_comment(f"{port.name} has no local endpoints")
+    _capture_cluster_ip(port, top)
+    _capture_external_ips(port, top, family, ext_target, ext_comment)
+    _capture_load_balancer(port, top, family, ext_target, ext_comment)
+    _capture_node_port(port, top, ext_target, ext_comment)
+    _capture_health_check(port, top)
+
+
+def _capture_cluster_ip(port: _Port, top: _TopLevel) -> None:
+    svc, name, pm = port.svc, port.name, port.pm
+    port.cip_comment = cip_comment = quote_comment(name + " cluster IP")
+    internal_verdict = port.routing.internal_no_endpoints
+    if internal_verdict is None:
+        top.n_services.append(
+            f"-A KUBE-SERVICES -m comment --comment {cip_comment}"
+            f" {pm} -d {svc.cluster_ip} --dport {svc.port} -j {port.internal_chain}"
         )
-        lb_comment = quote_comment(name + " loadbalancer IP") if lb_ips else ""
-        for lbip in lb_ips:
-            if has_endpoints:
-                n_services.append(
-                    f"-A KUBE-SERVICES -m comment --comment {lb_comment}"
-                    f" {pm} -d {lbip} --dport {port} -j {lb_chain}"
-                )
-            if uses_fw:
-                comment = quote_comment(f"{name} traffic not accepted by {fw_chain}")
-                f_firewall.append(
-                    f"-A KUBE-PROXY-FIREWALL -m comment --comment {comment}"
-                    f" {pm} -d {lbip} --dport {port} -j DROP"
-                )
-        if external_verdict is not None:
-            for lbip in lb_ips:
-                f_external.append(
-                    f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment}"
-                    f" {pm} -d {lbip} --dport {port} -j {ext_target}"
-                )
+        return
+    if internal_verdict is NoEndpoints.REJECT:
+        target, comment = "REJECT", f"{name} has no endpoints"
+    else:
+        target, comment = "DROP", f"{name} has no local endpoints"
+    top.f_services.append(
+        f"-A KUBE-SERVICES -m comment --comment {quote_comment(comment)}"
+        f" {pm} -d {svc.cluster_ip} --dport {svc.port} -j {target}"
+    )
 
-        # Capture node ports (not subject to loadBalancerSourceRanges, as in kube-proxy).
-        if svc.node_port:
-            if has_endpoints:
-                n_nodeports.append(
-                    f"-A KUBE-NODEPORTS -m comment --comment {quote_comment(name)}"
-                    f" {pm} --dport {svc.node_port} -j {ext_chain}"
-                )
-            if external_verdict is not None:
-                f_external.append(
-                    f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment}"
-                    f" -m addrtype --dst-type LOCAL {pm} --dport {svc.node_port} -j {ext_target}"
-                )
 
-        # Health-check node ports are accepted whether or not there are local endpoints: the
-        # load balancer must be able to ask, and hear "503".
-        if svc.health_check_node_port:
-            comment = quote_comment(f"{name} health check node port")
-            f_nodeports.append(
-                f"-A KUBE-NODEPORTS -m comment --comment {comment}"
-                f" -m tcp -p tcp --dport {svc.health_check_node_port} -j ACCEPT"
-            )
-
-        if not has_endpoints:
-            # No nat chains at all: only the filter REJECT rules above.
+def _capture_external_ips(
+    port: _Port, top: _TopLevel, family: IPFamily, ext_target: str, ext_comment: str
+) -> None:
+    svc, pm = port.svc, port.pm
+    for eip in svc.external_ips:
+        if _family_of(eip) is not family:
             continue
+        if port.routing.has_endpoints:
+            top.n_services.append(
+                f"-A KUBE-SERVICES -m comment --comment {quote_comment(port.name + ' external IP')}"
+                f" {pm} -d {eip} --dport {svc.port} -j {port.ext_chain}"
+            )
+        if ext_target:
+            top.f_external.append(
+                f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment}"
+                f" {pm} -d {eip} --dport {svc.port} -j {ext_target}"
+            )
 
-        # The service's own chains, in kube-proxy's declaration and rule order.
-        uses_ext = routing.uses_external_chain
-        chains: list[str] = []
-        rules: list[str] = []
-        service_chains[svc.key] = ServiceChains(chains, rules)
-        if uses_ext:
-            chains.append(ext_chain)
+
+def _capture_load_balancer(
+    port: _Port, top: _TopLevel, family: IPFamily, ext_target: str, ext_comment: str
+) -> None:
+    svc, pm, routing = port.svc, port.pm, port.routing
+    lb_ips = (
+        [ip for ip in svc.load_balancer_ips if _family_of(ip) is family]
+        if svc.load_balancer_ips
+        else ()
+    )
+    port.lb_ips = lb_ips
+    port.lb_comment = lb_comment = quote_comment(port.name + " loadbalancer IP") if lb_ips else ""
+    uses_fw = routing.uses_firewall
+    for lbip in lb_ips:
+        if routing.has_endpoints:
+            top.n_services.append(
+                f"-A KUBE-SERVICES -m comment --comment {lb_comment}"
+                f" {pm} -d {lbip} --dport {svc.port} -j {port.lb_chain}"
+            )
         if uses_fw:
-            chains.append(fw_chain)
-        if cluster:
-            chains.append(svc_chain)
-        if local:
-            chains.append(svl_chain)
+            comment = quote_comment(f"{port.name} traffic not accepted by {port.fw_chain}")
+            top.f_firewall.append(
+                f"-A KUBE-PROXY-FIREWALL -m comment --comment {comment}"
+                f" {pm} -d {lbip} --dport {svc.port} -j DROP"
+            )
+    if ext_target:
+        for lbip in lb_ips:
+            top.f_external.append(
+                f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment}"
+                f" {pm} -d {lbip} --dport {svc.port} -j {ext_target}"
+            )
 
-        # Internal traffic: masquerade off-cluster sources (or everything with masquerade-all).
-        if internal_verdict is None and masq_match is not None:
+
+def _capture_node_port(port: _Port, top: _TopLevel, ext_target: str, ext_comment: str) -> None:
+    """Node ports are not subject to loadBalancerSourceRanges, as in kube-proxy."""
+    svc, pm = port.svc, port.pm
+    if not svc.node_port:
+        return
+    if port.routing.has_endpoints:
+        top.n_nodeports.append(
+            f"-A KUBE-NODEPORTS -m comment --comment {quote_comment(port.name)}"
+            f" {pm} --dport {svc.node_port} -j {port.ext_chain}"
+        )
+    if ext_target:
+        top.f_external.append(
+            f"-A KUBE-EXTERNAL-SERVICES -m comment --comment {ext_comment}"
+            f" -m addrtype --dst-type LOCAL {pm} --dport {svc.node_port} -j {ext_target}"
+        )
+
+
+def _capture_health_check(port: _Port, top: _TopLevel) -> None:
+    """Accepted whether or not there are local endpoints: the load balancer must be able to ask,
+    and hear "503"."""
+    hc = port.svc.health_check_node_port
+    if hc:
+        comment = quote_comment(f"{port.name} health check node port")
+        top.f_nodeports.append(
+            f"-A KUBE-NODEPORTS -m comment --comment {comment} -m tcp -p tcp --dport {hc} -j ACCEPT"
+        )
+
+
+# ---- Step 4: each port's own chains, in kube-proxy's declaration and rule order.
+
+
+def _service_chains(port: _Port, ctx: _Context) -> ServiceChains:
+    routing = port.routing
+    seps = port.seps or []
+    chains: list[str] = []
+    rules: list[str] = []
+    if routing.uses_external_chain:
+        chains.append(port.ext_chain)
+    if routing.uses_firewall:
+        chains.append(port.fw_chain)
+    if routing.cluster:
+        chains.append(port.svc_chain)
+    if routing.local:
+        chains.append(port.svl_chain)
+    _masquerade_rule(port, ctx, rules)
+    if routing.uses_external_chain:
+        _external_chain(port, ctx, rules)
+    if routing.uses_firewall:
+        _firewall_chain(port, ctx, rules)
+    chains.extend(seps)
+    _cascades(port, ctx, rules)
+    _endpoint_chains(port, ctx, rules)
+    return ServiceChains(chains, rules)
+
+
+def _masquerade_rule(port: _Port, ctx: _Context, rules: list[str]) -> None:
+    """Internal traffic: masquerade off-cluster sources (or everything with masquerade-all)."""
+    svc = port.svc
+    if port.routing.internal_no_endpoints is None and ctx.masq_match is not None:
+        rules.append(
+            f"-A {port.internal_chain} -m comment --comment {port.cip_comment}"
+            f" {port.pm} -d {svc.cluster_ip} --dport {svc.port}{ctx.masq_match} -j KUBE-MARK-MASQ"
+        )
+
+
+def _external_chain(port: _Port, ctx: _Context, rules: list[str]) -> None:
+    svc, name, ext_chain, svc_chain = port.svc, port.name, port.ext_chain, port.svc_chain
+    if not svc.external_policy_local:
+        comment = quote_comment(f"masquerade traffic for {name} external destinations")
+        rules.append(f"-A {ext_chain} -m comment --comment {comment} -j KUBE-MARK-MASQ")
+    else:
+        # Short-circuits: pod and host traffic to an external address is treated as if
+        # it had gone out to the load balancer and come back, i.e. by Cluster policy.
+        # The SVC chain exists: an externally accessible port with endpoints always has
+        # Cluster endpoints (ServicePort.uses_cluster_endpoints).
+        if ctx.pod_cidr:
+            comment = quote_comment(f"pod traffic for {name} external destinations")
             rules.append(
-                f"-A {internal_chain} -m comment --comment {cip_comment}"
-                f" {pm} -d {svc.cluster_ip} --dport {port}{masq_match} -j KUBE-MARK-MASQ"
+                f"-A {ext_chain} -m comment --comment {comment} -s {ctx.pod_cidr} -j {svc_chain}"
             )
+        comment = quote_comment(f"masquerade LOCAL traffic for {name} external destinations")
+        rules.append(
+            f"-A {ext_chain} -m comment --comment {comment}"
+            " -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"
+        )
+        comment = quote_comment(f"route LOCAL traffic for {name} external destinations")
+        rules.append(
+            f"-A {ext_chain} -m comment --comment {comment}"
+            f" -m addrtype --src-type LOCAL -j {svc_chain}"
+        )
+    if port.routing.external_no_endpoints is None:
+        policy_chain = port.svl_chain if svc.external_policy_local else svc_chain
+        rules.append(f"-A {ext_chain} -j {policy_chain}")
 
-        if uses_ext:
-            if not svc.external_policy_local:
-                comment = quote_comment(f"masquerade traffic for {name} external destinations")
-                rules.append(f"-A {ext_chain} -m comment --comment {comment} -j KUBE-MARK-MASQ")
-            else:
-                # Short-circuits: pod and host traffic to an external address is treated as if
-                # it had gone out to the load balancer and come back, i.e. by Cluster policy.
-                # The SVC chain exists: an externally accessible port with endpoints always has
-                # Cluster endpoints (ServicePort.uses_cluster_endpoints).
-                if pod_cidr:
-                    comment = quote_comment(f"pod traffic for {name} external destinations")
-                    rules.append(
-                        f"-A {ext_chain} -m comment --comment {comment} -s {pod_cidr} -j {svc_chain}"
-                    )
-                comment = quote_comment(f"masquerade LOCAL traffic for {name} external destinations")
-                rules.append(
-                    f"-A {ext_chain} -m comment --comment {comment}"
-                    " -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"
-                )
-                comment = quote_comment(f"route LOCAL traffic for {name} external destinations")
-                rules.append(
-                    f"-A {ext_chain} -m comment --comment {comment}"
-                    f" -m addrtype --src-type LOCAL -j {svc_chain}"
-                )
-            if external_verdict is None:
-                policy_chain = svl_chain if svc.external_policy_local else svc_chain
-                rules.append(f"-A {ext_chain} -j {policy_chain}")
 
-        if uses_fw:
-            head = f"-A {fw_chain} -m comment --comment {lb_comment}"
-            allow_from_node = False
-            for cidr in svc.load_balancer_source_ranges:
-                if _family_of(cidr) is not family:
-                    continue
-                rules.append(f"{head} -s {cidr} -j {ext_chain}")
-                if not allow_from_node and node_ips:
-                    net = ipaddress.ip_network(cidr, strict=False)
-                    allow_from_node = any(ip in net for ip in node_ips)
-            # A VIP bound locally makes node -> VIP traffic arrive with the VIP as its source.
-            if allow_from_node:
-                for lbip in lb_ips:
-                    rules.append(f"{head} -s {lbip} -j {ext_chain}")
-            comment = quote_comment(
-                f"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL"
-            )
-            rules.append(f"-A {fw_chain} -m comment --comment {comment}")
+def _firewall_chain(port: _Port, ctx: _Context, rules: list[str]) -> None:
+    fw_chain, ext_chain, node_ips = port.fw_chain, port.ext_chain, ctx.node_ips
+    head = f"-A {fw_chain} -m comment --comment {port.lb_comment}"
+    allow_from_node = False
+    for cidr in port.svc.load_balancer_source_ranges:
+        if _family_of(cidr) is not ctx.family:
+            continue
+        rules.append(f"{head} -s {cidr} -j {ext_chain}")
+        if not allow_from_node and node_ips:
+            net = ipaddress.ip_network(cidr, strict=False)
+            allow_from_node = any(ip in net for ip in node_ips)
+    # A VIP bound locally makes node -> VIP traffic arrive with the VIP as its source.
+    if allow_from_node:
+        for lbip in port.lb_ips:
+            rules.append(f"{head} -s {lbip} -j {ext_chain}")
+    comment = quote_comment(f"other traffic to {port.name} will be dropped by KUBE-PROXY-FIREWALL")
+    rules.append(f"-A {fw_chain} -m comment --comment {comment}")
 
-        reachable = routing.reachable
-        chains.extend(names)
 
-        affinity = svc.affinity_timeout
-        if cluster:
-            if cluster is reachable:
-                _cascade(rules, svc_chain, names, addrs, name, affinity, large)
-            else:
-                _cascade(rules, svc_chain, *_select(names, addrs, cluster), name, affinity, large)
-        if local:
-            if local is reachable:
-                _cascade(rules, svl_chain, names, addrs, name, affinity, large)
-            else:
-                _cascade(rules, svl_chain, *_select(names, addrs, local), name, affinity, large)
+def _cascades(port: _Port, ctx: _Context, rules: list[str]) -> None:
+    """The SVC (Cluster policy) and SVL (Local policy) load-balancing chains."""
+    routing, names, addrs = port.routing, port.seps or [], port.addrs
+    name, affinity, large = port.name, port.svc.affinity_timeout, ctx.large
+    reachable = routing.reachable
+    for chain, subset in ((port.svc_chain, routing.cluster), (port.svl_chain, routing.local)):
+        if not subset:
+            continue
+        if subset is reachable:
+            _cascade(rules, chain, names, addrs, name, affinity, large)
+        else:
+            _cascade(rules, chain, *_select(names, addrs, subset), name, affinity, large)
 
-        # Each endpoint chain: hairpin masquerade, record affinity, DNAT.
-        sep_comment = "" if large else f" -m comment --comment {quote_comment(name)}"
-        dnat = f" {pm} -j DNAT --to-destination "
-        for ep, sep, addr in zip(reachable, names, addrs):
-            rules.append(f"-A {sep}{sep_comment} -s {ep.ip} -j KUBE-MARK-MASQ")
-            if affinity:
-                rules.append(f"-A {sep}{sep_comment} -m recent --name {sep} --set{dnat}{addr}")
-            else:
-                rules.append(f"-A {sep}{sep_comment}{dnat}{addr}")
 
-    # Finally the tail-call to the node ports: it must stay the last rule of KUBE-SERVICES.
+def _endpoint_chains(port: _Port, ctx: _Context, rules: list[str]) -> None:
+    """Each endpoint chain: hairpin masquerade, record affinity, DNAT."""
+    sep_comment = "" if ctx.large else f" -m comment --comment {quote_comment(port.name)}"
+    dnat = f" {port.pm} -j DNAT --to-destination "
+    affinity = port.svc.affinity_timeout
+    for ep, sep, addr in zip(port.routing.reachable, port.seps or [], port.addrs):
+        rules.append(f"-A {sep}{sep_comment} -s {ep.ip} -j KUBE-MARK-MASQ")
+        if affinity:
+            rules.append(f"-A {sep}{sep_comment} -m recent --name {sep} --set{dnat}{addr}")
+        else:
+            rules.append(f"-A {sep}{sep_comment}{dnat}{addr}")
+
+
+# ---- Step 5: the fixed rules.
+
+
+def _nodeports_tail(node: NodeConfig, family: IPFamily) -> list[str]:
+    """The tail-call to the node ports: it must stay the last rule of KUBE-SERVICES."""
+    v6 = family is IPFamily.V6
     nodeport_cidrs = node.nodeport_addresses_of(family)
     not_loopback = " ! -d ::1/128" if v6 else " ! -d 127.0.0.0/8"
     if not nodeport_cidrs:
-        n_services.append(
+        return [
             f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
             f" -m addrtype --dst-type LOCAL{not_loopback} -j KUBE-NODEPORTS"
+        ]
+    # One rule takes one -d: iptables-restore refuses "-d CIDR ! -d 127.0.0.0/8". Loopback is
+    # excluded by a RETURN in front when some CIDR reaches into it, else it cannot match.
+    out: list[str] = []
+    loopback = ipaddress.ip_network("::1/128" if v6 else "127.0.0.0/8")
+    if any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in nodeport_cidrs):
+        out.append(f"-A KUBE-SERVICES -d {loopback} -j RETURN")
+    for cidr in nodeport_cidrs:
+        out.append(
+            f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
+            f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
         )
-    else:
-        # One rule takes one -d: iptables-restore refuses "-d CIDR ! -d 127.0.0.0/8". Loopback is
-        # excluded by a RETURN in front when some CIDR reaches into it, else it cannot match.
-        loopback = ipaddress.ip_network("::1/128" if v6 else "127.0.0.0/8")
-        if any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in nodeport_cidrs):
-            n_services.append(f"-A KUBE-SERVICES -d {loopback} -j RETURN")
-        for cidr in nodeport_cidrs:
-            n_services.append(
-                f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
-                f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
-            )
+    return out
 
-    f_forward.append("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP")
-    f_forward.append(
-        f'-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
-        f" -m mark --mark {_MARK}/{_MARK} -j ACCEPT"
-    )
-    f_forward.append(
+
+def _forward_rules() -> list[str]:
+    return [
+        "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP",
+        '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
+        f" -m mark --mark {_MARK}/{_MARK} -j ACCEPT",
         '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule"'
-        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
-    )
+        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    ]
 
-    postrouting = [
+
+def _postrouting_rules() -> list[str]:
+    return [
         f"-A KUBE-POSTROUTING -m mark ! --mark {_MARK}/{_MARK} -j RETURN",
         # Clear the mark so a packet that re-traverses the stack is not masqueraded twice.
         f"-A KUBE-POSTROUTING -j MARK --xor-mark {_MARK}",
         '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT"'
         " -j MASQUERADE --random-fully",
     ]
-    mark_masq = [f"-A KUBE-MARK-MASQ -j MARK --or-mark {_MARK}"]
-
-    filter_table = {
-        KUBE_SERVICES: f_services,
-        KUBE_EXTERNAL_SERVICES: f_external,
-        KUBE_FORWARD: f_forward,
-        KUBE_NODEPORTS: f_nodeports,
-        KUBE_PROXY_FIREWALL: f_firewall,
-    }
-    nat_table = {
-        KUBE_SERVICES: n_services,
-        KUBE_NODEPORTS: n_nodeports,
-        KUBE_POSTROUTING: postrouting,
-        KUBE_MARK_MASQ: mark_masq,
-    }
-    return IptablesRules(family, filter_table, nat_table, service_chains)
 
 
 def _select(

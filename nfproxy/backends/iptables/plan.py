@@ -1,0 +1,99 @@
+"""Plans for the iptables kernel: which chains one `iptables-restore --noflush` must write.
+
+A full plan writes every chain and removes the service chains the kernel holds but the state no
+longer has (leftovers of a crash, a failed sync, kube-proxy). A partial plan follows kube-proxy:
+the top-level chains are always rewritten whole (a restore that declares a chain flushes it),
+the service chains only of the service ports in `Changes`, and the chains those ports no longer
+have are deleted in the same restore. Unlike kube-proxy, only the changed ports are rendered:
+their endpoint chains are most of the work of a sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from nfproxy.backends.base import Owned, Plan
+from nfproxy.backends.iptables.render import (
+    SERVICE_CHAIN_PREFIXES,
+    IptablesRules,
+    JumpRule,
+    ServiceChains,
+    render,
+)
+from nfproxy.core.model import ClusterState, IPFamily, ServicePortKey
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePayload:
+    """What the iptables kernel applies: one restore text (both tables, `--noflush`), then the
+    rules in built-in chains to check-then-insert (never restored: they are shared)."""
+
+    text: str
+    jumps: tuple[JumpRule, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Belief:
+    """What one family's kernel holds after an accepted plan: the top-level chains, and the
+    chains of every service port (needed to know which chains a change leaves behind)."""
+
+    rules: IptablesRules
+    services: Mapping[ServicePortKey, ServiceChains]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IptablesPlan(Plan):
+    belief: Belief
+
+
+def full_plan(state: ClusterState, family: IPFamily, found: Owned | None) -> IptablesPlan:
+    """Everything, plus the removal of the service chains in `found` the state does not have."""
+    new = render(state, family)
+    wanted = {c for group in new.service_chains.values() for c in group.chains}
+    stale = sorted(
+        c for c in (found.chains if found else ()) if c.startswith(SERVICE_CHAIN_PREFIXES) and c not in wanted
+    )
+    text = new.restore_text(with_jumps=False, delete_chains=stale)
+    payload = RestorePayload(text, new.jumps)
+    return IptablesPlan(
+        family=family, full=True, operations=text.count("\n"), payload=payload,
+        belief=Belief(new, new.service_chains),
+    )
+
+
+def partial_plan(
+    state: ClusterState, keys: Collection[ServicePortKey], family: IPFamily, belief: Belief
+) -> IptablesPlan | None:
+    """The changed ports' chains and the top-level chains; None when the kernel already has it."""
+    if not keys:
+        return None
+    new = render(state, family, only=keys)
+    if new.large != belief.rules.large:
+        # Endpoint comments come or go everywhere: every port's chains change.
+        new = render(state, family)
+        keys = set(new.service_chains) | set(belief.services)
+    old = belief.services
+    services = dict(old)
+    changed: list[ServicePortKey] = []
+    gone: set[str] = set()
+    for key in keys:
+        before, after = old.get(key), new.service_chains.get(key)
+        if before == after:
+            continue
+        if before is not None:
+            gone.update(before.chains)
+            del services[key]
+        if after is not None:
+            changed.append(key)
+            services[key] = after
+            gone.difference_update(after.chains)
+    if not changed and not gone and new.nat == belief.rules.nat and new.filter == belief.rules.filter:
+        return None
+    order = {key: i for i, key in enumerate(new.service_chains)}
+    changed.sort(key=order.__getitem__)
+    text = new.restore_text(with_jumps=False, services=changed, delete_chains=sorted(gone))
+    return IptablesPlan(
+        family=family, full=False, operations=text.count("\n"), payload=RestorePayload(text),
+        belief=Belief(new, services),
+    )

@@ -1,0 +1,72 @@
+"""The in-memory iptables kernel agrees with the real one (iptables-legacy and iptables-nft, in a
+throwaway namespace): the same payloads are accepted or refused, and leave the same rules.
+
+"The same rules" is `tests.iptables_sync.meaning`: both dumps read by analysis.iptables_save,
+since iptables-save re-spells what iptables-restore read (option order, `/32`, 11-digit
+probabilities) and the in-memory kernel keeps the spelling it was given.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nfproxy.core.model import IPFamily
+from nfproxy.kernel.iptables import Flavour, IptablesKernel
+from nfproxy.kernel.memory.iptables import MemoryIptablesKernel
+from nfproxy.kernel.process import KernelError
+from nfproxy.testing import random_cluster
+from tests.iptables_sync import OneFamily, meaning
+from tests.test_iptables_plan import RESTORE_CASES
+from tests.test_proxier import mutate
+
+pytestmark = pytest.mark.kernel
+
+
+def agree(fake: MemoryIptablesKernel, real: IptablesKernel, family: IPFamily, step: str) -> None:
+    assert fake.owned() == real.owned(), step
+    assert meaning(fake.dump(), family) == meaning(real.dump(), family), step
+
+
+@pytest.mark.parametrize("flavour", list(Flavour))
+def test_restore_verdicts_agree(netns: str, flavour: Flavour) -> None:
+    fake, real = MemoryIptablesKernel(), IptablesKernel(IPFamily.V4, netns, flavour)
+    for name, text, ok in RESTORE_CASES:
+        verdicts = []
+        for kernel in (fake.restore, real.runner.restore):
+            try:
+                kernel(text)
+                verdicts.append(True)
+            except KernelError:
+                verdicts.append(False)
+        assert verdicts == [ok, ok], name
+        agree(fake, real, IPFamily.V4, name)
+
+
+@pytest.mark.parametrize("family", list(IPFamily))
+@pytest.mark.parametrize("flavour", list(Flavour))
+def test_sync_sequences_on_random_clusters_agree(netns: str, flavour: Flavour, family: IPFamily) -> None:
+    """Full, partial syncs, a restart's full sync that removes leftovers, and jumps ensured
+    twice: after each payload both kernels hold the same rules."""
+    fake, real = MemoryIptablesKernel(family), IptablesKernel(family, netns, flavour)
+    for seed in range(2):
+        rng = random.Random(seed)
+        state = random_cluster(rng, 18, 8)
+        pool = random_cluster(random.Random(seed + 50), 26, 8)
+        node = OneFamily(fake, family)  # a restart for every seed after the first
+        for step in range(10):
+            plan = node.sync(state)
+            if plan is not None:
+                real.apply(plan.payload)
+            agree(fake, real, family, f"seed {seed} step {step}")
+            state = mutate(rng, state, pool)
+
+
+def test_refused_restore_leaves_the_real_table_unchanged(netns: str) -> None:
+    real = IptablesKernel(IPFamily.V4, netns, Flavour.NFT)
+    real.runner.restore("*nat\n:KUBE-SVC-X - [0:0]\n-A KUBE-SVC-X -j RETURN\nCOMMIT\n")
+    before = real.dump()
+    with pytest.raises(KernelError):
+        real.runner.restore("*nat\n:KUBE-SVC-X - [0:0]\n-A KUBE-SVC-X -j KUBE-MISSING\nCOMMIT\n")
+    assert real.dump() == before
