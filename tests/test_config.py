@@ -454,3 +454,29 @@ def test_be_liberal_is_read_in_the_target_namespace(netns: str, liberal: bool) -
     assert proc.returncode == 0, proc.stderr
     message = "nf_conntrack_tcp_be_liberal set, not installing DROP rules for INVALID packets"
     assert (message in proc.stderr) is liberal
+
+
+@pytest.mark.kernel
+def test_cleanup_flag_is_nfproxy_cleanup(netns: str) -> None:
+    from nfproxy.kernel.process import run
+
+    proc = nfproxy("--proxy-mode", "nftables", "--manifests", EXAMPLES, "--once", "--netns", netns)
+    assert proc.returncode == 0, proc.stderr
+    assert "nfproxy" in run(["nft", "list", "tables"], netns=netns)
+    proc = nfproxy("--cleanup", "--netns", netns)
+    assert proc.returncode == 0, proc.stderr
+    assert "nfproxy" not in run(["nft", "list", "tables"], netns=netns)
+
+
+def test_bind_address_is_the_node_ip_unless_given() -> None:
+    from nfproxy.cli.commands.run import _bind_address_as_node_ip
+
+    args = parsed("--bind-address", "192.168.0.7")
+    _bind_address_as_node_ip(args)
+    assert args.node_ip == ["192.168.0.7"]
+    args = parsed("--bind-address", "192.168.0.7", "--node-ip", "192.168.0.9")
+    _bind_address_as_node_ip(args)
+    assert args.node_ip == ["192.168.0.9"]
+    args = parsed("--bind-address", "::")
+    _bind_address_as_node_ip(args)
+    assert args.node_ip == []
