@@ -7,12 +7,14 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from nfproxy.cli import conntrack_sysctls, kubeproxy_config
 from nfproxy.cli import duration as go_duration
 from nfproxy.cli.main import main, parse
+from nfproxy.core.model import NodeConfig
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
@@ -480,3 +482,31 @@ def test_bind_address_is_the_node_ip_unless_given() -> None:
     args = parsed("--bind-address", "::")
     _bind_address_as_node_ip(args)
     assert args.node_ip == []
+
+
+def test_commands_that_do_not_talk_to_the_api_server_do_not_import_kubernetes() -> None:
+    code = ("import sys; from nfproxy.cli.main import parse; "
+            f"parse(['render', '--backend', 'nft', {str(EXAMPLES)!r}]); "
+            f"parse(['--config', {str(KUBEADM)!r}, '--manifests', {str(EXAMPLES)!r}]); "
+            "assert 'kubernetes' not in sys.modules, 'kubernetes imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_default_sync_period_is_kube_proxys_and_healthz_follows_it() -> None:
+    from nfproxy.cli.commands.run import sync_periods
+    from nfproxy.daemon.node import DaemonConfig
+
+    assert sync_periods(parsed("--proxy-mode", "nftables")) == (1.0, 30.0)
+    assert DaemonConfig("nft").sync_period == 30.0
+    from nfproxy.daemon.node import Daemon
+    from nfproxy.sources.files import ManifestSource
+
+    from nfproxy.daemon.proxier import Hooks
+
+    no_kernel = SimpleNamespace(hooks=Hooks())  # the bound is all this test reads
+    daemon = Daemon(ManifestSource(str(EXAMPLES), NodeConfig()), DaemonConfig("nft"), no_kernel)  # type: ignore[arg-type]
+    try:
+        assert daemon.health.timeout == 60.0, "kube-proxy: /healthz fails after 2 x sync period"
+    finally:
+        daemon.stop()
