@@ -10,11 +10,16 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from nfproxy.cli import conntrack_sysctls
 from nfproxy.cli.config import FlagError, add_node_flags, duration, node_config_from_args
 from nfproxy.cli.feature_gates import parse_feature_gates
 from nfproxy.cli.flag_types import go_bool
+
+if TYPE_CHECKING:
+    from nfproxy.daemon.node import Daemon
+    from nfproxy.sources import Source
 
 log = logging.getLogger("nfproxy")
 
@@ -27,7 +32,7 @@ def backend_of(mode: str) -> str:
     return "nft" if mode in ("nft", "nftables") else "iptables"
 
 
-def _source(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _source(args: argparse.Namespace) -> Source:
     node = node_config_from_args(args)
     kube = bool(getattr(args, "kubeconfig", None) or getattr(args, "master", None))
     if args.manifests and kube:
@@ -148,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _once(source, daemon) -> int:  # type: ignore[no-untyped-def]
+def _once(source: Source, daemon: Daemon) -> int:
     if not source.ready():
         # The API source lists in the background: wait for its first complete state.
         source.start(lambda: None)
