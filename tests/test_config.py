@@ -188,7 +188,7 @@ def test_a_missing_file_is_named(capsys: pytest.CaptureFixture[str]) -> None:
 def test_settings_nfproxy_cannot_honour_are_warned_about_one_line_each(tmp_path: Path) -> None:
     config = tmp_path / "config.conf"
     config.write_text(HEADER + "ipvs:\n  scheduler: rr\n  strictARP: true\nwinkernel:\n  enableDSR: true\n"
-                      "enableProfiling: true\nclientConnection:\n  qps: 5\n")
+                      "enableProfiling: true\nclientConnection:\n  qps: 50\n")
     warnings = kubeproxy_config.load(str(config)).warnings
     assert [w.split(": ")[2] for w in warnings] == [
         "ipvs.scheduler", "ipvs.strictARP", "winkernel.enableDSR", "enableProfiling", "clientConnection.qps"]
@@ -196,6 +196,22 @@ def test_settings_nfproxy_cannot_honour_are_warned_about_one_line_each(tmp_path:
     proc = nfproxy("--config", config, "--write-config-to", tmp_path / "out.yaml")
     assert proc.returncode == 0, proc.stderr
     assert f"{config}:4: KubeProxyConfiguration: ipvs.scheduler: 'rr': ignored, nfproxy has no IPVS mode" in proc.stderr
+
+
+def test_a_file_with_kube_proxys_defaults_filled_in_is_not_warned_about(tmp_path: Path) -> None:
+    """Older kubeadm wrote every default out (qps 5, burst 10, oomScoreAdj -999, ...)."""
+    config = tmp_path / "config.conf"
+    config.write_text(HEADER + (
+        "clientConnection: {acceptContentTypes: '', burst: 10, contentType: application/vnd.kubernetes.protobuf,"
+        " kubeconfig: /var/lib/kube-proxy/kubeconfig.conf, qps: 5}\n"
+        "configSyncPeriod: 15m0s\noomScoreAdj: -999\n"
+        "conntrack: {maxPerCore: 32768, min: 131072, tcpCloseWaitTimeout: 1h0m0s, tcpEstablishedTimeout: 24h0m0s}\n"
+        "ipvs: {excludeCIDRs: null, minSyncPeriod: 0s, scheduler: '', syncPeriod: 30s}\n"
+        "iptables: {masqueradeAll: false, masqueradeBit: 14, minSyncPeriod: 0s, syncPeriod: 30s}\n"
+    ))
+    assert kubeproxy_config.load(str(config)).warnings == ()
+    config.write_text(HEADER + "clientConnection: {qps: 50}\noomScoreAdj: -500\n")
+    assert len(kubeproxy_config.load(str(config)).warnings) == 2
 
 
 # ---- --write-config-to

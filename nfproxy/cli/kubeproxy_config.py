@@ -218,10 +218,14 @@ class Field:
     why: str = ""
     # Only for this mode's file (kube-proxy reads iptables.* or nftables.* by `mode`).
     mode: str | None = None
+    # Values of a warned field that are kube-proxy's own defaults: files written with every
+    # default filled in (older kubeadm, `kube-proxy --write-config-to`) are not warned about.
+    quiet: tuple[object, ...] = ()
 
 
-def _warned(path: str, why: str, check: Callable[[object], object] = _anything) -> Field:
-    return Field(path, check, None, why)
+def _warned(path: str, why: str, check: Callable[[object], object] = _anything,
+            quiet: tuple[object, ...] = ()) -> Field:
+    return Field(path, check, None, why, quiet=quiet)
 
 
 _NO_IPVS = "nfproxy has no IPVS mode"
@@ -234,11 +238,15 @@ FIELDS: tuple[Field, ...] = (
     Field("bindAddressHardFail", _bool, "bind_address_hard_fail"),
     Field("clientConnection.kubeconfig", _string, "kubeconfig"),
     _warned("clientConnection.acceptContentTypes", "the API client always asks for JSON", _string),
-    _warned("clientConnection.contentType", "the API client always sends JSON", _string),
-    _warned("clientConnection.qps", "nfproxy only lists and watches, without client-side rate limits"),
-    _warned("clientConnection.burst", "nfproxy only lists and watches, without client-side rate limits"),
+    _warned("clientConnection.contentType", "the API client always sends JSON", _string,
+            ("application/vnd.kubernetes.protobuf",)),
+    _warned("clientConnection.qps", "nfproxy only lists and watches, without client-side rate limits",
+            quiet=(5,)),
+    _warned("clientConnection.burst", "nfproxy only lists and watches, without client-side rate limits",
+            quiet=(10,)),
     Field("clusterCIDR", _cidrs, "cluster_cidr"),
-    _warned("configSyncPeriod", "nfproxy's watches never resync from their cache", _duration(True)),
+    _warned("configSyncPeriod", "nfproxy's watches never resync from their cache", _duration(True),
+            ("15m0s", "15m")),
     Field("conntrack.maxPerCore", _int32(0, 2**31 - 1), "conntrack_max_per_core"),
     Field("conntrack.min", _int32(0, 2**31 - 1), "conntrack_min"),
     Field("conntrack.tcpBeLiberal", _bool, "conntrack_tcp_be_liberal"),
@@ -262,12 +270,13 @@ FIELDS: tuple[Field, ...] = (
     _warned("ipvs.minSyncPeriod", _NO_IPVS, _duration(True)),
     _warned("ipvs.scheduler", _NO_IPVS, _string),
     _warned("ipvs.strictARP", _NO_IPVS, _bool),
-    _warned("ipvs.syncPeriod", _NO_IPVS, _duration(True)),
+    _warned("ipvs.syncPeriod", _NO_IPVS, _duration(True), ("30s",)),
     _warned("ipvs.tcpFinTimeout", _NO_IPVS, _duration(True)),
     _warned("ipvs.tcpTimeout", _NO_IPVS, _duration(True)),
     _warned("ipvs.udpTimeout", _NO_IPVS, _duration(True)),
     Field("logging.format", _choice(LOGGING_FORMATS), "logging_format"),
-    _warned("logging.flushFrequency", "nfproxy's log lines are written unbuffered"),
+    _warned("logging.flushFrequency", "nfproxy's log lines are written unbuffered",
+            quiet=("5s", 5_000_000_000)),
     _warned("logging.options", "klog's buffering options do not apply: lines are written unbuffered"),
     Field("logging.verbosity", _int32(0, 2**31 - 1), "verbosity"),
     _warned("logging.vmodule", "per-file verbosity is not supported"),
@@ -279,7 +288,7 @@ FIELDS: tuple[Field, ...] = (
     Field("nftables.syncPeriod", _duration(True), "nftables_sync_period"),
     Field("nodePortAddresses", _nodeport_addresses, "nodeport_addresses"),
     _warned("oomScoreAdj", "nfproxy leaves its OOM score to the container runtime",
-            _int32(-1000, 1000)),
+            _int32(-1000, 1000), (-999,)),
     _warned("portRange", "kube-proxy's userspace mode is gone", _string),
     _warned("showHiddenMetricsForVersion", "nfproxy has no hidden metrics", _string),
     _warned("windowsRunAsService", _NO_WINDOWS, _bool),
@@ -365,7 +374,7 @@ def load(path: str) -> LoadedConfig:
         except _Bad as exc:
             raise fail(f"{field_path}.{exc.key}" if exc.key else field_path, str(exc)) from None
         if f.dest is None:
-            if not _zero(value):
+            if not _zero(value) and value not in f.quiet:
                 line = lines.get(field_path)
                 warnings.append(f"{path}:{line}: {KIND}: {field_path}: {value!r}: ignored, {f.why}")
             continue
