@@ -154,6 +154,7 @@ def test_a_command_line_source_replaces_the_files_kubeconfig() -> None:
     ("udpIdleTimeout: 250ms\n", 3, "udpIdleTimeout", "unknown field"),
     ("nftables:\n  bogus: 1\n", 4, "nftables.bogus", "unknown field"),
     ("iptables: 3\n", 3, "iptables", "must be a map"),
+    ("mode: iptables\nbindAddress: 0.0.0.0\nmode: nftables\n", 5, "mode", "given twice"),
 ])
 def test_a_wrong_field_is_named_with_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                    body: str, line: int, field: str, message: str) -> None:

@@ -318,21 +318,25 @@ def _zero(v: object) -> bool:
 # ---- reading
 
 
-def _located(text: str) -> tuple[Any, dict[str, int]]:
-    """The document and the line (1-based) of every key path in it."""
+def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
+    """The document, the line (1-based) of every key path in it, and the first key given twice
+    (PyYAML keeps the last silently; kube-proxy's strict decoding refuses it)."""
     node = yaml.compose(text, Loader=yaml.SafeLoader)
     lines: dict[str, int] = {}
+    duplicate: list[tuple[str, int]] = []
 
     def walk(n: yaml.Node, prefix: str) -> None:
         if isinstance(n, yaml.MappingNode):
             for key, value in n.value:
                 path = f"{prefix}.{key.value}" if prefix else str(key.value)
-                lines[path] = key.start_mark.line + 1
+                if path in lines and not duplicate:
+                    duplicate.append((path, key.start_mark.line + 1))
+                lines.setdefault(path, key.start_mark.line + 1)
                 walk(value, path)
 
     if node is not None:
         walk(node, "")
-    return yaml.safe_load(text), lines
+    return yaml.safe_load(text), lines, (duplicate[0] if duplicate else None)
 
 
 def load(path: str) -> LoadedConfig:
@@ -342,7 +346,7 @@ def load(path: str) -> LoadedConfig:
     except OSError as exc:
         raise ConfigFileError(f"{path}: cannot read: {exc.strerror}") from None
     try:
-        doc, lines = _located(text)
+        doc, lines, duplicate = _located(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
@@ -356,6 +360,8 @@ def load(path: str) -> LoadedConfig:
 
     if not isinstance(doc, dict):
         raise ConfigFileError(f"{path}: {KIND}: the file must hold one {KIND} object")
+    if duplicate is not None:
+        raise ConfigFileError(f"{path}:{duplicate[1]}: {KIND}: {duplicate[0]}: given twice")
     if doc.get("apiVersion") != API_VERSION:
         raise fail("apiVersion", f"{doc.get('apiVersion')!r}: must be {API_VERSION}")
     if doc.get("kind") != KIND:
