@@ -527,3 +527,34 @@ def test_the_default_sync_period_is_kube_proxys_and_healthz_follows_it() -> None
         assert daemon.health.timeout == 60.0, "kube-proxy: /healthz fails after 2 x sync period"
     finally:
         daemon.stop()
+
+
+def test_the_files_kubeconfig_builds_the_api_source(tmp_path: Path) -> None:
+    """kubeadm's `config.conf` names `kubeconfig.conf`: the daemon reaches the API server with it."""
+    import yaml
+
+    from nfproxy.cli.kube_flags import source_from_args
+    from nfproxy.sources.kube import WatchSettings
+    from tests.apiserver import FakeApiServer, service
+
+    with FakeApiServer(bookmark_interval=0.2) as api:
+        api.apply(service("web", "10.96.0.10"))
+        kubeconfig = tmp_path / "kubeconfig.conf"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "default", "cluster": {"server": api.url}}],
+            "users": [{"name": "default", "user": {"token": "kube-proxy-token"}}],
+            "contexts": [{"name": "default", "context": {"cluster": "default", "user": "default"}}],
+            "current-context": "default",
+        }))
+        config = tmp_path / "config.conf"
+        config.write_text(KUBEADM.read_text().replace("/var/lib/kube-proxy/kubeconfig.conf", str(kubeconfig)))
+        args = parsed("--config", config, "--hostname-override", "node-a")
+        source = source_from_args(args, WatchSettings(watch_timeout=5, connect_timeout=1.0, watch_read_margin=3.0, list_timeout=3.0))
+        source.start(lambda: None)
+        try:
+            assert source.wait_ready(10)
+            assert any(key.name == "web" for key, _family in source.snapshot().state.services)
+        finally:
+            source.stop()
+        assert api.requests and all(r.authorization == "Bearer kube-proxy-token" for r in api.requests)
