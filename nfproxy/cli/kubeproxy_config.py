@@ -27,6 +27,7 @@ KIND = "KubeProxyConfiguration"
 MODES = ("iptables", "nftables")
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 LOGGING_FORMATS = ("text", "json")
+_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class ConfigFileError(ValueError):
@@ -321,7 +322,12 @@ def _zero(v: object) -> bool:
 def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
     """The document, the line (1-based) of every key path in it, and the first key given twice
     (PyYAML keeps the last silently; kube-proxy's strict decoding refuses it)."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        doc = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
     lines: dict[str, int] = {}
     duplicate: list[tuple[str, int]] = []
 
@@ -336,7 +342,7 @@ def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
 
     if node is not None:
         walk(node, "")
-    return yaml.safe_load(text), lines, (duplicate[0] if duplicate else None)
+    return doc, lines, (duplicate[0] if duplicate else None)
 
 
 def load(path: str) -> LoadedConfig:
