@@ -31,10 +31,9 @@ from nfproxy.sources.kube import (
     KubeSource,
     ObjectCache,
     WatchSettings,
-    add_kube_flags,
     api_client,
-    source_from_args,
 )
+from nfproxy.cli.kube_flags import add_kube_flags, source_from_args
 from nfproxy.sources.manifests import load, load_objects
 from tests.apiserver import FakeApiServer, endpoint_slice, node, service
 

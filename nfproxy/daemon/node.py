@@ -28,10 +28,14 @@ class DaemonConfig:
     backend: str
     netns: str | None = None
     min_sync_period: float = 1.0
-    sync_period: float = 3600.0
+    # kube-proxy's default: a full resync every 30 s, so /healthz reports a stuck proxy after 60 s.
+    sync_period: float = 30.0
     healthz_bind_address: str = "0.0.0.0:10256"
     metrics_bind_address: str = "127.0.0.1:10249"
     conntrack: bool = True
+    # --bind-address-hard-fail: a port that cannot be bound is fatal instead of logged and retried.
+    # MERGE(E2): passed to the servers as `hard_fail` once they take it (Daemon.start).
+    bind_address_hard_fail: bool = False
 
 
 class NoLocalEndpoints:

@@ -31,7 +31,6 @@ hints, node IPs, the masquerade CIDR), so the sync loop must treat it as a full 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -50,10 +49,9 @@ from kubernetes.config import ConfigException, incluster_config, load_incluster_
 from kubernetes.config import load_kube_config
 from kubernetes.watch.watch import iter_resp_lines
 
-from nfproxy.cli.config import FlagError, node_config_from_args
 from nfproxy.core.model import ClusterState, NodeConfig
 from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, load_objects
-from nfproxy.sources.validation import FieldError, dns_subdomain, show
+from nfproxy.sources.validation import show
 
 log = logging.getLogger(__name__)
 
@@ -588,7 +586,14 @@ class KubeSource:
 
 
 # --------------------------------------------------------------------------------------------
-# Configuration and flags
+# Configuration
+
+
+class ConnectionConfigError(ValueError):
+    """How to reach the API server is wrongly given; the message names the flag at fault.
+
+    The command line turns it into its flag error (exit status 2); the source knows no argparse.
+    """
 
 
 def api_client(kubeconfig: str | None = None, master: str | None = None) -> k8s.ApiClient:
@@ -596,29 +601,29 @@ def api_client(kubeconfig: str | None = None, master: str | None = None) -> k8s.
 
     `--kubeconfig` gives server and credentials; `--master` overrides the server (alone, it
     means an unauthenticated connection, as for kube-proxy). With neither, the pod's service
-    account is used. Raises FlagError naming the flag at fault.
+    account is used. Raises ConnectionConfigError naming the flag at fault.
     """
     configuration = k8s.Configuration()
     if kubeconfig:
         path = os.path.expanduser(kubeconfig)
         if not os.path.isfile(path):
-            raise FlagError(f"--kubeconfig: {show(kubeconfig)}: no such file")
+            raise ConnectionConfigError(f"--kubeconfig: {show(kubeconfig)}: no such file")
         try:
             load_kube_config(
                 config_file=path, client_configuration=configuration, persist_config=False
             )
         except (ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
-            raise FlagError(f"--kubeconfig {show(kubeconfig)}: {_one_line(exc)}") from None
+            raise ConnectionConfigError(f"--kubeconfig {show(kubeconfig)}: {_one_line(exc)}") from None
     elif not master:
         if not os.path.exists(incluster_config.SERVICE_TOKEN_FILENAME):
-            raise FlagError(
+            raise ConnectionConfigError(
                 "no API server: give --kubeconfig or --master (or --manifests), or run in a pod "
                 f"with a service account ({incluster_config.SERVICE_TOKEN_FILENAME} is missing)"
             )
         try:
             load_incluster_config(client_configuration=configuration)
         except ConfigException as exc:
-            raise FlagError(f"in-cluster configuration: {_one_line(exc)}") from None
+            raise ConnectionConfigError(f"in-cluster configuration: {_one_line(exc)}") from None
     if master:
         configuration.host = _master_url(master)
     # Retries are ours (with backoff and relist logic); urllib3's would hide failures.
@@ -643,44 +648,12 @@ def _master_url(master: str) -> str:
     except ValueError:
         port = -1
     if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
-        raise FlagError(f"--master: {show(master)} is not an http(s)://host[:port] URL")
+        raise ConnectionConfigError(f"--master: {show(master)} is not an http(s)://host[:port] URL")
     if parsed.query or parsed.fragment or any(c.isspace() for c in master):
-        raise FlagError(f"--master: {show(master)} is not an http(s)://host[:port] URL")
+        raise ConnectionConfigError(f"--master: {show(master)} is not an http(s)://host[:port] URL")
     return master.rstrip("/")
 
 
 def default_node_name() -> str:
     """The node name when --hostname-override is not given: the host name, as kube-proxy."""
     return socket.gethostname().strip().lower()
-
-
-def add_kube_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add --kubeconfig and --master to a parser or to one of its argument groups."""
-    parser.add_argument(
-        "--kubeconfig",
-        metavar="PATH",
-        help="kubeconfig with the API server and credentials "
-        "(default: the pod's service account, in-cluster)",
-    )
-    parser.add_argument(
-        "--master",
-        metavar="URL",
-        help="API server URL; overrides the kubeconfig's server",
-    )
-
-
-def source_from_args(args: argparse.Namespace, settings: WatchSettings = WatchSettings()) -> KubeSource:
-    """The API source for `nfproxy --kubeconfig/--master` (node flags from `add_node_flags`)."""
-    node = node_config_from_args(args)
-    if not node.name:
-        name = default_node_name()
-        try:
-            name = dns_subdomain(name)
-        except FieldError as exc:
-            raise FlagError(
-                f"--hostname-override: not given, and the host name is not a node name: {exc}"
-            ) from None
-        node = replace(node, name=name)
-    client = api_client(getattr(args, "kubeconfig", None), getattr(args, "master", None))
-    return KubeSource(client, node, settings)
-

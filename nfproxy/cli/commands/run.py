@@ -1,4 +1,8 @@
-"""`nfproxy [run] --backend nft|iptables …`: the node daemon (the default command)."""
+"""`nfproxy [run] --proxy-mode nftables|iptables …`: the node daemon (the default command).
+
+Its flags are kube-proxy's, with kube-proxy's names and defaults, and `--config` reads kube-proxy's
+own configuration file (see nfproxy/cli/kubeproxy_config.py and docs/running.md).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,29 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli import conntrack_sysctls
 from nfproxy.cli.config import FlagError, add_node_flags, duration, node_config_from_args
+from nfproxy.cli.feature_gates import parse_feature_gates
+from nfproxy.cli.flag_types import go_bool
+
+if TYPE_CHECKING:
+    from nfproxy.daemon.node import Daemon
+    from nfproxy.sources import Source
 
 log = logging.getLogger("nfproxy")
 
+BE_LIBERAL = "net.netfilter.nf_conntrack_tcp_be_liberal"
+# kube-proxy's mode names, and nfproxy's older `nft`; the backends call nftables `nft`.
+MODES = ("nftables", "iptables", "nft")
 
-def _source(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+
+def backend_of(mode: str) -> str:
+    return "nft" if mode in ("nft", "nftables") else "iptables"
+
+
+def _source(args: argparse.Namespace) -> Source:
     node = node_config_from_args(args)
     kube = bool(getattr(args, "kubeconfig", None) or getattr(args, "master", None))
     if args.manifests and kube:
@@ -24,15 +43,79 @@ def _source(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         if not os.path.exists(args.manifests):
             raise FlagError(f"--manifests: no such file or directory: {args.manifests}")
         return ManifestSource(args.manifests, node)
-    from nfproxy.sources import kube as kube_source
+    from nfproxy.cli.kube_flags import source_from_args
 
-    return kube_source.source_from_args(args)
+    return source_from_args(args)
+
+
+def sync_periods(args: argparse.Namespace) -> tuple[float, float]:
+    """(min sync period, sync period) in seconds for the selected mode.
+
+    kube-proxy keeps one pair per mode (`--iptables-*`, `--nftables-*`); nfproxy's own
+    `--min-sync-period` / `--sync-period` override the selected mode's pair.
+    """
+    prefix = "nftables" if backend_of(args.backend) == "nft" else "iptables"
+    min_flag, flag = f"--{prefix}-min-sync-period", f"--{prefix}-sync-period"
+    min_text = getattr(args, f"{prefix}_min_sync_period")
+    text = getattr(args, f"{prefix}_sync_period")
+    if args.min_sync_period is not None:
+        min_flag, min_text = "--min-sync-period", args.min_sync_period
+    if args.sync_period is not None:
+        flag, text = "--sync-period", args.sync_period
+    period = duration(flag, text)
+    if period <= 0:
+        raise FlagError(f"{flag}: must be greater than 0")
+    return duration(min_flag, min_text), period
+
+
+def _bind_address_as_node_ip(args: argparse.Namespace) -> None:
+    """kube-proxy's --bind-address: despite its name, the node's primary IP when not 0.0.0.0/::."""
+    if not args.bind_address:
+        return
+    from nfproxy.sources.validation import FieldError, ip_address
+
+    try:
+        ip = ip_address(args.bind_address)
+    except FieldError as exc:
+        raise FlagError(f"--bind-address: {exc}") from None
+    if ip not in ("0.0.0.0", "::") and not args.node_ip:
+        args.node_ip = [ip]
+
+
+def _read_be_liberal(args: argparse.Namespace) -> None:
+    """kube-proxy: with nf_conntrack_tcp_be_liberal set, INVALID packets are not dropped."""
+    from nfproxy.kernel import sysctl
+
+    value = sysctl.read(BE_LIBERAL, args.netns)
+    liberal = value not in (None, "0") or bool(args.conntrack_tcp_be_liberal)
+    if liberal:
+        log.info("nf_conntrack_tcp_be_liberal set, not installing DROP rules for INVALID packets")
+    # MERGE(H2): NodeConfig.drop_invalid is H2's; node_config_from_args passes it on when the
+    # field exists (see nfproxy/cli/config.py).
+    args.drop_invalid = not liberal
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    """kube-proxy's `--cleanup`: `nfproxy cleanup` for both backends, then exit."""
+    from nfproxy.cli.commands import cleanup
+
+    return cleanup.run(argparse.Namespace(netns=args.netns, backend="all"))
 
 
 def run(args: argparse.Namespace) -> int:
-    from nfproxy.daemon.node import Daemon, DaemonConfig
     from nfproxy.kernel import netns as netns_mod
 
+    args.backend = backend_of(args.backend)
+    _bind_address_as_node_ip(args)
+    node_config_from_args(args)  # every node flag checked, also for --write-config-to
+    min_sync, sync_period = sync_periods(args)
+    parse_feature_gates(args.feature_gates, log)
+    settings = conntrack_sysctls.settings_from_args(args)
+    if args.write_config_to:
+        from nfproxy.cli import kubeproxy_config
+
+        kubeproxy_config.write(args, args.write_config_to)
+        return 0
     from nfproxy.kernel import capabilities as caps
 
     lacking = caps.missing(caps.CAP_NET_ADMIN, *((caps.CAP_SYS_ADMIN,) if args.netns else ()))
@@ -41,10 +124,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.netns and not netns_mod.exists(args.netns):
         raise FlagError(f"--netns: no network namespace named {args.netns!r} (see `ip netns list`)")
-    min_sync = duration("--min-sync-period", args.min_sync_period)
-    sync_period = duration("--sync-period", args.sync_period)
-    if sync_period <= 0:
-        raise FlagError("--sync-period: must be greater than 0")
+    if args.cleanup:
+        return _cleanup(args)
+    conntrack_sysctls.apply(settings, args.netns)
+    if args.init_only:
+        return 0
+    _read_be_liberal(args)
+    from nfproxy.daemon.node import Daemon, DaemonConfig
+
     config = DaemonConfig(
         backend=args.backend,
         netns=args.netns,
@@ -53,59 +140,106 @@ def run(args: argparse.Namespace) -> int:
         healthz_bind_address=args.healthz_bind_address,
         metrics_bind_address=args.metrics_bind_address,
         conntrack=not args.no_conntrack_cleanup,
+        bind_address_hard_fail=bool(args.bind_address_hard_fail),
     )
     proxier = None
     if args.iptables_flavour != "auto":
-        from nfproxy.kernel.iptables import Flavour
         from nfproxy.daemon.proxier import Proxier
+        from nfproxy.kernel.iptables import Flavour
 
         proxier = Proxier(args.backend, netns=args.netns, flavour=Flavour(args.iptables_flavour))
     source = _source(args)
     daemon = Daemon(source, config, proxier)
     if args.once:
-        if not source.ready():
-            # The API source lists in the background: wait for its first complete state.
-            source.start(lambda: None)
-            try:
-                wait = getattr(source, "wait_ready", None)
-                if wait is None or not wait(60):
-                    print("nfproxy: the source has no state to sync (not ready within 60 s)", file=sys.stderr)
-                    return 1
-                result = daemon.once()
-            finally:
-                source.stop()
-        else:
-            result = daemon.once()
-        print(result.log_line())
-        return 0
+        return _once(source, daemon)
     daemon.run_until_signalled()
     return 0
 
 
+def _once(source: Source, daemon: Daemon) -> int:
+    if not source.ready():
+        # The API source lists in the background: wait for its first complete state.
+        source.start(lambda: None)
+        try:
+            wait = getattr(source, "wait_ready", None)
+            if wait is None or not wait(60):
+                print("nfproxy: the source has no state to sync (not ready within 60 s)", file=sys.stderr)
+                return 1
+            result = daemon.once()
+        finally:
+            source.stop()
+    else:
+        result = daemon.once()
+    print(result.log_line())
+    return 0
+
+
+def _add_sync_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sync periods (Go durations: 500ms, 1s, 1h30m)")
+    for mode in ("iptables", "nftables"):
+        g.add_argument(f"--{mode}-sync-period", default="30s", metavar="DURATION",
+                       help=f"{mode} mode: full resync interval, repairing rules others changed (default 30s)")
+        g.add_argument(f"--{mode}-min-sync-period", default="1s", metavar="DURATION",
+                       help=f"{mode} mode: minimum time between syncs; changes in between are batched (default 1s)")
+    g.add_argument("--sync-period", metavar="DURATION",
+                   help="nfproxy's name: the selected mode's --*-sync-period")
+    g.add_argument("--min-sync-period", metavar="DURATION",
+                   help="nfproxy's name: the selected mode's --*-min-sync-period")
+
+
+def _add_conntrack_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("conntrack sysctls, set in the target namespace as kube-proxy sets them")
+    g.add_argument("--conntrack-max-per-core", type=int, default=32768, metavar="N",
+                   help="nf_conntrack_max = max(N x CPUs, --conntrack-min); 0 leaves the limit as it is (default 32768)")
+    g.add_argument("--conntrack-min", type=int, default=131072, metavar="N",
+                   help="lower bound of nf_conntrack_max (default 131072)")
+    g.add_argument("--conntrack-tcp-timeout-established", default="24h0m0s", metavar="DURATION",
+                   help="nf_conntrack_tcp_timeout_established; 0 leaves it (default 24h0m0s)")
+    g.add_argument("--conntrack-tcp-timeout-close-wait", default="1h0m0s", metavar="DURATION",
+                   help="nf_conntrack_tcp_timeout_close_wait; 0 leaves it (default 1h0m0s)")
+    g.add_argument("--conntrack-tcp-be-liberal", type=go_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help="set nf_conntrack_tcp_be_liberal=1 (and so write no INVALID drop)")
+    g.add_argument("--conntrack-udp-timeout", default="0s", metavar="DURATION",
+                   help="nf_conntrack_udp_timeout; 0 leaves it (default 0s)")
+    g.add_argument("--conntrack-udp-timeout-stream", default="0s", metavar="DURATION",
+                   help="nf_conntrack_udp_timeout_stream; 0 leaves it (default 0s)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="the node daemon (default when the first argument is a flag)")
-    p.add_argument("--backend", choices=BACKENDS, required=True, help="how to program the kernel")
+    p.add_argument("--proxy-mode", "--backend", dest="backend", choices=MODES, default="iptables",
+                   help="how to program the kernel (default iptables, as kube-proxy; --backend nft is an alias)")
+    p.add_argument("--config", metavar="FILE",
+                   help="kube-proxy's KubeProxyConfiguration file; flags given here win over it")
+    p.add_argument("--write-config-to", metavar="FILE",
+                   help="write the effective configuration, defaults filled in, to FILE and exit")
     src = p.add_argument_group("source")
     src.add_argument("--manifests", metavar="PATH", help="a YAML file or directory, re-read on change")
-    try:
-        from nfproxy.sources.kube import add_kube_flags
-    except ImportError:  # pragma: no cover - the kube source ships with the package
-        pass
-    else:
-        add_kube_flags(src)
+    from nfproxy.cli.kube_flags import add_kube_flags
+
+    add_kube_flags(src)
     p.add_argument("--netns", metavar="NAME", help="program this named network namespace instead of the current one")
     p.add_argument("--once", action="store_true", help="sync once (full) and exit")
-    p.add_argument("--min-sync-period", default="1s", metavar="DURATION",
-                   help="minimum time between syncs; changes in between are batched (default 1s)")
-    p.add_argument("--sync-period", default="1h", metavar="DURATION",
-                   help="full resync interval, repairing rules others changed (default 1h)")
+    p.add_argument("--init-only", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                   help="set the conntrack sysctls (the steps needing full root) and exit")
+    p.add_argument("--cleanup", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                   help="remove every rule nfproxy owns, both backends (as `nfproxy cleanup`), and exit")
+    _add_sync_flags(p)
     p.add_argument("--healthz-bind-address", default="0.0.0.0:10256", metavar="HOST:PORT",
                    help="/healthz and /livez (default 0.0.0.0:10256; empty: off)")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT",
                    help="/metrics (default 127.0.0.1:10249; empty: off)")
+    p.add_argument("--bind-address-hard-fail", type=go_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help="a port that cannot be bound is fatal (default: logged and retried)")
+    p.add_argument("--bind-address", default="0.0.0.0", metavar="IP",
+                   help="kube-proxy's name for the node's primary IP when not 0.0.0.0 or :: "
+                        "(used when --node-ip is not given); binds nothing")
+    p.add_argument("--feature-gates", default="", metavar="NAME=BOOL,...",
+                   help="kube-proxy's feature gates: accepted, each one warned about (none changes nfproxy)")
     p.add_argument("--iptables-flavour", choices=("auto", "legacy", "nft"), default="auto",
                    help="iptables backend: which iptables to drive (default: what `iptables` is)")
     p.add_argument("--no-conntrack-cleanup", action="store_true",
                    help="do not delete stale UDP conntrack entries after endpoint changes")
+    _add_conntrack_flags(p)
     add_node_flags(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, config_warnings=())

@@ -1,0 +1,502 @@
+"""kube-proxy's configuration file (`KubeProxyConfiguration`, kubeproxy.config.k8s.io/v1alpha1).
+
+The file is read as kubeadm writes it into the `kube-proxy` ConfigMap (`config.conf`), every
+field listed, most at Go's zero value. As in kube-proxy, a zero value means "the default": the
+file sets the command line's defaults, by argparse dest name, and flags given on the command line
+win over it. Each field is either honoured (it sets a dest), or accepted and warned about in one
+line when it is set to something nfproxy cannot do (IPVS, Windows, profiling, ...), or rejected
+with an error naming file, line, field and value. An unknown field is an error, as kube-proxy's
+strict decoding makes it one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from nfproxy.cli import duration as go_duration
+
+API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
+KIND = "KubeProxyConfiguration"
+MODES = ("iptables", "nftables")
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+LOGGING_FORMATS = ("text", "json")
+_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class ConfigFileError(ValueError):
+    """The file cannot be used; the message is `FILE:LINE: KubeProxyConfiguration: field: why`."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    """What a file sets: argparse defaults by dest, and one warning line per ignored setting."""
+
+    defaults: Mapping[str, object]
+    warnings: tuple[str, ...]
+
+
+class _Bad(ValueError):
+    """A field's value is wrong; carries the message without the location, and the key inside
+    the field's map when the fault is there (a feature gate)."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# ---- value checks: each takes the YAML value and returns the dest's value, or None for "unset"
+
+
+def _string(v: object) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _Bad(f"{v!r}: must be a string")
+    return v or None
+
+
+def _bool(v: object) -> bool | None:
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _Bad(f"{v!r}: must be true or false")
+    return v
+
+
+def _int32(low: int, high: int) -> Callable[[object], int | None]:
+    def check(v: object) -> int | None:
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Bad(f"{v!r}: must be an integer")
+        if not low <= v <= high:
+            raise _Bad(f"{v}: must be from {low} to {high}")
+        return v
+
+    return check
+
+
+def _duration(zero_is_default: bool) -> Callable[[object], str | None]:
+    def check(v: object) -> str | None:
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise _Bad(f"{v!r}: must be a duration string such as 30s or 1h0m0s")
+        try:
+            ns = go_duration.parse(v)
+        except go_duration.DurationError as exc:
+            raise _Bad(f"{v!r}: {exc}") from None
+        if ns < 0:
+            raise _Bad(f"{v!r}: must not be negative")
+        return None if ns == 0 and zero_is_default else v
+
+    return check
+
+
+def _strings(v: object) -> list[str] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _Bad(f"{v!r}: must be a list of strings")
+    return list(v) or None
+
+
+def _cidrs(v: object) -> list[str] | None:
+    """clusterCIDR: one string, a comma-separated dual-stack pair."""
+    text = _string(v)
+    if text is None:
+        return None
+    for part in text.split(","):
+        try:
+            ipaddress.ip_network(part.strip(), strict=False)
+        except ValueError:
+            raise _Bad(f"{text!r}: {part.strip()!r} is not a CIDR") from None
+    return [text]
+
+
+def _nodeport_addresses(v: object) -> list[str] | None:
+    values = _strings(v)
+    for item in values or ():
+        if item == "primary":
+            continue
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise _Bad(f"{item!r}: not a CIDR (or primary)") from None
+    return values
+
+
+def _ip(v: object) -> str | None:
+    text = _string(v)
+    if text is not None:
+        try:
+            ipaddress.ip_address(text)
+        except ValueError:
+            raise _Bad(f"{text!r}: not an IP address") from None
+    return text
+
+
+def _host_port(v: object) -> str | None:
+    text = _string(v)
+    if text is not None:
+        from nfproxy.cli.config import FlagError
+        from nfproxy.daemon.server import parse_bind_address
+
+        try:
+            parse_bind_address(text, "")
+        except FlagError as exc:
+            raise _Bad(str(exc).lstrip(": ")) from None
+    return text
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[object], str | None]:
+    def check(v: object) -> str | None:
+        text = _string(v)
+        if text is not None and text not in choices:
+            raise _Bad(f"{text!r}: must be one of {', '.join(choices)}")
+        return text
+
+    return check
+
+
+def _mode(v: object) -> str | None:
+    text = _string(v)
+    if text is None:
+        return None
+    if text not in MODES:
+        raise _Bad(f"{text!r}: nfproxy has the iptables and nftables modes only")
+    return text
+
+
+def _node_name(v: object) -> str | None:
+    text = _string(v)
+    if text is not None:
+        from nfproxy.sources.validation import FieldError, dns_subdomain
+
+        try:
+            dns_subdomain(text)
+        except FieldError as exc:
+            raise _Bad(str(exc)) from None
+    return text
+
+
+_GATE = re.compile(r"[A-Z][A-Za-z0-9]*")
+
+
+def _gates(v: object) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _Bad(f"{v!r}: must be a map of gate names to true or false")
+    for name, value in v.items():
+        if not isinstance(name, str) or not _GATE.fullmatch(name):
+            raise _Bad(f"{name!r}: not a feature gate name", str(name))
+        if not isinstance(value, bool):
+            raise _Bad(f"{value!r}: must be true or false", name)
+    return ",".join(f"{k}={str(val).lower()}" for k, val in sorted(v.items())) or None
+
+
+def _anything(v: object) -> object:
+    return v
+
+
+# ---- the fields
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    path: str
+    check: Callable[[object], object]
+    # The argparse dest it sets; None: accepted, and warned about when set (`why` says why).
+    dest: str | None = None
+    why: str = ""
+    # Only for this mode's file (kube-proxy reads iptables.* or nftables.* by `mode`).
+    mode: str | None = None
+    # Values of a warned field that are kube-proxy's own defaults: files written with every
+    # default filled in (older kubeadm, `kube-proxy --write-config-to`) are not warned about.
+    quiet: tuple[object, ...] = ()
+
+
+def _warned(path: str, why: str, check: Callable[[object], object] = _anything,
+            quiet: tuple[object, ...] = ()) -> Field:
+    return Field(path, check, None, why, quiet=quiet)
+
+
+_NO_IPVS = "nfproxy has no IPVS mode"
+_NO_WINDOWS = "nfproxy runs on Linux only"
+
+FIELDS: tuple[Field, ...] = (
+    Field("apiVersion", _string),
+    Field("kind", _string),
+    Field("bindAddress", _ip, "bind_address"),
+    Field("bindAddressHardFail", _bool, "bind_address_hard_fail"),
+    Field("clientConnection.kubeconfig", _string, "kubeconfig"),
+    _warned("clientConnection.acceptContentTypes", "the API client always asks for JSON", _string),
+    _warned("clientConnection.contentType", "the API client always sends JSON", _string,
+            ("application/vnd.kubernetes.protobuf",)),
+    _warned("clientConnection.qps", "nfproxy only lists and watches, without client-side rate limits",
+            quiet=(5,)),
+    _warned("clientConnection.burst", "nfproxy only lists and watches, without client-side rate limits",
+            quiet=(10,)),
+    Field("clusterCIDR", _cidrs, "cluster_cidr"),
+    _warned("configSyncPeriod", "nfproxy's watches never resync from their cache", _duration(True),
+            ("15m0s", "15m")),
+    Field("conntrack.maxPerCore", _int32(0, 2**31 - 1), "conntrack_max_per_core"),
+    Field("conntrack.min", _int32(0, 2**31 - 1), "conntrack_min"),
+    Field("conntrack.tcpBeLiberal", _bool, "conntrack_tcp_be_liberal"),
+    Field("conntrack.tcpCloseWaitTimeout", _duration(False), "conntrack_tcp_timeout_close_wait"),
+    Field("conntrack.tcpEstablishedTimeout", _duration(False), "conntrack_tcp_timeout_established"),
+    Field("conntrack.udpStreamTimeout", _duration(False), "conntrack_udp_timeout_stream"),
+    Field("conntrack.udpTimeout", _duration(False), "conntrack_udp_timeout"),
+    Field("detectLocal.bridgeInterface", _string, "pod_bridge_interface"),
+    Field("detectLocal.interfaceNamePrefix", _string, "pod_interface_name_prefix"),
+    Field("detectLocalMode", _choice(DETECT_LOCAL_MODES), "detect_local_mode"),
+    _warned("enableProfiling", "nfproxy serves no /debug/pprof", _bool),
+    Field("featureGates", _gates, "feature_gates"),
+    Field("healthzBindAddress", _host_port, "healthz_bind_address"),
+    Field("hostnameOverride", _node_name, "node_name"),
+    Field("iptables.localhostNodePorts", _bool, "localhost_nodeports"),
+    Field("iptables.masqueradeAll", _bool, "masquerade_all", mode="iptables"),
+    Field("iptables.masqueradeBit", _int32(0, 31), "masquerade_bit", mode="iptables"),
+    Field("iptables.minSyncPeriod", _duration(True), "iptables_min_sync_period"),
+    Field("iptables.syncPeriod", _duration(True), "iptables_sync_period"),
+    _warned("ipvs.excludeCIDRs", _NO_IPVS),
+    _warned("ipvs.minSyncPeriod", _NO_IPVS, _duration(True)),
+    _warned("ipvs.scheduler", _NO_IPVS, _string),
+    _warned("ipvs.strictARP", _NO_IPVS, _bool),
+    _warned("ipvs.syncPeriod", _NO_IPVS, _duration(True), ("30s",)),
+    _warned("ipvs.tcpFinTimeout", _NO_IPVS, _duration(True)),
+    _warned("ipvs.tcpTimeout", _NO_IPVS, _duration(True)),
+    _warned("ipvs.udpTimeout", _NO_IPVS, _duration(True)),
+    Field("logging.format", _choice(LOGGING_FORMATS), "logging_format"),
+    _warned("logging.flushFrequency", "nfproxy's log lines are written unbuffered",
+            quiet=("5s", 5_000_000_000)),
+    _warned("logging.options", "klog's buffering options do not apply: lines are written unbuffered"),
+    Field("logging.verbosity", _int32(0, 2**31 - 1), "verbosity"),
+    _warned("logging.vmodule", "per-file verbosity is not supported"),
+    Field("metricsBindAddress", _host_port, "metrics_bind_address"),
+    Field("mode", _mode, "backend"),
+    Field("nftables.masqueradeAll", _bool, "masquerade_all", mode="nftables"),
+    Field("nftables.masqueradeBit", _int32(0, 31), "masquerade_bit", mode="nftables"),
+    Field("nftables.minSyncPeriod", _duration(True), "nftables_min_sync_period"),
+    Field("nftables.syncPeriod", _duration(True), "nftables_sync_period"),
+    Field("nodePortAddresses", _nodeport_addresses, "nodeport_addresses"),
+    _warned("oomScoreAdj", "nfproxy leaves its OOM score to the container runtime",
+            _int32(-1000, 1000), (-999,)),
+    _warned("portRange", "kube-proxy's userspace mode is gone", _string),
+    _warned("showHiddenMetricsForVersion", "nfproxy has no hidden metrics", _string),
+    _warned("windowsRunAsService", _NO_WINDOWS, _bool),
+    _warned("winkernel.enableDSR", _NO_WINDOWS, _bool),
+    _warned("winkernel.forwardHealthCheckVip", _NO_WINDOWS, _bool),
+    _warned("winkernel.networkName", _NO_WINDOWS, _string),
+    _warned("winkernel.rootHnsEndpointName", _NO_WINDOWS, _string),
+    _warned("winkernel.sourceVip", _NO_WINDOWS, _string),
+)
+_BY_PATH = {f.path: f for f in FIELDS}
+_SECTIONS = {f.path.split(".")[0] for f in FIELDS if "." in f.path}
+# Maps whose keys are data, not field names.
+_OPAQUE = {"featureGates", "logging.options", "logging.vmodule", "ipvs.excludeCIDRs"}
+
+
+def _zero(v: object) -> bool:
+    """Go's zero value, as kubeadm writes the fields it leaves to kube-proxy's defaults."""
+    if isinstance(v, dict):
+        return all(_zero(x) for x in v.values())
+    if isinstance(v, list):
+        return not v
+    if isinstance(v, str):
+        return v in ("", "0", "0s")
+    return v in (None, False, 0)
+
+
+# ---- reading
+
+
+def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
+    """The document, the line (1-based) of every key path in it, and the first key given twice
+    (PyYAML keeps the last silently; kube-proxy's strict decoding refuses it)."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        doc = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    duplicate: list[tuple[str, int]] = []
+
+    def walk(n: yaml.Node, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            for key, value in n.value:
+                path = f"{prefix}.{key.value}" if prefix else str(key.value)
+                if path in lines and not duplicate:
+                    duplicate.append((path, key.start_mark.line + 1))
+                lines.setdefault(path, key.start_mark.line + 1)
+                walk(value, path)
+
+    if node is not None:
+        walk(node, "")
+    return doc, lines, (duplicate[0] if duplicate else None)
+
+
+def load(path: str) -> LoadedConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        doc, lines, duplicate = _located(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigFileError(f"{where}: {KIND}: invalid YAML: {problem}") from None
+
+    def fail(field: str, message: str) -> ConfigFileError:
+        line = lines.get(field)
+        return ConfigFileError(f"{path}:{line}: {KIND}: {field}: {message}" if line
+                               else f"{path}: {KIND}: {field}: {message}")
+
+    if not isinstance(doc, dict):
+        raise ConfigFileError(f"{path}: {KIND}: the file must hold one {KIND} object")
+    if duplicate is not None:
+        raise ConfigFileError(f"{path}:{duplicate[1]}: {KIND}: {duplicate[0]}: given twice")
+    if doc.get("apiVersion") != API_VERSION:
+        raise fail("apiVersion", f"{doc.get('apiVersion')!r}: must be {API_VERSION}")
+    if doc.get("kind") != KIND:
+        raise fail("kind", f"{doc.get('kind')!r}: must be {KIND}")
+    values = _flatten(doc, fail)
+    mode = values.get("mode") or ""
+    mode_name = mode if mode else "iptables"
+    defaults: dict[str, object] = {}
+    warnings: list[str] = []
+    for field_path, value in values.items():
+        if field_path in ("apiVersion", "kind"):
+            continue  # checked above
+        f = _BY_PATH[field_path]
+        try:
+            checked = f.check(value)
+        except _Bad as exc:
+            raise fail(f"{field_path}.{exc.key}" if exc.key else field_path, str(exc)) from None
+        if f.dest is None:
+            if not _zero(value) and value not in f.quiet:
+                line = lines.get(field_path)
+                warnings.append(f"{path}:{line}: {KIND}: {field_path}: {value!r}: ignored, {f.why}")
+            continue
+        if f.mode is not None and f.mode != mode_name:
+            continue
+        if checked is not None:
+            defaults[f.dest] = checked
+    return LoadedConfig(defaults, tuple(warnings))
+
+
+def _flatten(doc: dict[str, Any], fail: Callable[[str, str], ConfigFileError]) -> dict[str, Any]:
+    """Field path -> value, refusing fields kube-proxy does not know."""
+    out: dict[str, Any] = {}
+
+    def walk(obj: dict[str, Any], prefix: str) -> None:
+        for key, value in obj.items():
+            field_path = f"{prefix}.{key}" if prefix else str(key)
+            if field_path in _BY_PATH:
+                out[field_path] = value
+            elif field_path in _SECTIONS or field_path == "logging":
+                if value is None:
+                    continue
+                if not isinstance(value, dict):
+                    raise fail(field_path, f"{value!r}: must be a map")
+                walk(value, field_path)
+            else:
+                raise fail(field_path, "unknown field")
+
+    walk(doc, "")
+    return out
+
+
+# ---- writing
+
+
+def effective(args: argparse.Namespace) -> dict[str, Any]:
+    """The configuration the daemon runs with, every default filled in, in kubeadm's layout."""
+
+    def get(dest: str, default: object) -> Any:
+        value = getattr(args, dest, None)
+        return default if value is None else value
+
+    def cidrs(values: list[str]) -> list[str]:
+        return [v.strip() for raw in values for v in raw.split(",") if v.strip()]
+
+    masquerade_all = bool(get("masquerade_all", False))
+    masquerade_bit = int(get("masquerade_bit", 14))
+    mode = "nftables" if args.backend in ("nft", "nftables") else "iptables"
+    gates = {}
+    for item in (get("feature_gates", "") or "").split(","):
+        if item.strip():
+            name, _, value = item.partition("=")
+            gates[name.strip()] = value.strip().lower() == "true"
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "bindAddress": get("bind_address", "0.0.0.0"),
+        "bindAddressHardFail": bool(get("bind_address_hard_fail", False)),
+        "clientConnection": {"kubeconfig": get("kubeconfig", "")},
+        "clusterCIDR": ",".join(cidrs(get("cluster_cidr", []))),
+        "conntrack": {
+            "maxPerCore": int(get("conntrack_max_per_core", 32768)),
+            "min": int(get("conntrack_min", 131072)),
+            "tcpBeLiberal": bool(get("conntrack_tcp_be_liberal", False)),
+            "tcpCloseWaitTimeout": _canonical(get("conntrack_tcp_timeout_close_wait", "1h")),
+            "tcpEstablishedTimeout": _canonical(get("conntrack_tcp_timeout_established", "24h")),
+            "udpStreamTimeout": _canonical(get("conntrack_udp_timeout_stream", "0s")),
+            "udpTimeout": _canonical(get("conntrack_udp_timeout", "0s")),
+        },
+        "detectLocal": {
+            "bridgeInterface": get("pod_bridge_interface", ""),
+            "interfaceNamePrefix": get("pod_interface_name_prefix", ""),
+        },
+        "detectLocalMode": get("detect_local_mode", ""),
+        "featureGates": gates,
+        "healthzBindAddress": get("healthz_bind_address", "0.0.0.0:10256"),
+        "hostnameOverride": get("node_name", ""),
+        "iptables": {
+            "localhostNodePorts": bool(get("localhost_nodeports", True)),
+            "masqueradeAll": masquerade_all,
+            "masqueradeBit": masquerade_bit,
+            "minSyncPeriod": _canonical(get("iptables_min_sync_period", "1s")),
+            "syncPeriod": _canonical(get("iptables_sync_period", "30s")),
+        },
+        "logging": {
+            "format": get("logging_format", "text"),
+            "verbosity": int(get("verbosity", 0)),
+        },
+        "metricsBindAddress": get("metrics_bind_address", "127.0.0.1:10249"),
+        "mode": mode,
+        "nftables": {
+            "masqueradeAll": masquerade_all,
+            "masqueradeBit": masquerade_bit,
+            "minSyncPeriod": _canonical(get("nftables_min_sync_period", "1s")),
+            "syncPeriod": _canonical(get("nftables_sync_period", "30s")),
+        },
+        "nodePortAddresses": cidrs(get("nodeport_addresses", [])),
+    }
+
+
+def _canonical(text: str) -> str:
+    return go_duration.format(go_duration.parse(text))
+
+
+def write(args: argparse.Namespace, path: str) -> None:
+    text = yaml.safe_dump(effective(args), sort_keys=True, default_flow_style=False, allow_unicode=True)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        from nfproxy.cli.config import FlagError
+
+        raise FlagError(f"--write-config-to: {path}: cannot write: {exc.strerror}") from None
