@@ -55,13 +55,9 @@ RULES = (
     Rule("analysis", never=frozenset({"backends"}), why="analysis reads rules back, never renders"),
 )
 
-# Known violations, each waiting for another branch. The lead removes an entry when the branch
-# that fixes it is merged; test_allowed_violations_still_exist fails once an entry is stale.
-ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    # sources/kube.py still holds its argparse code and its config lookups (issue G/H, helper E1
-    # moves them into cli/): remove at merge.
-    ("nfproxy.sources.kube", "nfproxy.cli.config"),
-})
+# Known violations, each waiting for the change that fixes it (none now);
+# test_allowed_violations_still_exist fails once an entry is stale.
+ALLOWED: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
