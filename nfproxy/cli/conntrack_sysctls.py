@@ -91,7 +91,13 @@ def _set(name: str, value: int, netns: str | None) -> None:
 
     if sysctl.read(name, netns) != str(value):
         log.info("Set sysctl entry=%s value=%d", name, value)
-        sysctl.write(name, value, netns)
+        try:
+            sysctl.write(name, value, netns)
+        except sysctl.ReadOnlySysctl as exc:
+            # kube-proxy runs privileged and fails here; an unprivileged pod cannot set it, and a
+            # proxy that refuses to start over a conntrack timeout loses every service.
+            log.warning("%s: left at %s; set it on the node (or run privileged) to follow "
+                        "--conntrack-* as kube-proxy does", exc, sysctl.read(name, netns))
 
 
 def _set_max(limit: int, netns: str | None) -> None:

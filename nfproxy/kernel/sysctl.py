@@ -8,6 +8,7 @@ entering the namespace for the open is enough and the root namespace is never to
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 
@@ -15,6 +16,10 @@ from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.process import KernelError
 
 PROC_SYS = "/proc/sys"
+
+
+class ReadOnlySysctl(KernelError):
+    """/proc/sys is mounted read-only: an unprivileged container (kube-proxy's errReadOnlySysFS)."""
 
 
 def path_of(name: str) -> str:
@@ -60,4 +65,6 @@ def write(name: str, value: int | str, netns: str | None = None) -> None:
         except FileNotFoundError:
             raise KernelError(f"sysctl {name} does not exist (is its kernel module loaded?)") from None
         except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise ReadOnlySysctl(f"sysctl {name}={value}: /proc/sys is read-only here") from None
             raise KernelError(f"sysctl {name}={value}: cannot write: {exc.strerror}") from None
