@@ -13,13 +13,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from nfproxy.cli.main import build_parser
+from nfproxy.cli.main import build_parser, parse
 from nfproxy.cli.config import duration, node_config_from_args
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MODELS = {
     ("v1", "ServiceAccount"): "V1ServiceAccount",
-    ("v1", "ConfigMap"): "V1ConfigMap",
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
     ("apps/v1", "DaemonSet"): "V1DaemonSet",
@@ -137,23 +136,20 @@ def test_probes_ask_the_health_server():
         "/healthz",
         10256,
     )
-    assert "--healthz-bind-address=0.0.0.0:10256" in container.args
+    # kubeadm's healthzBindAddress is empty: kube-proxy's default, which the probes ask.
+    _, args = parse(["run", f"--config={KUBEADM_CONFIG}"])
+    assert args.healthz_bind_address == "0.0.0.0:10256"
 
 
 def _expanded_command_line() -> list[str]:
-    """The container's argv as the kubelet builds it: $(VAR) from env and the ConfigMap."""
-    ds, config = one("DaemonSet"), one("ConfigMap")
+    """The container's argv as the kubelet builds it: $(VAR) from the downward API."""
+    ds = one("DaemonSet")
     [container] = ds.spec.template.spec.containers
+    assert not container.env_from, "the configuration is kubeadm's kube-proxy ConfigMap, nothing else"
     env: dict[str, str] = {}
-    for source in container.env_from or []:
-        assert source.config_map_ref.name == config.metadata.name
-        env.update(config.data)
     for var in container.env or []:
-        if var.value_from is not None:
-            assert var.value_from.field_ref.field_path == "spec.nodeName"
-            env[var.name] = "node-a"
-        else:
-            env[var.name] = var.value
+        assert var.value_from is not None and var.value_from.field_ref.field_path == "spec.nodeName"
+        env[var.name] = "node-a"
 
     def expand(arg: str) -> str:
         def one_var(m: re.Match[str]) -> str:
@@ -165,27 +161,51 @@ def _expanded_command_line() -> list[str]:
     return [expand(a) for a in (container.command or []) + (container.args or [])]
 
 
+KUBEADM_CONFIG = Path(__file__).resolve().parent / "kubeadm-kube-proxy-config.yaml"
+
+
+def test_the_daemonset_reads_kubeadms_kube_proxy_configmap():
+    """config.conf and kubeconfig.conf, mounted where kube-proxy's own DaemonSet mounts them."""
+    pod = one("DaemonSet").spec.template.spec
+    [container] = pod.containers
+    volumes = {v.name: v for v in pod.volumes}
+    [mount] = [m for m in container.volume_mounts if m.mount_path == "/var/lib/kube-proxy"]
+    assert volumes[mount.name].config_map.name == "kube-proxy" and mount.read_only
+    assert "--config=/var/lib/kube-proxy/config.conf" in container.args
+    # kubeadm's config.conf points at kubeconfig.conf in the same mount: the API server's
+    # address comes from there, never from an edited manifest.
+    assert "kubeconfig: /var/lib/kube-proxy/kubeconfig.conf" in KUBEADM_CONFIG.read_text()
+
+
 def test_the_command_line_is_one_nfproxy_accepts():
     argv = _expanded_command_line()
     assert argv[0] == "nfproxy"
-    args = build_parser().parse_args(argv[1:])
+    # What the kubelet mounts at /var/lib/kube-proxy: kubeadm's file (kept in tests/).
+    argv = [a.replace("/var/lib/kube-proxy/config.conf", str(KUBEADM_CONFIG)) for a in argv]
+    _, args = parse(argv[1:])
     assert args.command == "run"
-    assert args.backend in ("nft", "iptables")
-    assert not args.manifests and not args.kubeconfig and not args.master  # in-cluster
+    assert args.backend in ("nftables", "nft", "iptables")
+    assert args.kubeconfig == "/var/lib/kube-proxy/kubeconfig.conf" and not args.manifests
     node = node_config_from_args(args)
     assert node.name == "node-a"
-    assert duration("--min-sync-period", args.min_sync_period) == 1.0
-    assert duration("--sync-period", args.sync_period) == 3600.0
 
 
-@pytest.mark.parametrize("backend", ["nft", "iptables"])
-def test_switching_backends_is_one_configmap_value(backend):
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
+def test_switching_backends_is_one_argument(mode):
     """What docs/install.md tells users to edit must be what the command line reads."""
-    config = one("ConfigMap")
-    assert config.data["NFPROXY_BACKEND"] == "nft"
-    assert "--backend=$(NFPROXY_BACKEND)" in one("DaemonSet").spec.template.spec.containers[0].args
-    args = build_parser().parse_args(["run", f"--backend={backend}"])
-    assert args.backend == backend
+    args = one("DaemonSet").spec.template.spec.containers[0].args
+    assert "--proxy-mode=nftables" in args
+    _, parsed_args = parse(["run", f"--config={KUBEADM_CONFIG}", f"--proxy-mode={mode}"])
+    assert parsed_args.backend == mode
+
+
+def test_the_daemonset_root_filesystem_is_read_only_and_the_owner_lock_is_the_nodes():
+    pod = one("DaemonSet").spec.template.spec
+    [container] = pod.containers
+    assert container.security_context.read_only_root_filesystem is True
+    volumes = {v.name: v for v in pod.volumes}
+    [run] = [m for m in container.volume_mounts if m.mount_path == "/run/nfproxy"]
+    assert volumes[run.name].host_path.path == "/run/nfproxy"
 
 
 def test_containerfile_builds_debian_slim_with_both_kernel_tools_and_the_package():
