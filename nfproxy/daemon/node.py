@@ -97,12 +97,12 @@ class ProgrammingLatency:
             return
         now = self._clock()
         wanted = set(families)
-        services = {(key[0].namespace, key[0].name) for key in changes.endpoints if key[1] in wanted}
-        for namespace, name in sorted(services):
+        changed = {(key[0].namespace, key[0].name, key[1]) for key in changes.endpoints if key[1] in wanted}
+        for namespace, name in sorted({(ns, n) for ns, n, _ in changed}):
             for label, when in self._times(namespace, name).items():
                 family = IPFamily.V4 if label == "IPv4" else IPFamily.V6
                 seen = (namespace, name, family)
-                if family not in wanted or self._seen.get(seen) == when:
+                if seen not in changed or self._seen.get(seen) == when:
                     continue
                 self._seen[seen] = when
                 self._metrics.network_programmed(now - when, family=family)
