@@ -407,3 +407,13 @@ def test_clients_that_hang_up_leave_no_traceback(served: tuple, caplog: pytest.L
         assert get(ns, servers.healthz, "/healthz")[0] == 200
     loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
     assert loud == [], [r.getMessage() for r in loud]
+
+
+@pytest.mark.kernel
+def test_a_scrape_after_a_change_sees_it(served: tuple) -> None:
+    """Concurrent scrapes share one encoding; a later scrape never gets an older one."""
+    ns, h, m, servers = served
+    for n in range(1, 4):
+        m.apply_failed("nft", family=IPFamily.V6)
+        body = get(ns, servers.metrics, "/metrics")[2]
+        assert f'kubeproxy_sync_proxy_rules_nftables_sync_failures_total{{ip_family="IPv6"}} {n}.0'.encode() in body
