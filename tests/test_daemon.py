@@ -369,7 +369,8 @@ def test_nft_cleanup_failures_are_counted_and_the_sync_goes_through() -> None:
                 endpoints={k: v for k, v in state.endpoints.items() if k != keys[0]},
             )
             daemon.proxier.sync(gone)  # keys[0]'s chains are emptied now, deleted next time
-            stale, _ = daemon.proxier.backend.stale[IPFamily.V4]
+            tag = f"{keys[0][0].namespace}/{keys[0][0].name}/"
+            stale = sorted(c for c in session.object_names("ip", "nfproxy")[0] if tag in c)
             assert stale
             # Someone else's rule jumps to a stale chain: nft refuses to delete it (EBUSY).
             session.apply(f"add chain ip nfproxy foreign\nadd rule ip nfproxy foreign jump {stale[0]}\n")
