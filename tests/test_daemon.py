@@ -397,3 +397,35 @@ def test_nft_cleanup_failures_are_counted_and_the_sync_goes_through() -> None:
             assert reg.get_sample_value(failures, {"ip_family": "IPv4"}) == 1
         finally:
             daemon.stop()
+
+
+def test_taken_ports_are_retried_or_with_hard_fail_stop_the_daemon(tmp_path: Path) -> None:
+    import socket
+
+    from nfproxy.daemon.server import BindError
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    taken = f"127.0.0.1:{squatter.getsockname()[1]}"
+    try:
+        with netns.throwaway("nfp-daemon") as ns:
+            hard = DaemonConfig("nft", netns=ns, healthz_bind_address=taken, metrics_bind_address="",
+                                bind_address_hard_fail=True)
+            daemon = Daemon(ManifestSource(EXAMPLES, poll=0.05), hard)
+            with pytest.raises(BindError, match="--healthz-bind-address"):
+                daemon.start()
+            daemon.stop()
+            assert service_ips(ns) == set()  # it never synced
+            # Without hard fail (kube-proxy's default) the daemon runs and the port waits.
+            soft = DaemonConfig("nft", netns=ns, min_sync_period=0.1, healthz_bind_address=taken,
+                                metrics_bind_address="")
+            daemon = Daemon(ManifestSource(EXAMPLES, poll=0.05), soft)
+            daemon.start()
+            try:
+                assert daemon.loop.wait_synced(30) and service_ips(ns)
+                assert daemon.servers.healthz is None
+            finally:
+                daemon.stop()
+    finally:
+        squatter.close()

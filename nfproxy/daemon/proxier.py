@@ -241,7 +241,7 @@ class NftSync:
                 self.fast.apply(new.nft_family, new.table, d.script().splitlines())
                 return
             except Unsupported as exc:
-                log.debug("partial sync through libnftables: %s", exc)
+                logs.info(log, "Partial sync through libnftables", level=4, reason=str(exc))
         self.session.apply(d.script())
 
     def _full(self, family: IPFamily, state: ClusterState) -> int:
@@ -438,7 +438,7 @@ class Proxier:
                 # about it may not (a partial family may have gone through): start over.
                 self._needs_full = True
                 self.backend.forget()
-                log.error("sync failed (%s): %s; the next sync will be full", self.backend_name, exc)
+                logs.error(log, "Sync failed; the next sync will be full", exc, backend=self.backend_name)
                 for hook in self.hooks.on_failed:
                     hook(exc)
                 raise
@@ -581,7 +581,7 @@ class SyncLoop:
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
                 retry_at = time.monotonic() + backoff
-                log.warning("sync failed, retrying in %.1fs: %s", backoff, exc)
+                logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(backoff))
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
             retry_at = None
