@@ -429,3 +429,44 @@ def test_taken_ports_are_retried_or_with_hard_fail_stop_the_daemon(tmp_path: Pat
                 daemon.stop()
     finally:
         squatter.close()
+
+
+def test_network_programming_latency_from_the_api_sources_trigger_times() -> None:
+    import datetime
+
+    from nfproxy.core.model import NodeConfig
+    from nfproxy.sources.kube import TRIGGER_TIME, KubeSource, WatchSettings, api_client
+    from tests.apiserver import FakeApiServer, endpoint_slice, service
+
+    def triggered(slice_: dict, seconds_ago: float) -> dict:
+        when = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=seconds_ago)
+        slice_["metadata"]["annotations"] = {TRIGGER_TIME: when.isoformat().replace("+00:00", "Z")}
+        return slice_
+
+    name = "kubeproxy_network_programming_duration_seconds"
+    with FakeApiServer(bookmark_interval=0.2) as api, netns.throwaway("nfp-daemon") as ns:
+        api.apply(service("web", "10.96.0.10"))
+        api.apply(triggered(endpoint_slice("web-1", "web", ["10.244.0.5"]), 30))
+        settings = WatchSettings(watch_timeout=5, connect_timeout=1.0, watch_read_margin=3.0,
+                                 list_timeout=3.0, backoff_initial=0.05, backoff_max=0.4)
+        source = KubeSource(api_client(master=api.url), NodeConfig(name="node-a"), settings)
+        daemon = Daemon(source, DaemonConfig("nft", netns=ns, min_sync_period=0.1,
+                                             healthz_bind_address="", metrics_bind_address=""))
+        reg = daemon.metrics.registry
+        daemon.start()
+        try:
+            assert wait_for(lambda: reg.get_sample_value(f"{name}_count", {"ip_family": "IPv4"}) == 1, 30)
+            # Triggered 30 s before the sync: that is what the SLO histogram says.
+            assert 30 <= reg.get_sample_value(f"{name}_sum", {"ip_family": "IPv4"}) < 300
+            assert reg.get_sample_value(f"{name}_bucket", {"ip_family": "IPv4", "le": "29.0"}) == 0
+            api.apply(triggered(endpoint_slice("web-1", "web", ["10.244.0.5", "10.244.0.6"]), 2))
+            assert wait_for(lambda: reg.get_sample_value(f"{name}_count", {"ip_family": "IPv4"}) == 2, 30)
+            # A Service change with no endpoint change programs no new trigger time.
+            api.apply(service("web", "10.96.0.10", [("http", 81, "TCP")]))
+            assert wait_for(lambda: (daemon.proxier.state is not None and any(
+                s.port == 81 for s in daemon.proxier.state.services.values())), 30)
+            assert daemon.loop.wait_synced(10)
+            assert reg.get_sample_value(f"{name}_count", {"ip_family": "IPv4"}) == 2
+            assert reg.get_sample_value(f"{name}_count", {"ip_family": "IPv6"}) in (None, 0)
+        finally:
+            daemon.stop()
