@@ -158,7 +158,8 @@ class Daemon:
             # kube-proxy: a node being deleted (or tainted for deletion) fails /healthz, so
             # load balancers drain it; /livez ignores this.
             self.health.set_node_eligible(node_eligible(node_object()))
-        for family in result.families:
+        # Every family is up to date now, also one that had nothing to write.
+        for family in result.families or getattr(self.proxier.backend, "families", tuple(IPFamily)):
             self.metrics.synced_at(family=family)
         if result.kind == "noop":
             return
