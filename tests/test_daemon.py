@@ -92,12 +92,15 @@ def test_daemon_follows_manifest_changes_and_serves_health_and_metrics(tmp_path:
             assert status == 200 and json.loads(body)["nodeEligible"] is True
 
             (tree / "extra.yaml").write_text(EXTRA)
-            assert wait_for(lambda: any("10.96.77.7" in e for e in service_ips(ns)))
+            assert wait_for(lambda: any("10.96.77.7" in e for e in service_ips(ns)), 30)
+            # The kernel has it; the sync's bookkeeping (last_result, metrics) follows its apply.
+            assert daemon.loop.wait_synced(10)
             result = daemon.proxier.last_result
             assert result is not None and result.kind == "partial" and result.services_changed == 1
 
             (tree / "extra.yaml").unlink()
-            assert wait_for(lambda: service_ips(ns) == before)
+            assert wait_for(lambda: service_ips(ns) == before, 30)
+            assert daemon.loop.wait_synced(10)
 
             mt = daemon.servers.metrics
             status, text = get(f"http://127.0.0.1:{mt.port}/metrics")
