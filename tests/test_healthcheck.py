@@ -245,3 +245,39 @@ def test_bad_ports_are_refused() -> None:
         server.close()
     with pytest.raises(RuntimeError, match="closed"):
         server.sync_services({WEB: 32001})
+
+
+@pytest.mark.kernel
+def test_probe_answered_while_a_hundred_idle_connections_are_held(hcs: tuple) -> None:
+    """Issue J: 8 idle connections delayed a load balancer's probe by 9 s (4 workers x 5 s)."""
+    ns, server, _ = hcs
+    server.sync_services({WEB: 32001})
+    server.sync_endpoints({WEB: 1})
+    with netns_mod.entered(ns):
+        idle = [socket.create_connection(("127.0.0.1", 32001), timeout=30) for _ in range(100)]
+    try:
+        for sock in idle[:50]:
+            sock.sendall(b"GET / HTTP/1.1\r\n")  # slow clients: half a request each
+        with netns_mod.entered(ns):
+            conn = http.client.HTTPConnection("127.0.0.1", 32001, timeout=10)
+            conn.connect()
+        try:
+            conn.request("GET", "/")
+            assert conn.getresponse().status == 200
+        finally:
+            conn.close()
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+@pytest.mark.kernel
+def test_idle_probe_connections_are_closed(netns: str) -> None:
+    with ServiceHealthServer(netns, idle_timeout=0.3) as server:
+        server.sync_services({WEB: 32001})
+        with netns_mod.entered(netns):
+            sock = socket.create_connection(("127.0.0.1", 32001), timeout=30)
+        try:
+            assert sock.recv(1024) == b""  # closed by the server, not by the 30 s timeout
+        finally:
+            sock.close()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nfproxy.daemon.metrics import SYNC_BUCKETS, ProxyMetrics
+from nfproxy.daemon.metrics import NETWORK_PROGRAMMING_BUCKETS, SYNC_BUCKETS, ProxyMetrics
 from nfproxy.core.model import IPFamily
 
 V4, V6 = IPFamily.V4, IPFamily.V6
@@ -51,6 +53,7 @@ UPSTREAM = {
     "kubeproxy_sync_proxy_rules_no_local_endpoints_total": ("gauge", {"ip_family", "traffic_policy"}),
     "kubeproxy_proxy_healthz": ("counter", {"code"}),
     "kubeproxy_proxy_livez": ("counter", {"code"}),
+    "kubeproxy_network_programming_duration_seconds": ("histogram", {"ip_family"}),
 }
 
 
@@ -58,6 +61,7 @@ def test_upstream_names_types_and_label_sets() -> None:
     m = fresh()
     # Touch every labelled metric once so its samples (and label names) show.
     m.queued(pending_services=1, pending_endpoints=1)
+    m.network_programmed(1.0, family=V4)
     m.observe_sync("full", 0.1, family=V4)
     m.observe_sync("partial", 0.1, family=V4)
     m.apply_failed("iptables", family=V4)
@@ -184,3 +188,103 @@ def test_process_metrics_are_exported_by_default() -> None:
     names = types(m)
     assert "process_cpu_seconds" in names or "process_cpu_seconds_total" in names
     assert "python_info" in names
+
+
+def test_network_programming_buckets_are_kube_proxys() -> None:
+    def linear(start: float, width: float, count: int) -> list[float]:
+        return [start + i * width for i in range(count)]
+
+    # metrics.MergeBuckets(LinearBuckets(0.25, 0.25, 2), (1, 1, 59), (60, 5, 12), (120, 30, 7))
+    want = linear(0.25, 0.25, 2) + linear(1, 1, 59) + linear(60, 5, 12) + linear(120, 30, 7)
+    assert list(NETWORK_PROGRAMMING_BUCKETS) == want and want[-1] == 300
+    m = fresh()
+    m.network_programmed(1.2, family=V6)
+    name = "kubeproxy_network_programming_duration_seconds"
+    assert value(m, f"{name}_bucket", ip_family="IPv6", le="1.0") == 0
+    assert value(m, f"{name}_bucket", ip_family="IPv6", le="2.0") == 1
+    assert value(m, f"{name}_count", ip_family="IPv4") is None
+
+
+def test_changes_are_counted_once_per_sync_whatever_the_families() -> None:
+    m = fresh()
+    m.queued(pending_services=10, pending_endpoints=4)
+    for family in (V4, V6):
+        m.observe_sync("partial", 0.1, family=family, operations=5)
+    m.changes_synced(10, 4)
+    assert value(m, "kubeproxy_sync_proxy_rules_service_changes_total") == 10
+    assert value(m, "kubeproxy_sync_proxy_rules_endpoint_changes_total") == 4
+    assert value(m, "kubeproxy_sync_proxy_rules_service_changes_pending") == 0
+    with pytest.raises(ValueError):
+        m.changes_synced(-1, 0)
+
+
+def test_changed_services_counts_services_not_ports_or_families() -> None:
+    from nfproxy.core.model import Protocol, ServicePortName
+    from nfproxy.daemon.node import changed_services
+
+    def key(name: str, port: str, family: IPFamily) -> tuple[ServicePortName, IPFamily]:
+        return (ServicePortName("shop", name, port, Protocol.TCP), family)
+
+    keys = [key("web", "http", V4), key("web", "https", V4), key("web", "http", V6), key("api", "", V4)]
+    assert changed_services(keys) == 2
+    assert changed_services([]) == 0
+
+
+class TriggerSource:
+    def __init__(self) -> None:
+        self.times: dict[tuple[str, str], dict[str, float]] = {}
+
+    def trigger_times(self, namespace: str, name: str) -> dict[str, float]:
+        return dict(self.times.get((namespace, name), {}))
+
+
+def test_programming_latency_observes_each_trigger_time_once_in_its_family() -> None:
+    from nfproxy.core.changes import Changes
+    from nfproxy.core.model import Protocol, ServicePortName
+    from nfproxy.daemon.node import ProgrammingLatency
+
+    clock = Clock(1000.0)
+    m = fresh(clock)
+    source = TriggerSource()
+    latency = ProgrammingLatency(source, m, clock)
+    web4 = (ServicePortName("shop", "web", "http", Protocol.TCP), V4)
+    web6 = (ServicePortName("shop", "web", "http", Protocol.TCP), V6)
+    name = "kubeproxy_network_programming_duration_seconds"
+    source.times[("shop", "web")] = {"IPv4": 997.0, "IPv6": 999.5}
+    latency.observe(Changes(frozenset(), frozenset({web4, web6}), False), [V4, V6])
+    assert value(m, f"{name}_sum", ip_family="IPv4") == 3.0
+    assert value(m, f"{name}_sum", ip_family="IPv6") == 0.5
+    # The same trigger time again (a later sync of other changes): not observed twice.
+    latency.observe(Changes(frozenset(), frozenset({web4}), False), [V4])
+    assert value(m, f"{name}_count", ip_family="IPv4") == 1
+    # A new change; only IPv4's endpoints changed, so only IPv4 observes.
+    clock.now = 1010.0
+    source.times[("shop", "web")] = {"IPv4": 1009.0, "IPv6": 1008.0}
+    latency.observe(Changes(frozenset(), frozenset({web4}), False), [V4, V6])
+    assert value(m, f"{name}_count", ip_family="IPv4") == 2
+    assert value(m, f"{name}_count", ip_family="IPv6") == 1
+    # A source without trigger times (the manifests): nothing, and no error.
+    ProgrammingLatency(object(), m, clock).observe(Changes(frozenset(), frozenset({web4}), False), [V4])
+
+
+def test_api_cache_carries_trigger_times_per_address_type() -> None:
+    from nfproxy.core.model import NodeConfig
+    from nfproxy.sources.kube import ENDPOINT_SLICES, TRIGGER_TIME, ObjectCache
+
+    def eps(name: str, family: str, when: str | None) -> dict:
+        meta: dict = {"name": name, "namespace": "shop", "labels": {"kubernetes.io/service-name": "web"}}
+        if when is not None:
+            meta["annotations"] = {TRIGGER_TIME: when}
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": meta,
+                "addressType": family, "endpoints": [], "ports": []}
+
+    cache = ObjectCache(NodeConfig(name="node-a"))
+    cache.apply(ENDPOINT_SLICES, "ADDED", eps("web-1", "IPv4", "2026-12-01T10:00:00Z"))
+    cache.apply(ENDPOINT_SLICES, "ADDED", eps("web-2", "IPv4", "2026-12-01T10:00:02.5Z"))
+    cache.apply(ENDPOINT_SLICES, "ADDED", eps("web-3", "IPv6", "not a time"))
+    cache.apply(ENDPOINT_SLICES, "ADDED", eps("web-4", "IPv6", None))
+    assert cache.trigger_times("shop", "web") == {}  # only what a snapshot has seen
+    cache.snapshot()
+    when = datetime.datetime(2026, 12, 1, 10, 0, 2, 500000, tzinfo=datetime.UTC).timestamp()
+    assert cache.trigger_times("shop", "web") == {"IPv4": when}
+    assert cache.trigger_times("shop", "other") == {}

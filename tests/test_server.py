@@ -6,9 +6,14 @@ touches the root namespace.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
-from collections.abc import Iterator
+import logging
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -18,6 +23,7 @@ from nfproxy.kernel import netns as netns_mod
 from nfproxy.daemon.metrics import ProxyMetrics
 from nfproxy.core.model import IPFamily
 from nfproxy.daemon.server import (
+    BindError,
     BindAddress,
     ProxierHealth,
     go_time,
@@ -181,9 +187,9 @@ def test_serve_validates_before_binding() -> None:
 # ---- real HTTP, inside a throwaway namespace
 
 
-def get(ns: str, addr: BindAddress, path: str) -> tuple[int, dict[str, str], bytes]:
+def get(ns: str, addr: BindAddress, path: str, timeout: float = 5) -> tuple[int, dict[str, str], bytes]:
     with netns_mod.entered(ns):
-        conn = http.client.HTTPConnection(addr.host, addr.port, timeout=5)
+        conn = http.client.HTTPConnection(addr.host, addr.port, timeout=timeout)
         conn.connect()  # the socket is made here: inside the namespace
     try:
         conn.request("GET", path)
@@ -236,7 +242,7 @@ def test_http_metrics_endpoint(served: tuple) -> None:
     assert status == 200
     assert headers["content-type"].startswith("text/plain")
     assert b'kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family="IPv4"} 1.0' in body
-    assert get(ns, servers.metrics, "/proxyMode")[2] == b"nft"
+    assert get(ns, servers.metrics, "/proxyMode")[2] == b"nftables"
     assert get(ns, servers.metrics, "/healthz")[2] == b"ok"
     assert get(ns, servers.metrics, "/nope")[0] == 404
 
@@ -262,9 +268,152 @@ def test_close_frees_the_ports_and_empty_address_disables(netns: str) -> None:
 
 
 @pytest.mark.kernel
-def test_port_in_use_fails_cleanly(served: tuple) -> None:
+def test_port_in_use_fails_cleanly_with_hard_fail(served: tuple) -> None:
     ns, h, m, servers = served
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as err:
         # The health port is free, the metrics port is taken: the call fails as a whole.
-        serve(h, m, "127.0.0.1:0", str(servers.metrics), netns=ns)
+        serve(h, m, "127.0.0.1:0", str(servers.metrics), netns=ns, hard_fail=True)
+    assert isinstance(err.value, BindError)
+    assert "--metrics-bind-address" in str(err.value) and str(servers.metrics) in str(err.value)
+    assert "--bind-address-hard-fail" in str(err.value)
     assert get(ns, servers.metrics, "/healthz")[0] == 200
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0) -> bool:
+    """Poll until `predicate()` is true: a bound on a wait, never a figure asserted."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+@pytest.mark.kernel
+def test_port_in_use_is_logged_and_retried(netns: str, caplog: pytest.LogCaptureFixture) -> None:
+    h = ProxierHealth(60)
+    m = ProxyMetrics(CollectorRegistry(), process_metrics=False)
+    with netns_mod.entered(netns):
+        squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    taken = squatter.getsockname()[1]
+    with caplog.at_level(logging.ERROR, logger="nfproxy.daemon.server"):
+        servers = serve(h, m, "127.0.0.1:0", f"127.0.0.1:{taken}", netns=netns, retry_interval=0.1)
+    try:
+        # The healthz server runs; the metrics one is logged (kube-proxy's message) and waits.
+        assert get(netns, servers.healthz, "/healthz")[0] == 200
+        assert servers.metrics is None
+        assert "Metrics server failed" in caplog.text and f"127.0.0.1:{taken}" in caplog.text
+        squatter.close()
+        assert wait_for(lambda: servers.metrics is not None), "the freed port was never retried"
+        assert servers.metrics == BindAddress("127.0.0.1", taken)
+        assert get(netns, servers.metrics, "/metrics")[0] == 200
+    finally:
+        squatter.close()
+        servers.close()
+
+
+@pytest.mark.kernel
+def test_proxy_mode_names_kube_proxys_modes(netns: str) -> None:
+    h = ProxierHealth(60)
+    m = ProxyMetrics(CollectorRegistry(), process_metrics=False)
+    for backend, mode in (("iptables", b"iptables"), ("nft", b"nftables"), ("nftables", b"nftables")):
+        with serve(h, m, "", "127.0.0.1:0", netns=netns, proxy_mode=backend) as servers:
+            assert get(netns, servers.metrics, "/proxyMode")[2] == mode
+    with pytest.raises(ValueError, match="ipvs"):
+        serve(h, m, "", "127.0.0.1:0", netns=netns, proxy_mode="ipvs")
+
+
+# ---- load: many connections at once, idle ones, rude ones
+
+
+async def _request(host: str, port: int, path: str, timeout: float) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on its own connection: (status, body)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def concurrent_requests(ns: str, addr: BindAddress, path: str, n: int, timeout: float = 120.0) -> list:
+    """`n` requests started at once from inside `ns` (sockets are made on this thread)."""
+
+    async def all_at_once() -> list:
+        return await asyncio.gather(
+            *(_request(addr.host, addr.port, path, timeout) for _ in range(n)), return_exceptions=True
+        )
+
+    with netns_mod.entered(ns):
+        return asyncio.run(all_at_once())
+
+
+@pytest.mark.kernel
+def test_a_thousand_concurrent_healthz_requests_are_all_answered(served: tuple) -> None:
+    ns, h, m, servers = served
+    answers = concurrent_requests(ns, servers.healthz, "/healthz", 1000)
+    failed = [a for a in answers if isinstance(a, BaseException)]
+    assert not failed, f"{len(failed)} of 1000 failed, e.g. {failed[0]!r}"
+    assert {status for status, _ in answers} == {200}
+    assert all(json.loads(body)["healthy"] is True for _, body in answers)
+    assert m.registry.get_sample_value("kubeproxy_proxy_healthz_total", {"code": "200"}) == 1000
+
+
+@pytest.mark.kernel
+def test_metrics_answered_while_many_are_scraping(served: tuple) -> None:
+    ns, h, m, servers = served
+    answers = concurrent_requests(ns, servers.metrics, "/metrics", 200)
+    assert [a for a in answers if isinstance(a, BaseException)] == []
+    assert {status for status, _ in answers} == {200}
+    assert all(b"kubeproxy_sync_proxy_rules_duration_seconds" in body for _, body in answers)
+
+
+@pytest.mark.kernel
+def test_idle_connections_are_closed_and_do_not_block_probes(netns: str) -> None:
+    h = ProxierHealth(60)
+    m = ProxyMetrics(CollectorRegistry(), process_metrics=False)
+    with serve(h, m, "127.0.0.1:0", "", netns=netns, idle_timeout=0.5) as servers:
+        addr = servers.healthz
+        with netns_mod.entered(netns):
+            idle = [socket.create_connection((addr.host, addr.port), timeout=30) for _ in range(100)]
+        try:
+            idle[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x")  # half a request: a slow client
+            assert get(netns, addr, "/healthz", timeout=30)[0] == 200
+            # Each idle one is closed by the server (recv sees EOF) well within the bound.
+            for sock in idle:
+                assert sock.recv(1024) == b""
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+@pytest.mark.kernel
+def test_clients_that_hang_up_leave_no_traceback(served: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    ns, h, m, servers = served
+    with caplog.at_level(logging.DEBUG):
+        for addr, path in ((servers.metrics, "/metrics"), (servers.healthz, "/healthz")):
+            for _ in range(50):
+                with netns_mod.entered(ns):
+                    sock = socket.create_connection((addr.host, addr.port), timeout=30)
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                # Reset at once, before the answer is read: the server writes into a dead socket.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+        assert get(ns, servers.healthz, "/healthz")[0] == 200
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], [r.getMessage() for r in loud]
+
+
+@pytest.mark.kernel
+def test_a_scrape_after_a_change_sees_it(served: tuple) -> None:
+    """Concurrent scrapes share one encoding; a later scrape never gets an older one."""
+    ns, h, m, servers = served
+    for n in range(1, 4):
+        m.apply_failed("nft", family=IPFamily.V6)
+        body = get(ns, servers.metrics, "/metrics")[2]
+        assert f'kubeproxy_sync_proxy_rules_nftables_sync_failures_total{{ip_family="IPv6"}} {n}.0'.encode() in body

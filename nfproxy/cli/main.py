@@ -129,18 +129,17 @@ def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
+    """klog lines (or JSON) on stderr; commands other than the daemon say only what went wrong
+    unless --v asks for more."""
+    from nfproxy.daemon import logs
+
     level = getattr(args, "verbosity", 0)
-    fmt = getattr(args, "logging_format", "text")
     try:
-        from nfproxy.daemon import logs  # type: ignore[attr-defined]
-    except ImportError:
-        # MERGE(E2): nfproxy.daemon.logs.configure comes with E2's branch; the lead removes this.
-        logging.basicConfig(
-            level=logging.DEBUG if level >= 4 else (logging.INFO if args.command == "run" else logging.WARNING),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-        return
-    logs.configure(level, fmt)
+        logs.configure(level, getattr(args, "logging_format", "text"))
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
+    if args.command != "run" and not level:
+        logging.getLogger().setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,9 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigFileError as exc:
         print(f"nfproxy: {exc}", file=sys.stderr)
         return 2
-    _configure_logging(args)
+    try:
+        _configure_logging(args)
+    except FlagError as exc:
+        parser.error(str(exc))
     for warning in getattr(args, "config_warnings", ()):
         log.warning("%s", warning)
+    from nfproxy.daemon.server import BindError
     from nfproxy.kernel.process import KernelError
     from nfproxy.sources.manifests import ManifestError
 
@@ -164,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ManifestError as exc:
         print(f"nfproxy: {exc}", file=sys.stderr)
         return 1
-    except KernelError as exc:
+    except (KernelError, BindError) as exc:
         print(f"nfproxy: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
+from nfproxy.daemon import logs
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import KernelError
@@ -51,7 +52,8 @@ def cleanup_iptables(netns: str | None) -> list[Removed]:
                 runner = IptablesRunner(family, netns, flavour)
                 existing = runner.chains()
             except KernelError as exc:
-                log.info("%s IPv%d: nothing to clean (%s)", flavour.value, family.value, exc)
+                logs.info(log, "Nothing to clean", flavour=flavour.value,
+                          ipFamily=f"IPv{family.value}", reason=str(exc))
                 continue
             jumps = 0
             for jump in iptables_backend.JUMPS:

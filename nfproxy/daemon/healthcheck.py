@@ -10,32 +10,33 @@ tab-indented JSON body, `X-Content-Type-Options: nosniff`, and
 `X-Load-Balancing-Endpoint-Weight: <local endpoints>` (weighted load balancers read it).
 
 Listening sockets are created in the namespace nfproxy programs (`--netns`), since that is where
-node ports live. One thread accepts on all of them and a small pool answers, so a thousand such
-services cost a thousand sockets, not a thousand threads.
+node ports live. One event loop serves all of them, so a thousand such services cost a thousand
+sockets, not a thousand threads, and connections held open by a slow client never delay a probe.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import errno
 import ipaddress
 import json
 import logging
-import selectors
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from nfproxy.kernel import netns as netns_mod
 from nfproxy.core.model import ClusterState, IPFamily, ServicePortName
-from nfproxy.daemon.server import ProxierHealth
+from nfproxy.daemon import logs
+from nfproxy.daemon.server import BACKLOG, HttpLoop, ProxierHealth, listen_socket, text_response
+from nfproxy.kernel import netns as netns_mod
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
+# A probe connection that sends no complete request in this long is closed.
 REQUEST_TIMEOUT = 5.0
 
 
@@ -136,44 +137,14 @@ class _Listener:
     sock: socket.socket
 
 
-class _Context:
-    """What a request handler sees as its `server`."""
-
-    def __init__(self, owner: ServiceHealthServer, name: ServiceName) -> None:
-        self.owner = owner
-        self.name = name
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Context  # type: ignore[assignment]
-    protocol_version = "HTTP/1.1"
-    timeout = REQUEST_TIMEOUT
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("health check %s from %s: %s", self.server.name, self.address_string(), format % args)
-
-    def do_GET(self) -> None:
-        status, body, count = self.server.owner.answer(self.server.name)
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("X-Load-Balancing-Endpoint-Weight", str(count))
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_HEAD(self) -> None:
-        self.do_GET()
-
-
 class ServiceHealthServer:
     """Opens and closes health-check listeners as services come and go; answers the probes.
 
     `bind_addresses` are the node addresses to listen on (kube-proxy: the node IPs matching
-    --nodeport-addresses); empty means every address, IPv4 and IPv6 alike.
+    --nodeport-addresses); empty means every address, IPv4 and IPv6 alike. Every listener is
+    served by one event loop (server.HttpLoop), so connections that send nothing cost a socket
+    each, never a worker: a load balancer's probe is answered while they are held, and they are
+    closed after `idle_timeout`.
     """
 
     def __init__(
@@ -182,7 +153,7 @@ class ServiceHealthServer:
         bind_addresses: Sequence[str] = (),
         *,
         health: ProxierHealth | None = None,
-        workers: int = 4,
+        idle_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         addrs = []
         for a in bind_addresses:
@@ -195,18 +166,10 @@ class ServiceHealthServer:
         self.health = health
         self._lock = threading.Lock()
         self._listeners: dict[ServiceName, list[_Listener]] = {}
+        self._by_port: dict[int, ServiceName] = {}
         self._counts: dict[ServiceName, int] = {}
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._commands: list[tuple[Callable[[], None], threading.Event]] = []
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="nfproxy-hc"
-        )
+        self._http = HttpLoop("hc", self._handle, idle_timeout=idle_timeout)
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="nfproxy-hc-accept", daemon=True)
-        self._thread.start()
 
     # ---- what the proxier calls
 
@@ -223,14 +186,11 @@ class ServiceHealthServer:
                 raise ValueError(f"health check node port of {service_name(key)} out of range: {port}")
             want[service_name(key)] = int(port)
         with self._lock:
-            stale = [
-                name
-                for name, ls in self._listeners.items()
-                if want.get(name) != ls[0].port
-            ]
+            stale = [name for name, ls in self._listeners.items() if want.get(name) != ls[0].port]
             gone = [l for name in stale for l in self._listeners.pop(name)]
-        if gone:
-            self._run_in_loop(lambda: self._unregister(gone))
+            for l in gone:
+                self._by_port.pop(l.port, None)
+        self._unregister(gone)
         for name in sorted(want):
             with self._lock:
                 if name in self._listeners:
@@ -238,15 +198,17 @@ class ServiceHealthServer:
             try:
                 listeners = self._open(name, want[name])
             except OSError as exc:
-                log.error(
-                    "cannot open health check node port %d for %s: %s (retrying at next sync)",
-                    want[name], name, exc,
+                logs.error(
+                    log, "Failed to open health check node port; retrying at the next sync", exc,
+                    service=str(name), port=want[name],
                 )
                 continue
-            log.info("serving health checks of %s on port %d", name, want[name])
+            for l in listeners:
+                self._http.add(l.sock)
+            logs.info(log, "Serving health checks", service=str(name), port=want[name])
             with self._lock:
                 self._listeners[name] = listeners
-            self._run_in_loop(lambda ls=listeners: self._register(ls))
+                self._by_port[want[name]] = name
 
     def sync_endpoints(self, counts: Mapping[ServiceKey, int]) -> None:
         """Local endpoint counts; a service left out has none."""
@@ -269,17 +231,13 @@ class ServiceHealthServer:
     def close(self) -> None:
         if self._closed:
             return
+        self._closed = True
         with self._lock:
             everything = [l for ls in self._listeners.values() for l in ls]
             self._listeners.clear()
-        self._run_in_loop(lambda: self._unregister(everything))
-        self._closed = True
-        self._wake()
-        self._thread.join(timeout=5)
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._sel.close()
-        self._wake_r.close()
-        self._wake_w.close()
+            self._by_port.clear()
+        self._unregister(everything)
+        self._http.close()
 
     def __enter__(self) -> ServiceHealthServer:
         return self
@@ -304,7 +262,36 @@ class ServiceHealthServer:
         status = 200 if count and healthy else 503
         return status, response_body(name, count, healthy), count
 
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        # Any path, any method, as kube-proxy's handler: the port says which service it is.
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        with self._lock:
+            name = self._by_port.get(int(sockname[1])) if sockname else None
+        status, body, count = self.answer(name) if name is not None else (503, b"", 0)
+        return text_response(
+            status,
+            body,
+            "application/json",
+            {
+                "X-Content-Type-Options": "nosniff",
+                "X-Load-Balancing-Endpoint-Weight": str(count),
+                "Connection": "close",
+            },
+        )
+
     # ---- sockets
+
+    def _open(self, name: ServiceName, port: int) -> list[_Listener]:
+        opened: list[_Listener] = []
+        try:
+            with self._in_netns():
+                for addr in self.bind_addresses or ("",):
+                    opened.append(_Listener(name, port, listen_socket(addr, port, BACKLOG)))
+        except OSError:
+            for l in opened:
+                l.sock.close()
+            raise
+        return opened
 
     @contextlib.contextmanager
     def _in_netns(self) -> Iterator[None]:
@@ -314,105 +301,7 @@ class ServiceHealthServer:
             with netns_mod.entered(self.netns):
                 yield
 
-    def _open(self, name: ServiceName, port: int) -> list[_Listener]:
-        opened: list[_Listener] = []
-        try:
-            with self._in_netns():
-                for addr in self.bind_addresses or ("",):
-                    opened.append(_Listener(name, port, _listen(addr, port)))
-        except OSError:
-            for l in opened:
-                l.sock.close()
-            raise
-        return opened
-
-    # ---- the accept loop (all selector changes happen on its thread)
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-
-    def _run_in_loop(self, fn: Callable[[], None]) -> None:
-        done = threading.Event()
-        with self._lock:
-            self._commands.append((fn, done))
-        self._wake()
-        if not done.wait(timeout=10):
-            raise RuntimeError("health check server loop did not respond")
-
-    def _register(self, listeners: list[_Listener]) -> None:
-        for l in listeners:
-            self._sel.register(l.sock, selectors.EVENT_READ, l)
-
     def _unregister(self, listeners: list[_Listener]) -> None:
         for l in listeners:
-            with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(l.sock)
-            l.sock.close()
-            log.info("closed health check node port %d of %s", l.port, l.name)
-
-    def _loop(self) -> None:
-        while True:
-            for key, _ in self._sel.select():
-                if key.data is None:
-                    with contextlib.suppress(OSError):
-                        while self._wake_r.recv(512):
-                            pass
-                    continue
-                listener: _Listener = key.data
-                try:
-                    conn, peer = listener.sock.accept()
-                except OSError:
-                    continue
-                try:
-                    self._pool.submit(self._serve, conn, peer, listener.name)
-                except RuntimeError:  # pool shut down
-                    conn.close()
-            with self._lock:
-                commands, self._commands = self._commands, []
-            for fn, done in commands:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001 - never let the loop die; logged
-                    log.exception("health check server: command failed")
-                finally:
-                    done.set()
-            if self._closed:
-                return
-
-    def _serve(self, conn: socket.socket, peer: Any, name: ServiceName) -> None:
-        try:
-            conn.settimeout(REQUEST_TIMEOUT)
-            _Handler(conn, peer, _Context(self, name))  # type: ignore[arg-type]
-        except OSError as exc:
-            log.debug("health check %s: %s", name, exc)
-        finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-
-
-def _listen(addr: str, port: int) -> socket.socket:
-    """A listening TCP socket; "" means every address, dual-stack when IPv6 is there (as Go)."""
-    if addr == "":
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            host = "::"
-        except OSError as exc:
-            if exc.errno not in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
-                raise
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            host = "0.0.0.0"
-    else:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        host = addr
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+            self._http.remove(l.sock)
+            logs.info(log, "Closed health check node port", service=str(l.name), port=l.port)

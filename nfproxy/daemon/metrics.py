@@ -26,6 +26,14 @@ SUBSYSTEM = "kubeproxy"
 SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 # Kernel operations per sync: 0 (the unchanged sync) is a bucket of its own.
 OPERATION_BUCKETS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
+# kube-proxy's network programming buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 2..5 min by 30 s.
+NETWORK_PROGRAMMING_BUCKETS = (
+    (0.25, 0.5)
+    + tuple(float(s) for s in range(1, 60))
+    + tuple(float(s) for s in range(60, 120, 5))
+    + tuple(float(s) for s in range(120, 330, 30))
+)
+FAMILY = ("ip_family",)
 IPTABLES_TABLES = ("filter", "nat")
 NFT_OBJECTS = ("chains", "rules", "sets", "maps", "elements")
 
@@ -51,95 +59,105 @@ class ProxyMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
-        r = self.registry
-        fam = ("ip_family",)
         if process_metrics:
             # kube-proxy exports process_* too; scrape configs expect them next to kubeproxy_*.
-            ProcessCollector(registry=r)
-            PlatformCollector(registry=r)
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+        self._sync_durations()
+        self._sync_timestamps()
+        self._changes()
+        self._kernel_failures()
+        self._rule_counts()
+        self._probes()
+        self._nfproxy_own()
 
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, fam, subsystem=SUBSYSTEM, registry=r, buckets=SYNC_BUCKETS)
+    # ---- the metrics, by kind (kube-proxy's names; nfproxy's own last)
 
-        self.sync_duration = hist("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds")
-        self.sync_full_duration = hist(
-            "sync_full_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds for full resyncs",
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...] = SYNC_BUCKETS) -> Histogram:
+        return Histogram(name, doc, FAMILY, subsystem=SUBSYSTEM, registry=self.registry, buckets=buckets)
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = FAMILY) -> Gauge:
+        return Gauge(name, doc, labels, subsystem=SUBSYSTEM, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = FAMILY) -> Counter:
+        return Counter(name, doc, labels, subsystem=SUBSYSTEM, registry=self.registry)
+
+    def _sync_durations(self) -> None:
+        self.sync_duration = self._histogram("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds")
+        self.sync_full_duration = self._histogram(
+            "sync_full_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds for full resyncs"
         )
-        self.sync_partial_duration = hist(
-            "sync_partial_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds for partial resyncs",
+        self.sync_partial_duration = self._histogram(
+            "sync_partial_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds for partial resyncs"
         )
-        self.last_timestamp = Gauge(
-            "sync_proxy_rules_last_timestamp_seconds",
-            "The last time proxy rules were successfully synced",
-            fam, subsystem=SUBSYSTEM, registry=r,
+        # The SLO: from the EndpointSlice's last-change-trigger-time to rules in the kernel.
+        self.network_programming = self._histogram(
+            "network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            NETWORK_PROGRAMMING_BUCKETS,
         )
-        self.last_queued_timestamp = Gauge(
-            "sync_proxy_rules_last_queued_timestamp_seconds",
-            "The last time a sync of proxy rules was queued",
-            fam, subsystem=SUBSYSTEM, registry=r,
+
+    def _sync_timestamps(self) -> None:
+        self.last_timestamp = self._gauge(
+            "sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced"
         )
-        self.endpoint_changes_pending = Gauge(
-            "sync_proxy_rules_endpoint_changes_pending",
-            "Pending proxy rules Endpoint changes", subsystem=SUBSYSTEM, registry=r,
+        self.last_queued_timestamp = self._gauge(
+            "sync_proxy_rules_last_queued_timestamp_seconds", "The last time a sync of proxy rules was queued"
         )
-        self.endpoint_changes_total = Counter(
-            "sync_proxy_rules_endpoint_changes",
-            "Cumulative proxy rules Endpoint changes", subsystem=SUBSYSTEM, registry=r,
+
+    def _changes(self) -> None:
+        self.endpoint_changes_pending = self._gauge(
+            "sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", ()
         )
-        self.service_changes_pending = Gauge(
-            "sync_proxy_rules_service_changes_pending",
-            "Pending proxy rules Service changes", subsystem=SUBSYSTEM, registry=r,
+        self.endpoint_changes_total = self._counter(
+            "sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", ()
         )
-        self.service_changes_total = Counter(
-            "sync_proxy_rules_service_changes",
-            "Cumulative proxy rules Service changes", subsystem=SUBSYSTEM, registry=r,
+        self.service_changes_pending = self._gauge(
+            "sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", ()
         )
-        self.iptables_restore_failures = Counter(
-            "sync_proxy_rules_iptables_restore_failures",
-            "Cumulative proxy iptables restore failures", fam, subsystem=SUBSYSTEM, registry=r,
+        self.service_changes_total = self._counter(
+            "sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", ()
         )
-        self.iptables_partial_restore_failures = Counter(
+
+    def _kernel_failures(self) -> None:
+        self.iptables_restore_failures = self._counter(
+            "sync_proxy_rules_iptables_restore_failures", "Cumulative proxy iptables restore failures"
+        )
+        self.iptables_partial_restore_failures = self._counter(
             "sync_proxy_rules_iptables_partial_restore_failures",
             "Cumulative proxy iptables partial restore failures",
-            fam, subsystem=SUBSYSTEM, registry=r,
         )
-        self.iptables_rules = Gauge(
-            "sync_proxy_rules_iptables_total",
-            "Total number of iptables rules owned by kube-proxy",
-            ("ip_family", "table"), subsystem=SUBSYSTEM, registry=r,
+        self.nftables_sync_failures = self._counter(
+            "sync_proxy_rules_nftables_sync_failures", "Cumulative proxy nftables sync failures"
         )
-        self.iptables_rules_last = Gauge(
-            "sync_proxy_rules_iptables_last",
-            "Number of iptables rules written by kube-proxy in last sync",
-            ("ip_family", "table"), subsystem=SUBSYSTEM, registry=r,
+        self.nftables_cleanup_failures = self._counter(
+            "sync_proxy_rules_nftables_cleanup_failures", "Cumulative proxy nftables cleanup failures"
         )
-        self.nftables_sync_failures = Counter(
-            "sync_proxy_rules_nftables_sync_failures",
-            "Cumulative proxy nftables sync failures", fam, subsystem=SUBSYSTEM, registry=r,
+
+    def _rule_counts(self) -> None:
+        self.iptables_rules = self._gauge(
+            "sync_proxy_rules_iptables_total", "Total number of iptables rules owned by kube-proxy",
+            ("ip_family", "table"),
         )
-        self.nftables_cleanup_failures = Counter(
-            "sync_proxy_rules_nftables_cleanup_failures",
-            "Cumulative proxy nftables cleanup failures", fam, subsystem=SUBSYSTEM, registry=r,
+        self.iptables_rules_last = self._gauge(
+            "sync_proxy_rules_iptables_last", "Number of iptables rules written by kube-proxy in last sync",
+            ("ip_family", "table"),
         )
-        self.no_local_endpoints = Gauge(
+        self.no_local_endpoints = self._gauge(
             "sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
-            ("ip_family", "traffic_policy"), subsystem=SUBSYSTEM, registry=r,
+            ("ip_family", "traffic_policy"),
         )
-        self.healthz_total = Counter(
-            "proxy_healthz", "Cumulative proxy healthz HTTP status", ("code",),
-            subsystem=SUBSYSTEM, registry=r,
-        )
-        self.livez_total = Counter(
-            "proxy_livez", "Cumulative proxy livez HTTP status", ("code",),
-            subsystem=SUBSYSTEM, registry=r,
-        )
-        # nfproxy's own: what kube-proxy does not measure.
+
+    def _probes(self) -> None:
+        self.healthz_total = self._counter("proxy_healthz", "Cumulative proxy healthz HTTP status", ("code",))
+        self.livez_total = self._counter("proxy_livez", "Cumulative proxy livez HTTP status", ("code",))
+
+    def _nfproxy_own(self) -> None:
+        """What kube-proxy does not measure, under the nfproxy_ prefix."""
+        r = self.registry
         self.syncs_total = Counter(
-            "nfproxy_syncs", "Successful syncs, by kind (full or partial)",
-            ("ip_family", "kind"), registry=r,
+            "nfproxy_syncs", "Successful syncs, by kind (full or partial)", ("ip_family", "kind"), registry=r,
         )
         self.sync_operations = Histogram(
             "nfproxy_sync_kernel_operations",
@@ -147,23 +165,21 @@ class ProxyMetrics:
             ("ip_family", "kind"), registry=r, buckets=OPERATION_BUCKETS,
         )
         self.sync_operations_last = Gauge(
-            "nfproxy_sync_kernel_operations_last",
-            "Kernel operations sent by the last successful sync", fam, registry=r,
+            "nfproxy_sync_kernel_operations_last", "Kernel operations sent by the last successful sync",
+            FAMILY, registry=r,
         )
         self.nft_objects = Gauge(
-            "nfproxy_nftables_objects",
-            "nftables objects owned by nfproxy after the last sync",
+            "nfproxy_nftables_objects", "nftables objects owned by nfproxy after the last sync",
             ("ip_family", "object"), registry=r,
         )
         self.conntrack_deleted = Counter(
             "nfproxy_conntrack_deleted_entries",
-            "Stale UDP conntrack entries deleted after endpoint or service changes",
-            fam, registry=r,
+            "Stale UDP conntrack entries deleted after endpoint or service changes", FAMILY, registry=r,
         )
         self.conntrack_failures = Counter(
             "nfproxy_conntrack_cleanup_failures",
             "Conntrack cleanups that failed (entries may still pin traffic to gone endpoints)",
-            fam, registry=r,
+            FAMILY, registry=r,
         )
 
     # ---- events of the sync loop
@@ -194,7 +210,9 @@ class ProxyMetrics:
         endpoints_changed: int = 0,
         operations: int = 0,
     ) -> None:
-        """A sync of one family's rules succeeded: durations, change counts, kernel operations."""
+        """A sync of one family's rules succeeded: durations, kernel operations, and (for a
+        caller that syncs one family) change counts. A daemon syncing several families counts
+        changes once per sync with `changes_synced` instead, so no change is counted twice."""
         if kind not in ("full", "partial"):
             raise ValueError(f"sync kind must be 'full' or 'partial', not {kind!r}")
         if min(seconds, services_changed, endpoints_changed, operations) < 0:
@@ -213,6 +231,23 @@ class ProxyMetrics:
         self.sync_operations.labels(f, kind).observe(operations)
         self.sync_operations_last.labels(f).set(operations)
 
+    def changes_synced(self, services: int, endpoints: int) -> None:
+        """Service and endpoint changes a sync wrote, counted once whatever the families."""
+        if min(services, endpoints) < 0:
+            raise ValueError("change counts cannot be negative")
+        self.service_changes_total.inc(services)
+        self.endpoint_changes_total.inc(endpoints)
+        self.service_changes_pending.set(0)
+        self.endpoint_changes_pending.set(0)
+
+    def synced_at(self, *, family: IPFamily) -> None:
+        """A family's rules are up to date now (also when it had nothing to write)."""
+        self.last_timestamp.labels(family_label(family)).set(self._clock())
+
+    def network_programmed(self, seconds: float, *, family: IPFamily) -> None:
+        """A change whose EndpointSlice says it was triggered `seconds` ago is in the rules."""
+        self.network_programming.labels(family_label(family)).observe(max(seconds, 0.0))
+
     def apply_failed(self, backend: Backend, *, family: IPFamily, partial: bool = False) -> None:
         """The kernel refused a sync (iptables-restore or the nft transaction failed)."""
         f = family_label(family)
@@ -227,7 +262,7 @@ class ProxyMetrics:
             raise ValueError(f"unknown backend {backend!r}")
 
     def cleanup_failed(self, *, family: IPFamily) -> None:
-        """Deleting stale nft chains failed (they are retried at the next sync)."""
+        """Deleting stale nft chains or sets failed (the sync went through; retried next time)."""
         self.nftables_cleanup_failures.labels(family_label(family)).inc()
 
     def set_no_local_endpoints(self, internal: int, external: int, *, family: IPFamily) -> None:

@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nfproxy.core.categorize import categorize
+from nfproxy.core.changes import Changes
+from nfproxy.daemon import logs
 from nfproxy.daemon.healthcheck import ServiceHealthServer, service_health
 from nfproxy.daemon.metrics import ProxyMetrics
 from nfproxy.core.model import ClusterState, IPFamily, ServicePortKey
-from nfproxy.daemon.proxier import Proxier, SyncLoop, SyncResult
+from nfproxy.daemon.proxier import FailedSync, Proxier, SyncLoop, SyncResult
 from nfproxy.daemon.server import ProxierHealth, Servers, node_eligible, serve
 from nfproxy.sources import Source
 
@@ -33,8 +36,7 @@ class DaemonConfig:
     healthz_bind_address: str = "0.0.0.0:10256"
     metrics_bind_address: str = "127.0.0.1:10249"
     conntrack: bool = True
-    # --bind-address-hard-fail: a port that cannot be bound is fatal instead of logged and retried.
-    # MERGE(E2): passed to the servers as `hard_fail` once they take it (Daemon.start).
+    # --bind-address-hard-fail: a taken healthz/metrics port is fatal instead of retried.
     bind_address_hard_fail: bool = False
 
 
@@ -70,6 +72,45 @@ class NoLocalEndpoints:
         return sum(f[0] for f in flags), sum(f[1] for f in flags)
 
 
+def changed_services(keys: Iterable[ServicePortKey]) -> int:
+    """Distinct Services among changed service ports: kube-proxy counts a Service (or its
+    endpoints) once per change, not once per port or per family."""
+    return len({(key[0].namespace, key[0].name) for key in keys})
+
+
+class ProgrammingLatency:
+    """kubeproxy_network_programming_duration_seconds, from the sources' trigger times.
+
+    The API source knows, per Service and family, the newest
+    `endpoints.kubernetes.io/last-change-trigger-time` of the EndpointSlices in the snapshot
+    just synced; each such time is observed once, after the sync that wrote it (kube-proxy
+    observes the trigger times of the endpoint changes each sync applied).
+    """
+
+    def __init__(self, source: object, metrics: ProxyMetrics, clock: Callable[[], float] = time.time) -> None:
+        self._times = getattr(source, "trigger_times", None)
+        self._metrics = metrics
+        self._clock = clock
+        self._seen: dict[tuple[str, str, IPFamily], float] = {}
+
+    def observe(self, changes: Changes, families: Iterable[IPFamily]) -> None:
+        if self._times is None:
+            return
+        now = self._clock()
+        wanted = set(families)
+        changed = {(key[0].namespace, key[0].name, key[1]) for key in changes.endpoints if key[1] in wanted}
+        for namespace, name in sorted({(ns, n) for ns, n, _ in changed}):
+            for label, when in self._times(namespace, name).items():
+                family = IPFamily.V4 if label == "IPv4" else IPFamily.V6
+                seen = (namespace, name, family)
+                if seen not in changed or self._seen.get(seen) == when:
+                    continue
+                self._seen[seen] = when
+                self._metrics.network_programmed(now - when, family=family)
+                logs.info(log, "Network programming", level=4, endpoint=f"{namespace}/{name}",
+                          ipFamily=label, elapsed=logs.Duration(now - when))
+
+
 def _touches_health_checks(previous: ClusterState | None, state: ClusterState, result: SyncResult) -> bool:
     if previous is None or result.changes.node:
         return True
@@ -102,6 +143,7 @@ class Daemon:
         self.servers: Servers | None = None
         self._stopped = threading.Event()
         self._no_local = NoLocalEndpoints()
+        self._latency = ProgrammingLatency(source, self.metrics)
         self._health_ports: dict[object, int] = {}
 
     # ---- hooks
@@ -117,21 +159,14 @@ class Daemon:
             # kube-proxy: a node being deleted (or tainted for deletion) fails /healthz, so
             # load balancers drain it; /livez ignores this.
             self.health.set_node_eligible(node_eligible(node_object()))
+        # Every family is up to date now, also one that had nothing to write.
+        for family in result.families or getattr(self.proxier.backend, "families", tuple(IPFamily)):
+            self.metrics.synced_at(family=family)
         if result.kind == "noop":
             return
         changes = result.changes
         self._no_local.update(state, state.services if changes.node else changes.keys)
-        for family in IPFamily:
-            self.metrics.observe_sync(
-                result.kind,
-                result.seconds,
-                family=family,
-                services_changed=result.services_changed,
-                endpoints_changed=result.endpoints_changed,
-                operations=result.operations,
-            )
-            internal, external = self._no_local.counts(family)
-            self.metrics.set_no_local_endpoints(internal, external, family=family)
+        self._observe(result)
         for family, counts in self.proxier.backend.rule_counts().items():
             self.metrics.set_rule_counts(self.config.backend, counts, family=family)  # type: ignore[arg-type]
         # Walking every service for health-check ports only when one can have changed, or when a
@@ -143,6 +178,22 @@ class Daemon:
             self.health_checks.sync_endpoints(sh.local_endpoints)
         if self.config.conntrack and previous is not None:
             self._clear_conntrack(previous, state, changes.keys)
+
+    def _observe(self, result: SyncResult) -> None:
+        """Each family's metrics from that family's own part of the sync; changes once."""
+        worked = [f for f, part in sorted(result.families.items()) if part.kind != "noop"]
+        for family in worked:
+            part = result.families[family]
+            self.metrics.observe_sync(part.kind, part.seconds, family=family, operations=part.operations)  # type: ignore[arg-type]
+            if part.cleanup_failed:
+                self.metrics.cleanup_failed(family=family)
+        for family in result.families:
+            internal, external = self._no_local.counts(family)
+            self.metrics.set_no_local_endpoints(internal, external, family=family)
+        self.metrics.changes_synced(
+            changed_services(result.changes.services), changed_services(result.changes.endpoints)
+        )
+        self._latency.observe(result.changes, worked)
 
     def _clear_conntrack(
         self, previous: ClusterState, state: ClusterState, changed: Iterable[ServicePortKey]
@@ -158,15 +209,20 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - a failed cleanup must not fail the sync
             for family in IPFamily:
                 self.metrics.conntrack_failed(family=family)
-            log.warning("conntrack cleanup failed: %s", exc)
+            logs.warning(log, "Failed to delete stale conntrack entries", err=exc)
             return
         for family, n in deleted.items():
             self.metrics.conntrack_cleaned(n, family=family)
-        log.info("conntrack: deleted %d stale UDP entries (%d filters)", sum(deleted.values()), len(flows))
+        logs.info(log, "Deleted stale UDP conntrack entries", level=2,
+                  entries=sum(deleted.values()), filters=len(flows))
 
     def _failed(self, exc: BaseException) -> None:
-        for family in IPFamily:
-            self.metrics.apply_failed(self.config.backend, family=family)  # type: ignore[arg-type]
+        """Counted for the family whose kernel refused (every family if that is unknown)."""
+        failed: FailedSync | None = getattr(exc, "failed_sync", None)
+        families = [failed.family] if failed is not None else list(IPFamily)
+        partial = failed.partial if failed is not None else False
+        for family in families:
+            self.metrics.apply_failed(self.config.backend, family=family, partial=partial)  # type: ignore[arg-type]
 
     # ---- life cycle
 
@@ -177,6 +233,7 @@ class Daemon:
             self.config.healthz_bind_address,
             self.config.metrics_bind_address,
             proxy_mode=self.config.backend,
+            hard_fail=self.config.bind_address_hard_fail,
         )
         self.loop.start()
 
@@ -191,7 +248,7 @@ class Daemon:
         """Serve until SIGTERM or SIGINT; the rules stay in place, as kube-proxy leaves them."""
 
         def stop(signum: int, _frame: object) -> None:
-            log.info("received %s: stopping, rules stay in place", signal.Signals(signum).name)
+            logs.info(log, "Received signal: stopping, rules stay in place", signal=signal.Signals(signum).name)
             self._stopped.set()
 
         signal.signal(signal.SIGTERM, stop)

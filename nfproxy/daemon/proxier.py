@@ -14,12 +14,13 @@ failures with exponential backoff.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from nfproxy.backends.iptables import render as iptables_backend
@@ -29,6 +30,7 @@ from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.nft_netlink import NetlinkNft, Unsupported
 from nfproxy.core.model import ClusterState, IPFamily
+from nfproxy.daemon import logs
 
 if TYPE_CHECKING:
     from nfproxy.sources import Source
@@ -40,11 +42,24 @@ BACKENDS = ("iptables", "nft")
 
 
 @dataclass(frozen=True, slots=True)
+class FamilySync:
+    """What one family's sync did: kube-proxy syncs each family on its own, and its metrics and
+    sync lines are per family, so ours come from this and never from the whole sync."""
+
+    kind: SyncKind
+    operations: int
+    seconds: float
+    # Stale objects could not be deleted (the rest of the sync went through; retried next time).
+    cleanup_failed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SyncResult:
     """One sync: its kind, the changes it wrote, kernel operations and duration.
 
     `changes` lets whatever runs after a sync (metrics, health checks, conntrack cleanup) work on
-    the changed service ports only, instead of walking the whole state again.
+    the changed service ports only, instead of walking the whole state again. `families` holds
+    each family's own part (a family the backend does not sync is absent).
     """
 
     kind: SyncKind
@@ -52,6 +67,7 @@ class SyncResult:
     operations: int
     seconds: float
     reason: str = ""
+    families: Mapping[IPFamily, FamilySync] = field(default_factory=dict)
 
     @property
     def services_changed(self) -> int:
@@ -62,13 +78,49 @@ class SyncResult:
         return len(self.changes.endpoints)
 
     def log_line(self) -> str:
-        """One logfmt line per sync: what kube-proxy's "syncProxyRules complete" says, and more."""
-        reason = f" reason={self.reason!r}" if self.reason else ""
+        """The whole sync in one logfmt-clean line (`run --once` prints it)."""
+        reason = f" reason={logs.quote(self.reason)}" if self.reason else ""
         return (
-            f"sync kind={self.kind} services_changed={self.services_changed} "
-            f"endpoints_changed={self.endpoints_changed} operations={self.operations} "
-            f"duration_ms={self.seconds * 1000:.1f}{reason}"
+            f"kind={self.kind} servicesChanged={self.services_changed} "
+            f"endpointsChanged={self.endpoints_changed} operations={self.operations} "
+            f"elapsed={logs.go_duration(self.seconds)}{reason}"
         )
+
+    def log(self, logger: logging.Logger, backend: str) -> None:
+        """kube-proxy's sync line, at V(2), once per family, with that family's own figures."""
+        mode = "nftables" if backend == "nft" else backend
+        for family, part in sorted(self.families.items()):
+            if part.kind == "noop":
+                continue
+            keys = self.changes.of(family)
+            logs.info(
+                logger, f"Syncing {mode} rules", level=2,
+                ipFamily=f"IPv{family.value}", kind=part.kind,
+                servicesChanged=sum(1 for k in self.changes.services if k in keys),
+                endpointsChanged=sum(1 for k in self.changes.endpoints if k in keys),
+                operations=part.operations, elapsed=logs.Duration(part.seconds),
+                **({"reason": self.reason} if self.reason and part.kind == "full" else {}),
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class FailedSync:
+    """Which family's kernel refused which kind of sync: attached to the exception a failed
+    sync raises (as `failed_sync`), so metrics count the failure where it happened."""
+
+    family: IPFamily
+    partial: bool
+
+
+@contextlib.contextmanager
+def failing(family: IPFamily, *, partial: bool) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        if getattr(exc, "failed_sync", None) is None:
+            with contextlib.suppress(AttributeError):
+                exc.failed_sync = FailedSync(family, partial)  # type: ignore[attr-defined]
+        raise
 
 
 class BackendSync(Protocol):
@@ -76,7 +128,7 @@ class BackendSync(Protocol):
 
     name: str
 
-    def sync(self, state: ClusterState, changes: Changes, full: bool) -> tuple[SyncKind, int]: ...
+    def sync(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]: ...
 
     def forget(self) -> None:
         """Drop what is believed to be in the kernel: the next sync will be full."""
@@ -116,35 +168,59 @@ class NftSync:
     def pending(self) -> bool:
         return any(chains or sets for chains, sets in self.stale.values())
 
-    def sync(self, state: ClusterState, changes: Changes, full: bool) -> tuple[SyncKind, int]:
-        ops = 0
-        kind: SyncKind = "noop"
+    def sync(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
+        done: dict[IPFamily, FamilySync] = {}
         for family in self.families:
+            start = time.perf_counter()
             previous = self.applied.get(family)
             if not full and previous is not None:
                 try:
-                    n = self._partial(family, previous, state, changes)
-                    ops += n
-                    if n and kind == "noop":
-                        kind = "partial"
+                    with failing(family, partial=True):
+                        n, cleanup_failed = self._partial(family, previous, state, changes)
+                    seconds = time.perf_counter() - start
+                    done[family] = FamilySync("partial" if n else "noop", n, seconds, cleanup_failed)
                     continue
                 except nft_backend.NeedsFullSync as exc:
-                    log.info("IPv%d: partial sync impossible (%s): full sync", family.value, exc)
-            ops += self._full(family, state)
-            kind = "full"
-        return kind, ops
+                    logs.info(log, "Partial sync impossible: full sync", ipFamily=f"IPv{family.value}", reason=str(exc))
+            with failing(family, partial=False):
+                n = self._full(family, state)
+            done[family] = FamilySync("full", n, time.perf_counter() - start)
+        return done
 
     def _partial(
         self, family: IPFamily, previous: nft_backend.NftRuleset, state: ClusterState, changes: Changes
-    ) -> int:
+    ) -> tuple[int, bool]:
+        """Kernel operations, and whether deleting stale objects failed."""
         keys = changes.of(family)
         stale_chains, stale_sets = self.stale.get(family, ((), ()))
         if not keys and not stale_chains and not stale_sets:
-            return 0
+            return 0, False
         new = nft_backend.render_update(previous, state, keys)
         d = nft_backend.delta(previous, new, keys, delete_chains=stale_chains, delete_sets=stale_sets)
+        cleanup_failed = False
         if d.commands:
-            self._apply_delta(new, d)
+            _dump_rules("nftables", family, d.script)
+            try:
+                self._apply_delta(new, d)
+            except Exception as exc:
+                if not (stale_chains or stale_sets):
+                    raise
+                # As kube-proxy: a stale object that cannot go (someone else jumps to it) is a
+                # cleanup failure, not a failed sync. The changes go through without the
+                # deletions, which wait for the next sync.
+                logs.error(log, "Failed to delete stale nftables objects", exc,
+                           ipFamily=f"IPv{family.value}", chains=len(stale_chains), sets=len(stale_sets))
+                d = nft_backend.delta(previous, new, keys)
+                if d.commands:
+                    self._apply_delta(new, d)
+                live_chains = {c for svc in new.services.values() for c in svc.chains}
+                live_sets = {a for svc in new.services.values() for a in svc.affinity_sets}
+                d = replace(
+                    d,
+                    stale_chains=tuple(sorted({*stale_chains, *d.stale_chains} - live_chains)),
+                    stale_sets=tuple(sorted({*stale_sets, *d.stale_sets} - live_sets - set(new.shard_users))),
+                )
+                cleanup_failed = True
         self.applied[family] = new
         self.stale[family] = (d.stale_chains, d.stale_sets)
         chains, rules, sets = self._owned[family]
@@ -156,7 +232,7 @@ class NftSync:
                 c, r, a = _objects_of(cur)
                 chains, rules, sets = chains + c, rules + r, sets + a
         self._owned[family] = (chains, rules, sets)
-        return len(d.commands)
+        return len(d.commands), cleanup_failed
 
     def _apply_delta(self, new: nft_backend.NftRuleset, d: nft_backend.NftDelta) -> None:
         if self.fast is not None:
@@ -165,7 +241,7 @@ class NftSync:
                 self.fast.apply(new.nft_family, new.table, d.script().splitlines())
                 return
             except Unsupported as exc:
-                log.debug("partial sync through libnftables: %s", exc)
+                logs.info(log, "Partial sync through libnftables", level=4, reason=str(exc))
         self.session.apply(d.script())
 
     def _full(self, family: IPFamily, state: ClusterState) -> int:
@@ -191,6 +267,7 @@ class NftSync:
         t = f"{new.nft_family} {new.table}"
         if stray_chains:
             script += "".join(f"flush chain {t} {name}\n" for name in stray_chains)
+        _dump_rules("nftables", family, lambda: script)
         self.session.apply(script)
         if self.fast is not None:
             self.fast.forget()  # set declarations may have changed with the table
@@ -242,13 +319,15 @@ class IptablesSync:
     def pending(self) -> bool:
         return False
 
-    def sync(self, state: ClusterState, changes: Changes, full: bool) -> tuple[SyncKind, int]:
-        ops = 0
-        kind: SyncKind = "noop"
+    def sync(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
+        done: dict[IPFamily, FamilySync] = {}
         for family in self.families:
+            start = time.perf_counter()
+            kind: SyncKind = "noop"
             previous = self.applied.get(family)
             runner = self.runners[family]
             if not full and previous is not None and not changes.of(family):
+                done[family] = FamilySync("noop", 0, time.perf_counter() - start)
                 continue
             new = iptables_backend.render(state, family)
             if full or previous is None:
@@ -258,9 +337,11 @@ class IptablesSync:
                     c for c in existing if c.startswith(iptables_backend.SERVICE_CHAIN_PREFIXES) and c not in wanted
                 )
                 payload = new.restore_text(with_jumps=False, delete_chains=stale)
-                runner.restore(payload)
-                for jump in new.jumps:
-                    runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
+                _dump_rules("iptables", family, lambda: payload)
+                with failing(family, partial=False):
+                    runner.restore(payload)
+                    for jump in new.jumps:
+                        runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
                 kind = "full"
             else:
                 changed = [
@@ -271,14 +352,16 @@ class IptablesSync:
                 gone = sorted(old_chains - new_chains)
                 if not changed and not gone and previous.nat == new.nat and previous.filter == new.filter:
                     self.applied[family] = new
+                    done[family] = FamilySync("noop", 0, time.perf_counter() - start)
                     continue
                 payload = new.restore_text(with_jumps=False, services=changed, delete_chains=gone)
-                runner.restore(payload)
-                if kind == "noop":
-                    kind = "partial"
-            ops += payload.count("\n")
+                _dump_rules("iptables", family, lambda: payload)
+                with failing(family, partial=True):
+                    runner.restore(payload)
+                kind = "partial"
             self.applied[family] = new
-        return kind, ops
+            done[family] = FamilySync(kind, payload.count("\n"), time.perf_counter() - start)
+        return done
 
     def rule_counts(self) -> dict[IPFamily, dict[str, int]]:
         """Rules per table after the last sync, per family (metrics' iptables tables)."""
@@ -349,31 +432,44 @@ class Proxier:
                     hook(self._last, state, result)
                 return result
             try:
-                kind, ops = self.backend.sync(state, changes, do_full)
+                families = self.backend.sync(state, changes, do_full)
             except BaseException as exc:
                 # The transaction was atomic: the kernel still holds what it held. Our belief
                 # about it may not (a partial family may have gone through): start over.
                 self._needs_full = True
                 self.backend.forget()
-                log.error("sync failed (%s): %s; the next sync will be full", self.backend_name, exc)
+                logs.error(log, "Sync failed; the next sync will be full", exc, backend=self.backend_name)
                 for hook in self.hooks.on_failed:
                     hook(exc)
                 raise
             previous = self._last
             self._last = state
             self._needs_full = False
+            kind = _overall_kind(families.values())
             result = SyncResult(
                 kind,
                 changes,
-                ops,
+                sum(f.operations for f in families.values()),
                 time.perf_counter() - start,
                 reason if kind == "full" else "",
+                families,
             )
             self.last_result = result
-            log.info(result.log_line())
+            result.log(log, self.backend_name)
             for hook in self.hooks.on_synced:
                 hook(previous, state, result)
             return result
+
+
+def _dump_rules(mode: str, family: IPFamily, text: Callable[[], str]) -> None:
+    """kube-proxy's V(9) habit: the rules about to be written, built only when they show."""
+    if logs.enabled(9):
+        logs.info(log, f"Writing {mode} rules", level=9, ipFamily=f"IPv{family.value}", rules=text())
+
+
+def _overall_kind(families: Iterable[FamilySync]) -> SyncKind:
+    kinds = {f.kind for f in families}
+    return "full" if "full" in kinds else "partial" if "partial" in kinds else "noop"
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,7 +581,7 @@ class SyncLoop:
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
                 retry_at = time.monotonic() + backoff
-                log.warning("sync failed, retrying in %.1fs: %s", backoff, exc)
+                logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(backoff))
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
             retry_at = None

@@ -14,31 +14,41 @@ cloud load-balancer checks written for kube-proxy work unchanged:
   does for compatibility with releases where it was the time of the last loop.
 
 The servers bind in the namespace they are started in: the daemon's, never the one it programs.
+They hold load as kube-proxy's Go servers do (see "HTTP" below): a listen backlog of 1 024, one
+event loop instead of a thread per connection, idle and header timeouts, and a port that is
+taken is logged and retried (or fatal with `--bind-address-hard-fail`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import datetime
+import errno
 import ipaddress
 import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from prometheus_client.exposition import choose_encoder
 
 from nfproxy.cli.config import FlagError
+from nfproxy.daemon import logs
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.daemon.metrics import ProxyMetrics, family_label
 from nfproxy.core.model import IPFamily
 
+if TYPE_CHECKING:
+    from aiohttp import web
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 DEFAULT_HEALTHZ_ADDRESS = "0.0.0.0:10256"
@@ -210,123 +220,265 @@ def parse_bind_address(value: str, flag: str) -> BindAddress | None:
 
 
 # --------------------------------------------------------------------------------------------
-# HTTP
+# HTTP: one asyncio loop per server set (aiohttp), so load costs sockets, not threads
+#
+# kube-proxy's Go servers hold thousands of connections; a thread per connection does not
+# (issue J: 1 000 concurrent requests, 587 timed out; 8 idle connections starved a probe). An
+# event loop holds every connection in one thread, parses requests with aiohttp's parser, and
+# closes a connection that has not sent a complete request within `idle_timeout` (aiohttp's
+# keep-alive timer runs from the moment a connection is accepted, so it is the header timeout
+# too). The only work that is not a few microseconds, encoding /metrics, runs on a small,
+# bounded pool so probes are answered while a scrape is being encoded.
+
+BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
+IDLE_TIMEOUT = 10.0
+RETRY_INTERVAL = 5.0  # kube-proxy retries a server that failed to start every 5 s
+METRICS_WORKERS = 2
+SHUTDOWN_TIMEOUT = 1.0
+PROXY_MODES = {"nft": "nftables", "nftables": "nftables", "iptables": "iptables"}
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # Ours to answer, even when a dying daemon still holds the port in TIME_WAIT.
-    allow_reuse_address = True
+class BindError(OSError):
+    """A server's port cannot be bound and `--bind-address-hard-fail` makes that fatal."""
 
-    def __init__(self, bind: BindAddress, handler: type[BaseHTTPRequestHandler], app: Any) -> None:
-        self.address_family = bind.family
-        self.app = app
-        super().__init__((bind.host, bind.port), handler, bind_and_activate=False)
+
+def listen_socket(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
+    """A listening, non-blocking TCP socket; "" or "::" listen dual-stack, as Go does.
+
+    Created in the caller's network namespace, which is the one it stays in.
+    """
+    if host == "":
         try:
-            if bind.family == socket.AF_INET6 and bind.host == "::":
-                # Go listens dual-stack on "[::]:port"; so do we.
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            self.server_bind()
-            self.server_activate()
-        except BaseException:
-            self.server_close()
-            raise
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            host = "::"
+        except OSError as exc:
+            if exc.errno not in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
+                raise
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            host = "0.0.0.0"
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # Ours to answer, even when a dying daemon still holds the port in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sock.family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def send(
-        self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_HEAD(self) -> None:
-        self.do_GET()
+Handler = Callable[["web.BaseRequest"], Awaitable["web.StreamResponse"]]
 
 
-class _HealthHandler(_Handler):
-    def do_GET(self) -> None:
-        app: _HealthApp = self.server.app
-        path = self.path.split("?", 1)[0]
-        if path not in ("/healthz", "/livez"):
-            self.send(404, b"404 page not found\n", "text/plain; charset=utf-8")
+class HttpLoop:
+    """An asyncio loop on a thread of its own, serving the listeners given to `add`.
+
+    Everything that touches aiohttp runs on the loop's thread; other threads call `run`.
+    """
+
+    def __init__(self, name: str, handler: Handler, *, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        from aiohttp import web  # the daemon's only user: other commands do not pay the import
+
+        self._web = web
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=f"nfproxy-{name}", daemon=True)
+        self._thread.start()
+        server = web.Server(
+            handler, access_log=None, keepalive_timeout=idle_timeout, loop=self.loop,
+        )
+        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT)
+        self.run(self._runner.setup())
+        self._sites: dict[int, web.SockSite] = {}
+        self._closed = False
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        """Run `coro` on the loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def add(self, sock: socket.socket) -> None:
+        """Serve a listening socket (made by `listen_socket`, in whatever namespace)."""
+        site = self._web.SockSite(self._runner, sock, backlog=BACKLOG)
+        self.run(site.start())
+        self._sites[sock.fileno()] = site
+
+    def remove(self, sock: socket.socket) -> None:
+        """Stop listening on `sock` and close it; connections already accepted finish."""
+        site = self._sites.pop(sock.fileno(), None)
+        if site is not None:
+            self.run(site.stop())
+        sock.close()
+
+    def close(self) -> None:
+        if self._closed:
             return
-        probe = "healthz" if path == "/healthz" else "livez"
-        status, body = app.health.healthz() if probe == "healthz" else app.health.livez()
-        if app.metrics is not None:
-            app.metrics.probe_answered(probe, status)
-        self.send(
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.run(self._runner.cleanup(), timeout=SHUTDOWN_TIMEOUT + 5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def text_response(status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> web.Response:
+    from aiohttp import web
+
+    all_headers = {"Content-Type": content_type, **(headers or {})}
+    return web.Response(status=status, body=body, headers=all_headers)
+
+
+NOT_FOUND = b"404 page not found\n"
+PLAIN = "text/plain; charset=utf-8"
+
+
+class SharedEncoding:
+    """Scrapes that arrive while /metrics is being encoded share that encoding.
+
+    Encoding the registry costs about 10 ms of CPU; a thousand concurrent scrapes would queue
+    ten seconds of it. Sharing the one in flight (per content type) answers them all with
+    figures at most one encoding old, which no scrape interval can tell apart. Runs on the
+    loop's thread only; the encoding itself on the bounded pool.
+    """
+
+    def __init__(self, metrics: ProxyMetrics, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self._metrics = metrics
+        self._pool = pool
+        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+
+    async def encode(self, accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        shared = self._inflight.get(content_type)
+        if shared is None:
+            shared = asyncio.get_running_loop().run_in_executor(self._pool, encoder, self._metrics.registry)
+            self._inflight[content_type] = shared
+            shared.add_done_callback(lambda _: self._inflight.pop(content_type, None))
+        # shield: a client that hangs up cancels its own wait, not everyone's encoding.
+        return await asyncio.shield(shared), content_type
+
+
+@dataclass(frozen=True, slots=True)
+class _Apps:
+    """What the two servers answer from."""
+
+    health: ProxierHealth
+    metrics: ProxyMetrics
+    proxy_mode: str
+    encoding: SharedEncoding
+
+    async def healthz(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path not in ("/healthz", "/livez"):
+            return text_response(404, NOT_FOUND, PLAIN)
+        probe: Literal["healthz", "livez"] = "healthz" if request.path == "/healthz" else "livez"
+        status, body = self.health.healthz() if probe == "healthz" else self.health.livez()
+        self.metrics.probe_answered(probe, status)
+        return text_response(
             status,
             json.dumps(body, separators=(",", ":")).encode(),
             "application/json",
             {"X-Content-Type-Options": "nosniff"},
         )
 
-
-class _MetricsHandler(_Handler):
-    def do_GET(self) -> None:
-        app: _MetricsApp = self.server.app
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self.send(200, encoder(app.metrics.registry), content_type)
-        elif path == "/proxyMode" and app.proxy_mode:
-            self.send(200, app.proxy_mode.encode(), "text/plain; charset=utf-8")
-        elif path == "/healthz":
+    async def serve_metrics(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/metrics":
+            body, content_type = await self.encoding.encode(request.headers.get("Accept", ""))
+            return text_response(200, body, content_type)
+        if request.path == "/proxyMode" and self.proxy_mode:
+            return text_response(200, self.proxy_mode.encode(), PLAIN)
+        if request.path == "/healthz":
             # kube-proxy's metrics mux has the plain apiserver-style healthz too.
-            self.send(200, b"ok", "text/plain; charset=utf-8")
-        else:
-            self.send(404, b"404 page not found\n", "text/plain; charset=utf-8")
+            return text_response(200, b"ok", PLAIN)
+        return text_response(404, NOT_FOUND, PLAIN)
 
 
-@dataclass(frozen=True, slots=True)
-class _HealthApp:
-    health: ProxierHealth
-    metrics: ProxyMetrics | None
-
-
-@dataclass(frozen=True, slots=True)
-class _MetricsApp:
-    metrics: ProxyMetrics
-    proxy_mode: str
+_FLAGS = {"healthz": "--healthz-bind-address", "metrics": "--metrics-bind-address"}
+_FAILED = {"healthz": "Healthz server failed", "metrics": "Metrics server failed"}
 
 
 class Servers:
-    """The running health and metrics servers; `close()` stops both and frees the ports."""
+    """The running health and metrics servers; `close()` stops both and frees the ports.
 
-    def __init__(self) -> None:
-        self._servers: dict[str, _Server] = {}
-        self._threads: list[threading.Thread] = []
-        self._running: set[str] = set()
+    A port that cannot be bound is logged and tried again every `retry_interval` (kube-proxy
+    does the same, so a node where the old proxy still holds 10256 recovers on its own), or,
+    with `hard_fail`, is a `BindError` (`--bind-address-hard-fail`).
+    """
 
-    def _start(self, name: str, server: _Server) -> None:
-        t = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.2},
-            name=f"nfproxy-{name}", daemon=True,
-        )
-        t.start()
-        self._running.add(name)
-        self._threads.append(t)
+    def __init__(self, netns: str | None, *, hard_fail: bool, retry_interval: float) -> None:
+        self.netns = netns
+        self.hard_fail = hard_fail
+        self.retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._loops: dict[str, HttpLoop] = {}
+        self._wanted: dict[str, BindAddress] = {}
+        self._bound: dict[str, tuple[socket.socket, BindAddress]] = {}
+        self._retries: dict[str, threading.Timer] = {}
+        self._closed = False
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _add(self, name: str, bind: BindAddress, loop: HttpLoop) -> None:
+        self._loops[name] = loop
+        self._wanted[name] = bind
+        try:
+            self._bind(name)
+        except OSError as exc:
+            if self.hard_fail:
+                raise BindError(
+                    exc.errno, f"{_FLAGS[name]} {bind}: {exc.strerror or exc} (--bind-address-hard-fail)"
+                ) from None
+            logs.error(log, _FAILED[name], exc, address=str(bind), retryIn=logs.Duration(self.retry_interval))
+            self._schedule_retry(name)
+
+    def _bind(self, name: str) -> None:
+        bind = self._wanted[name]
+        with _maybe_entered(self.netns):
+            sock = listen_socket(bind.host, bind.port)
+        try:
+            self._loops[name].add(sock)
+        except BaseException:
+            sock.close()
+            raise
+        host, port = sock.getsockname()[:2]
+        with self._lock:
+            self._bound[name] = (sock, BindAddress(str(host), int(port)))
+        logs.info(log, "Serving", server=name, address=str(self._bound[name][1]))
+
+    def _schedule_retry(self, name: str) -> None:
+        timer = threading.Timer(self.retry_interval, self._retry, (name,))
+        timer.name = f"nfproxy-{name}-retry"
+        timer.daemon = True
+        with self._lock:
+            if self._closed:
+                return
+            self._retries[name] = timer
+        timer.start()
+
+    def _retry(self, name: str) -> None:
+        if self._closed:
+            return
+        try:
+            self._bind(name)
+        except OSError as exc:
+            logs.error(log, _FAILED[name], exc, address=str(self._wanted[name]),
+                       retryIn=logs.Duration(self.retry_interval))
+            if not self._closed:
+                self._schedule_retry(name)
+        except RuntimeError:  # closed while retrying: the loop is gone
+            return
 
     def address(self, name: str) -> BindAddress | None:
-        """Where `healthz` or `metrics` listens (the real port when asked for port 0)."""
-        server = self._servers.get(name)
-        if server is None:
-            return None
-        host, port = server.server_address[:2]
-        return BindAddress(str(host), int(port))
+        """Where `healthz` or `metrics` listens (the real port when asked for port 0); None
+        while the port is not bound (yet)."""
+        with self._lock:
+            bound = self._bound.get(name)
+        return bound[1] if bound else None
 
     @property
     def healthz(self) -> BindAddress | None:
@@ -337,15 +489,22 @@ class Servers:
         return self.address("metrics")
 
     def close(self) -> None:
-        for name, server in self._servers.items():
-            if name in self._running:
-                server.shutdown()  # blocks until serve_forever returns: never call it unstarted
-            server.server_close()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._servers.clear()
-        self._threads.clear()
-        self._running.clear()
+        with self._lock:
+            self._closed = True
+            retries, self._retries = list(self._retries.values()), {}
+        for timer in retries:
+            timer.cancel()
+            if timer is not threading.current_thread():
+                timer.join(timeout=5)
+        for loop in self._loops.values():
+            loop.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for sock, _ in self._bound.values():
+                sock.close()
+            self._bound.clear()
+        self._loops.clear()
 
     def __enter__(self) -> Servers:
         return self
@@ -371,31 +530,34 @@ def serve(
     netns: str | None = None,
     *,
     proxy_mode: str = "",
+    hard_fail: bool = False,
+    retry_interval: float = RETRY_INTERVAL,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> Servers:
     """Start /healthz + /livez on `healthz_address` and /metrics on `metrics_address`.
 
     Addresses are validated first (FlagError naming --healthz-bind-address or
     --metrics-bind-address); "" leaves that server off. `netns` is where the sockets are bound:
     None (the daemon) means the current namespace; tests pass a throwaway one. A port that
-    cannot be bound raises OSError, after closing whatever was already started.
+    cannot be bound is retried in the background, or with `hard_fail` raises `BindError` after
+    closing whatever was already started. `proxy_mode` is the backend ("nft" answers
+    `nftables` on /proxyMode, as kube-proxy names the mode).
     """
     hz = parse_bind_address(healthz_address, "--healthz-bind-address")
     mt = parse_bind_address(metrics_address, "--metrics-bind-address")
-    servers = Servers()
+    if proxy_mode and proxy_mode not in PROXY_MODES:
+        raise ValueError(f"proxy mode {proxy_mode!r}: choose one of {', '.join(sorted(PROXY_MODES))}")
+    if retry_interval <= 0 or idle_timeout <= 0:
+        raise ValueError("retry interval and idle timeout must be positive")
+    pool = concurrent.futures.ThreadPoolExecutor(METRICS_WORKERS, thread_name_prefix="nfproxy-metrics")
+    apps = _Apps(health, metrics, PROXY_MODES.get(proxy_mode, ""), SharedEncoding(metrics, pool))
+    servers = Servers(netns, hard_fail=hard_fail, retry_interval=retry_interval)
+    servers.pool = pool
     try:
-        with _maybe_entered(netns):
-            # Bound here, inside the namespace; served from threads started outside it.
-            if hz is not None:
-                servers._servers["healthz"] = _Server(
-                    hz, _HealthHandler, _HealthApp(health, metrics)
-                )
-            if mt is not None:
-                servers._servers["metrics"] = _Server(
-                    mt, _MetricsHandler, _MetricsApp(metrics, proxy_mode)
-                )
-        for name, server in servers._servers.items():
-            servers._start(name, server)
-            log.info("serving %s on %s", name, servers.address(name))
+        if hz is not None:
+            servers._add("healthz", hz, HttpLoop("healthz", apps.healthz, idle_timeout=idle_timeout))
+        if mt is not None:
+            servers._add("metrics", mt, HttpLoop("metrics", apps.serve_metrics, idle_timeout=idle_timeout))
     except BaseException:
         servers.close()
         raise

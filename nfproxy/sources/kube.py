@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import socket
+import datetime
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -142,6 +143,26 @@ def _group_of(key: ObjectKey, obj: dict[str, Any]) -> GroupKey:
     return ("orphan", namespace, name)  # load_objects reports the missing label
 
 
+TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
+
+
+def _trigger_times(objects: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """The newest trigger time per addressType among EndpointSlices; bad or absent ones skipped."""
+    newest: dict[str, float] = {}
+    for obj in objects:
+        annotations = _meta(obj).get("annotations")
+        text = annotations.get(TRIGGER_TIME) if isinstance(annotations, dict) else None
+        family = obj.get("addressType")
+        if not isinstance(text, str) or family not in ("IPv4", "IPv6"):
+            continue
+        try:
+            when = datetime.datetime.fromisoformat(text).timestamp()
+        except ValueError:
+            continue
+        newest[family] = max(when, newest.get(family, when))
+    return newest
+
+
 def _node_facts(obj: dict[str, Any] | None) -> object:
     """The parts of a Node the proxy reads (for rules, and for /healthz: being deleted, the
     autoscaler's deletion taint); a heartbeat leaves them alone."""
@@ -177,6 +198,9 @@ class ObjectCache:
         self._node: dict[str, Any] | None = None
         self._parsed: dict[GroupKey, LoadResult] = {}
         self._last: tuple[dict[str, Any] | None, LoadResult] | None = None
+        # Per service, per address type: the newest last-change-trigger-time of its
+        # EndpointSlices as of the last snapshot (network programming latency).
+        self._triggers: dict[tuple[str, str], dict[str, float]] = {}
 
     # Writers (reflector threads)
 
@@ -261,6 +285,8 @@ class ObjectCache:
                     self._parsed[group] = load_objects(objects, self._node_config)
                 else:
                     self._parsed.pop(group, None)
+                if group[0] == "service":
+                    self._triggers[group[1:]] = _trigger_times(objects)
             node_result = load_objects([node_obj] if node_obj else [], self._node_config)
             services: dict[Any, Any] = {}
             endpoints: dict[Any, Any] = {}
@@ -273,6 +299,10 @@ class ObjectCache:
             result = LoadResult(state, tuple(errors))
             self._last = (node_obj, result)
             return result
+
+    def trigger_times(self, namespace: str, service: str) -> dict[str, float]:
+        """{"IPv4"|"IPv6": epoch seconds} from the service's EndpointSlices in the last snapshot."""
+        return dict(self._triggers.get((namespace, service), {}))
 
     def node_object(self) -> dict[str, Any] | None:
         """Our Node as the API server last sent it (None before the list, or if it is gone)."""
@@ -579,6 +609,11 @@ class KubeSource:
     def node_object(self) -> dict[str, Any] | None:
         """Our own Node object, raw: for /healthz's node eligibility (`server.node_eligible`)."""
         return self.cache.node_object()
+
+    def trigger_times(self, namespace: str, service: str) -> dict[str, float]:
+        """When the change now in the snapshot was triggered, per address type (for
+        kubeproxy_network_programming_duration_seconds)."""
+        return self.cache.trigger_times(namespace, service)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Lists and watch requests made per resource (for logs and tests)."""
