@@ -152,7 +152,7 @@ def test_sigterm_exits_cleanly_and_leaves_the_rules(tmp_path: Path, backend: str
         proc = subprocess.Popen(
             [sys.executable, "-m", "nfproxy.cli.main", "--backend", backend, "--manifests", str(EXAMPLES),
              "--netns", ns, "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "",
-             "--min-sync-period", "100ms"],
+             "--min-sync-period", "100ms", "--v=2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
