@@ -87,3 +87,15 @@ def duration(flag: str, text: str) -> float:
     if not value or pos != len(value):
         raise FlagError(f"{flag}: not a duration: {text!r} (examples: 1s, 500ms, 1h30m)")
     return total
+
+
+_SIZE_RE = re.compile(r"(\d+)(Ki|Mi|Gi|k|M|G)?")
+_SIZE_UNIT = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def byte_size(flag: str, text: str) -> int:
+    """A size in bytes with an optional Kubernetes quantity suffix ("16Mi", "500k", "4096")."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if m is None or int(m.group(1)) == 0:
+        raise FlagError(f"{flag}: not a positive size: {text!r} (examples: 16Mi, 500Ki, 1048576)")
+    return int(m.group(1)) * _SIZE_UNIT[m.group(2)]

@@ -8,13 +8,14 @@ import os
 import sys
 
 from nfproxy.cli.commands import BACKENDS
-from nfproxy.cli.config import FlagError, add_node_flags, duration, node_config_from_args
+from nfproxy.cli.config import FlagError, add_node_flags, byte_size, duration, node_config_from_args
 
 log = logging.getLogger("nfproxy")
 
 
 def _source(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     node = node_config_from_args(args)
+    grace = duration("--empty-source-grace", args.empty_source_grace)
     kube = bool(getattr(args, "kubeconfig", None) or getattr(args, "master", None))
     if args.manifests and kube:
         raise FlagError("--manifests: cannot be combined with --kubeconfig or --master")
@@ -23,14 +24,14 @@ def _source(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
         if not os.path.exists(args.manifests):
             raise FlagError(f"--manifests: no such file or directory: {args.manifests}")
-        return ManifestSource(args.manifests, node)
+        return ManifestSource(args.manifests, node, empty_grace=grace,
+                              max_bytes=byte_size("--max-manifest-bytes", args.max_manifest_bytes))
     from nfproxy.sources import kube as kube_source
 
-    return kube_source.source_from_args(args)
+    return kube_source.source_from_args(args, kube_source.WatchSettings(empty_grace=grace))
 
 
 def run(args: argparse.Namespace) -> int:
-    from nfproxy.daemon.node import Daemon, DaemonConfig
     from nfproxy.kernel import netns as netns_mod
 
     if os.geteuid() != 0:
@@ -38,6 +39,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.netns and not netns_mod.exists(args.netns):
         raise FlagError(f"--netns: no network namespace named {args.netns!r} (see `ip netns list`)")
+    from nfproxy.kernel import lock
+
+    owner = lock.acquire(args.backend, args.netns)  # NamespaceTaken: exit 1, nothing touched
+    try:
+        return _run(args)
+    finally:
+        owner.release()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nfproxy.daemon.node import Daemon, DaemonConfig
+
     min_sync = duration("--min-sync-period", args.min_sync_period)
     sync_period = duration("--sync-period", args.sync_period)
     if sync_period <= 0:
@@ -84,6 +97,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=BACKENDS, required=True, help="how to program the kernel")
     src = p.add_argument_group("source")
     src.add_argument("--manifests", metavar="PATH", help="a YAML file or directory, re-read on change")
+    src.add_argument("--empty-source-grace", default="30s", metavar="DURATION",
+                     help="apply a source that turned empty (no service at all) only after it "
+                     "stays so this long (default 30s)")
+    src.add_argument("--max-manifest-bytes", default="16Mi", metavar="SIZE",
+                     help="larger manifest files are not read (default 16Mi)")
     try:
         from nfproxy.sources.kube import add_kube_flags
     except ImportError:  # pragma: no cover - the kube source ships with the package
