@@ -97,11 +97,12 @@ class ManifestSource:
         self._seen: dict[Path, _Seen] = {}
         self._good: dict[Path, ManifestFile] = {}  # last good contents per file
         self._problem_view: dict[str, str] = {}
+        self._object_errors: tuple[ObjectError, ...] = ()
         self._vanished = False
         self._empty_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._reload()
+        self.rescan()
 
     # ---- reading
 
@@ -186,8 +187,9 @@ class ManifestSource:
             out.append(replace(seen.problem, message=seen.problem.message + kept))
         return tuple(out)
 
-    def _reload(self) -> bool:
-        """One poll; True when the state to sync changed."""
+    def rescan(self) -> bool:
+        """Look at the files once (the watcher does every `poll` seconds); True when the state
+        to sync changed."""
         files = self._listing()
         if files is None:
             with self._lock:
@@ -197,18 +199,23 @@ class ManifestSource:
         problems = self._problems()
         with self._lock:
             self._problem_view = {e.source: e.message for e in problems}
+            if self._result is not None:
+                # Same state (no sync needed), today's file problems.
+                self._result = LoadResult(self._result.state, problems + self._object_errors)
         if not changed and self._empty_since is None:
             return False
         result = build(sorted(self._good.values(), key=lambda f: f.path), self.node)
         for err in result.errors:
             log.warning("skipped: %s", err)
-        result = LoadResult(result.state, problems + result.errors)
+        object_errors = result.errors
+        result = LoadResult(result.state, problems + object_errors)
         if self._held_empty(result):
             return False
         with self._lock:
             if self._result is None and not self._good:
                 return False  # nothing good read yet: not ready, so the kernel is left alone
             self._result = result
+            self._object_errors = object_errors
         return True
 
     def _held_empty(self, result: LoadResult) -> bool:
@@ -239,7 +246,7 @@ class ManifestSource:
     def start(self, notify: Callable[[], None]) -> None:
         def watch() -> None:
             while not self._stop.wait(self.poll):
-                if self._reload():
+                if self.rescan():
                     notify()
                 with self._polled:
                     self._polls += 1
