@@ -205,8 +205,9 @@ class ManifestSource:
         if not changed and self._empty_since is None:
             return False
         result = build(sorted(self._good.values(), key=lambda f: f.path), self.node)
-        for err in result.errors:
-            log.warning("skipped: %s", err)
+        if changed:  # not again on every poll of an empty spell
+            for err in result.errors:
+                log.warning("skipped: %s", err)
         object_errors = result.errors
         result = LoadResult(result.state, problems + object_errors)
         if self._held_empty(result):
