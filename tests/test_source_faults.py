@@ -633,3 +633,22 @@ def test_validate_stopped_by_a_signal_removes_its_namespace(tmp_path: Path, netn
 @pytest.mark.kernel
 def test_compare_stopped_by_sigterm_removes_its_namespace(tmp_path: Path, netns: str) -> None:  # noqa: ARG001
     _interrupt(tmp_path, signal.SIGTERM, "compare", "nft_ruleset", ["compare", str(EXAMPLES)])
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("command", ["validate", "compare"])
+def test_kernel_commands_refuse_a_fifo_before_making_any_namespace(tmp_path: Path, netns: str, command: str) -> None:  # noqa: ARG001
+    tree = tmp_path / "manifests"
+    _replace_tree(tree, {"a.yaml": A})
+    os.mkfifo(tree / "pipe.yaml")
+    proc = subprocess.Popen(_nfproxy(command, str(tree)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    try:
+        _, err = proc.communicate(timeout=60)  # a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, err
+    assert f"{tree / 'pipe.yaml'}: a FIFO, not a regular file" in err and "Traceback" not in err
+    assert not _made_by(proc.pid)
