@@ -77,6 +77,12 @@ def tree(tmp_path: Path) -> Path:
     return root
 
 
+def settle(source: ManifestSource) -> bool:
+    """Two looks, as two polls: a changed file is read once it has held still for one poll."""
+    first = source.rescan()
+    return source.rescan() or first
+
+
 def names(source: ManifestSource) -> list[str]:
     return sorted({key[0].name for key in source.snapshot().state.services})
 
@@ -154,7 +160,7 @@ def test_a_bad_file_keeps_its_last_good_objects(
     damage, message = FAULTS[fault]
     damage(tree / "a.yaml")
     with caplog.at_level(logging.WARNING, logger="nfproxy.sources.files"):
-        assert source.rescan() is False
+        assert settle(source) is False
     assert source.snapshot().state == before
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(tree / "a.yaml") in w and message in w and "keeping its last good" in w for w in warning), warning
@@ -165,15 +171,24 @@ def test_a_bad_file_keeps_its_last_good_objects(
 
     # Nothing new: no second warning, no second count.
     caplog.clear()
-    assert source.rescan() is False
+    assert settle(source) is False
     assert errors == ["manifests"] and not caplog.records
 
     # The fix is applied at once, and is the only change.
     (tree / "a.yaml").unlink()
     (tree / "a.yaml").write_text(A_FIXED)
-    assert source.rescan() is True
+    assert settle(source) is True
     assert names(source) == ["a", "b"] and endpoint_count(source, "a") == 3
     assert source.problems() == {}
+
+
+def test_a_file_is_read_once_it_has_held_still_for_a_poll(tree: Path) -> None:
+    source = ManifestSource(tree, clock=Clock())
+    (tree / "a.yaml").write_text(A.split("---")[0])  # the first half of a rewrite in place
+    assert source.rescan() is False and endpoint_count(source, "a") == 2
+    (tree / "a.yaml").write_text(A_FIXED)  # the writer goes on: still not read
+    assert source.rescan() is False and endpoint_count(source, "a") == 2
+    assert source.rescan() is True and endpoint_count(source, "a") == 3
 
 
 def test_every_file_emptied_keeps_every_service(tree: Path) -> None:
@@ -181,7 +196,7 @@ def test_every_file_emptied_keeps_every_service(tree: Path) -> None:
     before = source.snapshot().state
     (tree / "a.yaml").write_text("")
     (tree / "b.yaml").write_text("# nothing\n")
-    assert source.rescan() is False
+    assert settle(source) is False
     assert source.snapshot().state == before
     assert sorted(Path(p).name for p in source.problems()) == ["a.yaml", "b.yaml"]
 
@@ -189,7 +204,7 @@ def test_every_file_emptied_keeps_every_service(tree: Path) -> None:
 def test_a_deleted_file_takes_its_objects_with_it(tree: Path) -> None:
     source = ManifestSource(tree, clock=Clock())
     (tree / "b.yaml").unlink()
-    assert source.rescan() is True
+    assert settle(source) is True
     assert names(source) == ["a"]
 
 
@@ -201,7 +216,7 @@ def test_a_new_bad_file_is_reported_and_the_rest_kept(tree: Path) -> None:
     os.mkfifo(tree / "pipe.yaml")
     (tree / "zero.json").symlink_to("/dev/zero")
     (tree / "new.yaml").write_text("")  # a file being created: nothing to keep, not an error
-    assert source.rescan() is False
+    assert settle(source) is False
     assert source.snapshot().state == before
     assert sorted(Path(p).name for p in source.problems()) == ["pipe.yaml", "zero.json"]
     assert errors == ["manifests", "manifests"]
@@ -216,19 +231,19 @@ def test_an_empty_source_is_applied_only_after_the_grace(tree: Path, caplog: pyt
     (tree / "a.yaml").unlink()
     (tree / "b.yaml").unlink()
     with caplog.at_level(logging.WARNING, logger="nfproxy.sources.files"):
-        assert source.rescan() is False
+        assert settle(source) is False
         clock.now = 29.9
-        assert source.rescan() is False
+        assert settle(source) is False
         assert source.snapshot().state == before
         assert errors == ["manifests"]
         assert any("no service at all" in r.getMessage() for r in caplog.records)
         clock.now = 30.0
-        assert source.rescan() is True
+        assert settle(source) is True
     assert names(source) == []
     assert any("removing every service" in r.getMessage() for r in caplog.records)
     # Once applied, it stays applied without further warnings.
     clock.now = 100.0
-    assert source.rescan() is False and errors == ["manifests"]
+    assert settle(source) is False and errors == ["manifests"]
 
 
 def test_services_back_within_the_grace_cancel_the_empty_state(tree: Path) -> None:
@@ -236,19 +251,19 @@ def test_services_back_within_the_grace_cancel_the_empty_state(tree: Path) -> No
     source = ManifestSource(tree, empty_grace=30.0, clock=clock)
     (tree / "a.yaml").unlink()
     (tree / "b.yaml").unlink()
-    assert source.rescan() is False
+    assert settle(source) is False
     clock.now = 20.0
     (tree / "b.yaml").write_text(B)
-    assert source.rescan() is True
+    assert settle(source) is True
     assert names(source) == ["b"]
     # The grace starts again from zero for the next empty spell.
     (tree / "b.yaml").unlink()
     clock.now = 40.0
-    assert source.rescan() is False
+    assert settle(source) is False
     clock.now = 69.9
-    assert source.rescan() is False and names(source) == ["b"]
+    assert settle(source) is False and names(source) == ["b"]
     clock.now = 70.0
-    assert source.rescan() is True and names(source) == []
+    assert settle(source) is True and names(source) == []
 
 
 @pytest.mark.parametrize("given", ["directory", "file"])
@@ -264,12 +279,12 @@ def test_a_vanished_path_never_means_no_services(tmp_path: Path, tree: Path, giv
     path.rename(moved)
     for step in range(5):
         clock.now = 1000.0 * (step + 1)
-        assert source.rescan() is False
+        assert settle(source) is False
     assert source.snapshot().state == before
     assert errors == ["manifests"]
     assert "vanished" in source.problems()[str(path)]
     moved.rename(path)
-    assert source.rescan() is False  # back as it was: nothing changed
+    assert settle(source) is False  # back as it was: nothing changed
     assert source.snapshot().state == before and source.problems() == {}
 
 
@@ -279,7 +294,7 @@ def test_a_source_with_nothing_good_yet_is_not_ready(tree: Path) -> None:
     source = ManifestSource(tree, clock=Clock())
     assert not source.ready()
     (tree / "b.yaml").write_text(B)
-    assert source.rescan() is True and source.ready() and names(source) == ["b"]
+    assert settle(source) is True and source.ready() and names(source) == ["b"]
 
 
 def test_a_fifo_never_freezes_the_watcher(tree: Path) -> None:
@@ -426,6 +441,13 @@ def _replace_tree(tree: Path, files: dict[str, str]) -> None:
     staging.rename(tree)
 
 
+def replace_file(path: Path, text: str) -> None:
+    """Each fault in one step (write aside, rename over), so each is seen, and counted, once."""
+    aside = path.with_name("." + path.name + ".tmp")
+    aside.write_text(text)
+    aside.rename(path)
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("backend", ["nft", "iptables"])
 def test_the_daemon_serves_every_service_through_every_fault(tmp_path: Path, backend: str, netns: str) -> None:  # noqa: ARG001 - the fixture asserts root
@@ -480,10 +502,12 @@ def test_the_daemon_serves_every_service_through_every_fault(tmp_path: Path, bac
 
                 faults: list[tuple[str, Callable[[], None], set[str]]] = [
                     ("one file emptied", lambda: (tree / "a.yaml").write_text(""), {"a.yaml"}),
-                    ("every file emptied", lambda: (tree / "b.yaml").write_text("# later\n"), {"a.yaml", "b.yaml"}),
-                    ("a file replaced by garbage", lambda: (tree / "a.yaml").write_text("kind: [Serv"), {"a.yaml", "b.yaml"}),
+                    ("every file emptied", lambda: replace_file(tree / "b.yaml", "# later\n"), {"a.yaml", "b.yaml"}),
+                    ("a file replaced by garbage", lambda: replace_file(tree / "a.yaml", "kind: [Serv"), {"a.yaml", "b.yaml"}),
                     ("a FIFO and a /dev/zero symlink dropped in", fifo, {"a.yaml", "b.yaml", "pipe.yaml", "zero.yaml"}),
-                    ("the directory removed", lambda: shutil.rmtree(tree), {"manifests"}),
+                    # Renamed away, then deleted: the path vanishes in one step. (A plain
+                    # `rm -rf` is covered too, but only while it unlinks faster than a poll.)
+                    ("the directory removed", lambda: shutil.rmtree(tree.rename(tmp_path / "gone")), {"manifests"}),
                 ]
                 for step, fault, problems in faults:
                     fault()
@@ -652,3 +676,16 @@ def test_kernel_commands_refuse_a_fifo_before_making_any_namespace(tmp_path: Pat
     assert proc.returncode == 2, err
     assert f"{tree / 'pipe.yaml'}: a FIFO, not a regular file" in err and "Traceback" not in err
     assert not _made_by(proc.pid)
+
+
+def test_rm_rf_of_the_directory_never_removes_a_service(tree: Path) -> None:
+    """`rm -rf` unlinks the files, then the directory: a poll in between must not count as the
+    files being removed one by one."""
+    source = ManifestSource(tree, clock=Clock())
+    before = source.snapshot().state
+    (tree / "a.yaml").unlink()  # a poll lands here, mid-way
+    assert source.rescan() is False and source.snapshot().state == before
+    (tree / "b.yaml").unlink()
+    tree.rmdir()
+    assert settle(source) is False and source.snapshot().state == before
+    assert "vanished" in source.problems()[str(tree)]

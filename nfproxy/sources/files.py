@@ -7,10 +7,14 @@ handful of files a node is given.
 A node proxy must never drop live services because a file was half-written, truncated by a
 config-management tool or replaced by garbage, so the source distrusts every *loss*:
 
+- a changed file is read only once its signature has held still for one poll (and again if it
+  changes while being read), so a file written in place is not taken for its first part;
+
 - per file: a file that is empty (no object at all), unreadable, unparsable, not a regular file,
   a symlink loop or over the size cap keeps the objects it last held, with a WARNING naming it
   and a count in `on_error` (the daemon's `nfproxy_source_errors_total{source="manifests"}`).
-  A file that is *deleted* is a deliberate removal: its objects go.
+  A file that is *deleted* (and still gone one poll later, its directory still there) is a
+  deliberate removal: its objects go.
 - for the whole source: a state with no service at all, after one with services, is applied only
   once it has stayed so for `empty_grace` seconds; a path that vanished (the directory removed,
   the one file deleted) is never taken to mean "no services": the last state stays until it
@@ -96,6 +100,8 @@ class ManifestSource:
         self._result: LoadResult | None = None
         self._seen: dict[Path, _Seen] = {}
         self._good: dict[Path, ManifestFile] = {}  # last good contents per file
+        self._settling: dict[Path, FileSignature] = {}  # changed files waiting to hold still
+        self._missing: set[Path] = set()  # good files gone since the last poll
         self._problem_view: dict[str, str] = {}
         self._object_errors: tuple[ObjectError, ...] = ()
         self._vanished = False
@@ -146,16 +152,32 @@ class ManifestSource:
     def _refresh(self, files: list[Path]) -> bool:
         """Read the files whose signature changed; True when the set of good contents changed."""
         changed = False
-        for path in [p for p in self._seen if p not in files]:
+        listed = set(files)
+        for path in [p for p in self._settling if p not in listed]:
+            del self._settling[path]
+        for path in [p for p in self._seen if p not in listed]:
+            if path in self._good and path not in self._missing:
+                # Gone since the last poll: `rm -rf` unlinks the files before the directory,
+                # so wait one poll to tell a removed file from a directory being removed.
+                self._missing.add(path)
+                continue
+            self._missing.discard(path)
             del self._seen[path]
             if self._good.pop(path, None) is not None:
                 log.info("%s was removed: its objects go", path)
                 changed = True
+        self._missing -= listed  # back again
         for path in files:
             signature = _file_signature(path)
             previous = self._seen.get(path)
             if previous is not None and previous.signature == signature:
                 continue
+            if self._result is not None and self._settling.get(path) != signature:
+                # Changed since the last poll: read it once it has held still for one poll, so
+                # a file being written in place is not taken for its first half.
+                self._settling[path] = signature
+                continue
+            self._settling.pop(path, None)
             seen = self._read(path, signature)
             if _file_signature(path) != signature:
                 continue  # written while we read: look again at the next poll
@@ -257,10 +279,11 @@ class ManifestSource:
         self._thread.start()
 
     def wait_polled(self, timeout: float) -> bool:
-        """Wait until a poll that started after this call has finished (for tests and tools
-        that change files and must know the watcher has looked)."""
+        """Wait until every change made before this call has been judged: two polls started
+        after it have finished (the first sees a change, the second reads it once it held
+        still). For tests and tools that change files and must know the watcher has looked."""
         with self._polled:
-            target = self._polls + 2
+            target = self._polls + 3
             return self._polled.wait_for(lambda: self._polls >= target, timeout)
 
     def problems(self) -> dict[str, str]:
