@@ -445,6 +445,7 @@ def test_an_error_mid_run_leaves_no_namespace(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize("sig,delay", [
     (signal.SIGINT, 0.0),  # while the sandbox is being built
     (signal.SIGTERM, 0.0),
+    (signal.SIGHUP, 0.0),  # the terminal went away
     (signal.SIGINT, 0.6),  # during the traffic
 ])
 def test_interrupt_removes_every_namespace(sig: signal.Signals, delay: float) -> None:
@@ -453,7 +454,7 @@ def test_interrupt_removes_every_namespace(sig: signal.Signals, delay: float) ->
     proc = subprocess.Popen(
         [sys.executable, "-m", "nfproxy.cli.main", "lab", "--connections", "10000", str(EXAMPLES)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)],
     )
     try:
         deadline = time.monotonic() + 30

@@ -1350,3 +1350,95 @@ def test_node_with_two_pod_cidrs_of_one_family_is_rejected() -> None:
     assert result.state.node.cluster_cidrs == ()
     ok = load_objects([{**node, "spec": {"podCIDRs": ["10.244.0.0/24", "fd00:10::/64"]}}])
     assert ok.errors == () and ok.state.node.cluster_cidrs == ("10.244.0.0/24", "fd00:10::/64")
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that must not be read: FIFOs, devices, loops, oversized (issue J.1)
+
+
+def _good_tree(tmp_path: Path) -> Path:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.yaml").write_text(yaml.safe_dump_all([service(), endpoint_slice()]))
+    return tree
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "loop", "too-big", "directory"])
+def test_files_that_must_not_be_read_stop_the_load_naming_them(tmp_path: Path, kind: str) -> None:
+    import os
+
+    tree = _good_tree(tmp_path)
+    bad = tree / "b.yaml"
+    if kind == "fifo":
+        os.mkfifo(bad)
+        message = "a FIFO, not a regular file"
+    elif kind == "dev-zero":
+        bad.symlink_to("/dev/zero")
+        message = "a character device, not a regular file"
+    elif kind == "loop":
+        bad.symlink_to(tree / "c.yaml")
+        (tree / "c.yaml").symlink_to(bad)
+        message = "symlink loop"
+    elif kind == "too-big":
+        bad.write_text("# padding\n" * 200)
+        message = "larger than the 1000-byte limit"
+    else:
+        bad.symlink_to(tmp_path)  # os.walk lists it as a directory and never enters it
+        assert len(load(tree, max_bytes=1000).state.services) == 1
+        return
+    with pytest.raises(ManifestError, match=re.escape(f"{bad}")) as caught:
+        load(tree, max_bytes=1000)
+    assert message in str(caught.value)
+    # The same file given as the path itself.
+    with pytest.raises(ManifestError, match=re.escape(message)):
+        load(bad, max_bytes=1000)
+
+
+@pytest.mark.parametrize(
+    "backend,given", [("nft", "directory"), ("iptables", "directory"), ("nft", "zero.yaml")]
+)
+def test_render_refuses_a_fifo_or_dev_zero_with_status_2(tmp_path: Path, backend: str, given: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    tree = _good_tree(tmp_path)
+    os.mkfifo(tree / "pipe.yaml")
+    (tree / "zero.yaml").symlink_to("/dev/zero")
+    path = tree if given == "directory" else tree / given
+    argv = [sys.executable, "-m", "nfproxy.cli.main", "render", "--backend", backend, str(path)]
+    # A hang is the bug this guards against: the timeout fails the test instead of blocking it.
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    named = "pipe.yaml" if given == "directory" else "zero.yaml"
+    assert named in proc.stderr and "not a regular file" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Objects meant for another proxy (issue H.3)
+
+
+def _labelled(obj: dict[str, Any], key: str, value: str = "") -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    obj["metadata"].setdefault("labels", {})[key] = value
+    return obj
+
+
+@pytest.mark.parametrize(
+    "label", ["service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless"]
+)
+def test_objects_labelled_for_another_proxy_or_headless_are_skipped(label: str) -> None:
+    other = service("other", clusterIP="10.96.0.11")
+    other_slice = endpoint_slice("other-1", "other")
+    result = load_objects(
+        [_labelled(service(), label, "cilium"), endpoint_slice(), other, _labelled(other_slice, label)]
+    )
+    assert result.errors == ()
+    # The labelled Service is gone; so are the labelled slice's endpoints (any value counts).
+    assert [k[0].name for k in result.state.services] == ["other"]
+    assert result.state.endpoints == {}
+    # Without the label both are proxied.
+    plain = load_objects([service(), endpoint_slice(), other, other_slice])
+    assert sorted(k[0].name for k in plain.state.services) == ["other", "web"]
+    assert len(plain.state.endpoints) == 2

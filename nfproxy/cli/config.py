@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 from nfproxy.cli import duration as go_duration
@@ -87,3 +88,15 @@ def duration(flag: str, text: str) -> float:
     if nanoseconds < 0:
         raise FlagError(f"{flag}: {text!r}: must not be negative")
     return nanoseconds / 1e9
+
+
+_SIZE_RE = re.compile(r"(\d+)(Ki|Mi|Gi|k|M|G)?")
+_SIZE_UNIT = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def byte_size(flag: str, text: str) -> int:
+    """A size in bytes with an optional Kubernetes quantity suffix ("16Mi", "500k", "4096")."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if m is None or int(m.group(1)) == 0:
+        raise FlagError(f"{flag}: not a positive size: {text!r} (examples: 16Mi, 500Ki, 1048576)")
+    return int(m.group(1)) * _SIZE_UNIT[m.group(2)]

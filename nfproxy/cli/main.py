@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import pkgutil
+import signal
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -166,12 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     except ManifestError as exc:
         print(f"nfproxy: {exc}", file=sys.stderr)
-        return 1
+        return 2  # bad input from the user, as a bad flag
     except (KernelError, BindError) as exc:
         print(f"nfproxy: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        # netns.Interrupted (SIGTERM, SIGHUP) carries its signal; the namespaces are gone by now.
+        signum = getattr(exc, "signum", 2)
+        print(f"nfproxy: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

@@ -181,6 +181,11 @@ class ProxyMetrics:
             "Conntrack cleanups that failed (entries may still pin traffic to gone endpoints)",
             FAMILY, registry=r,
         )
+        self.source_errors = Counter(
+            "nfproxy_source_errors",
+            "Source problems held back instead of applied (a bad manifest file, an empty state)",
+            ("source",), registry=r,
+        )
 
     # ---- events of the sync loop
 
@@ -305,6 +310,10 @@ class ProxyMetrics:
 
     def conntrack_failed(self, *, family: IPFamily) -> None:
         self.conntrack_failures.labels(family_label(family)).inc()
+
+    def source_error(self, source: str) -> None:
+        """A source kept its last good state instead of applying what it read."""
+        self.source_errors.labels(source).inc()
 
     def probe_answered(self, probe: Literal["healthz", "livez"], status: int) -> None:
         """The health server answered /healthz or /livez with `status`."""

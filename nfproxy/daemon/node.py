@@ -140,6 +140,7 @@ class Daemon:
         self.loop.on_queued.append(self._queued)
         self.proxier.hooks.on_synced.append(self._synced)
         self.proxier.hooks.on_failed.append(self._failed)
+        getattr(source, "on_error", []).append(self.metrics.source_error)
         self.servers: Servers | None = None
         self._stopped = threading.Event()
         self._no_local = NoLocalEndpoints()

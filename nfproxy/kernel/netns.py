@@ -30,13 +30,56 @@ def _setns(fd: int) -> None:
         raise KernelError(f"setns failed: {os.strerror(err)}")
 
 
+# What stops a command from a terminal, from `timeout`/systemd, and when its terminal goes away.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived inside `interruptible()`; raised so that cleanup blocks run.
+
+    A KeyboardInterrupt, so code that already cleans up after Ctrl-C handles all three alike.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def exists(name: str) -> bool:
     return name in netns.listnetns()
 
 
 @contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` for the block.
+
+    Their default action kills the process at once, so no `finally` runs and a throwaway
+    namespace (with its rules) outlives the command. A signal the process was started with
+    ignored (nohup, a background shell's SIGINT) stays ignored. Only the main thread can set
+    handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise Interrupted(signum)
+
+    # None: a handler set outside Python, left alone.
+    previous = {sig: h for sig in STOP_SIGNALS if (h := signal.getsignal(sig)) is not None}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM for the block, then deliver them.
+    """Hold SIGINT, SIGTERM and SIGHUP for the block, then deliver them.
 
     pyroute2 creates and removes a namespace from a forked helper: an interrupt landing while
     we wait for it lets the helper finish after our cleanup looked, and the namespace leaks.
@@ -46,7 +89,10 @@ def signals_held() -> Iterator[None]:
         yield
         return
     caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _f: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: h for sig in STOP_SIGNALS if (h := signal.getsignal(sig)) is not None}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, _f: caught.append(signum))
     try:
         yield
     finally:
@@ -69,8 +115,8 @@ def create(name: str) -> None:
 
 
 def remove(name: str) -> None:
-    if exists(name):
-        with signals_held():
+    with signals_held():
+        if exists(name):
             netns.remove(name)
 
 
@@ -101,10 +147,12 @@ def entered(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def throwaway(prefix: str = "nfp") -> Iterator[str]:
-    """A fresh namespace with a unique name, removed when the block ends, however it ends."""
+    """A fresh namespace with a unique name, removed when the block ends, however it ends: a
+    stop signal inside the block raises `Interrupted` after the namespace is gone."""
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
-    try:
-        create(name)
-        yield name
-    finally:
-        remove(name)
+    with interruptible():
+        try:
+            create(name)
+            yield name
+        finally:
+            remove(name)

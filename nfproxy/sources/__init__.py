@@ -4,6 +4,10 @@ Every source (manifest files, the Kubernetes API) offers the same small interfac
 proxier's sync loop does not care where services come from: it is told *that* something changed
 and later asks for the state as it is *now*. Coalescing many changes into one sync is the
 loop's job (bounded frequency), not the source's.
+
+A source may also carry `on_error: list[Callable[[str], None]]`: hooks it calls with its name
+("manifests", "api") each time it holds back input it does not trust (a bad file, an empty
+state) instead of applying it; the daemon counts them in `nfproxy_source_errors_total`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,27 @@
-"""A Source over manifest files: re-read when any file under the path changes.
+"""A Source over manifest files: re-read a file when its (device, inode, size, mtime) changes.
 
-Polling a signature (path, size, mtime of every manifest file) is what works everywhere —
-bind-mounted ConfigMaps replace files through symlink swaps that inotify watchers miss — and
-costs microseconds per poll for the handful of files a node is given.
+Polling a signature per file is what works everywhere — bind-mounted ConfigMaps replace files
+through symlink swaps that inotify watchers miss — and costs microseconds per poll for the
+handful of files a node is given.
+
+A node proxy must never drop live services because a file was half-written, truncated by a
+config-management tool or replaced by garbage, so the source distrusts every *loss*:
+
+- a changed file is read only once its signature has held still for one poll (and again if it
+  changes while being read), so a file written in place is not taken for its first part;
+
+- per file: a file that is empty (no object at all), unreadable, unparsable, not a regular file,
+  a symlink loop or over the size cap keeps the objects it last held, with a WARNING naming it
+  and a count in `on_error` (the daemon's `nfproxy_source_errors_total{source="manifests"}`).
+  A file that is *deleted* (and still gone one poll later, its directory still there) is a
+  deliberate removal: its objects go.
+- for the whole source: a state with no service at all, after one with services, is applied only
+  once it has stayed so for `empty_grace` seconds; a path that vanished (the directory removed,
+  the one file deleted) is never taken to mean "no services": the last state stays until it
+  returns.
+
+Objects that fail validation inside a readable file are reported through `snapshot().errors` and
+skipped, as everywhere else.
 """
 
 from __future__ import annotations
@@ -10,78 +29,267 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nfproxy.core.model import ClusterState, NodeConfig
-from nfproxy.sources.manifests import LoadResult, ManifestError, load, manifest_files
+from nfproxy.sources.manifests import (
+    DEFAULT_MAX_BYTES,
+    FileProblem,
+    LoadResult,
+    ManifestFile,
+    ObjectError,
+    build,
+    manifest_files,
+    read_manifest,
+)
 
 log = logging.getLogger("nfproxy.sources.files")
 
-Signature = tuple[tuple[str, int, int], ...]
+SOURCE_NAME = "manifests"
+
+# (st_dev, st_ino, st_size, st_mtime_ns, st_mode) through symlinks; None when stat fails.
+FileSignature = tuple[int, int, int, int, int] | None
 
 
-def _signature(root: Path) -> Signature:
-    """(path, size, mtime) of the files `manifests.load` would read (stat follows the symlinks
-    a ConfigMap volume swaps on update)."""
-    out = []
-    for path in [root] if root.is_file() else manifest_files(root):
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            continue
-        out.append((str(path), st.st_size, st.st_mtime_ns))
-    return tuple(out)
+def _file_signature(path: Path) -> FileSignature:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What the last read of one file gave: its contents, or why they could not be used."""
+
+    signature: FileSignature
+    contents: ManifestFile | None
+    problem: ObjectError | None = None
+    # No object at all in a readable file: a problem only when it had objects before.
+    empty: bool = False
 
 
 class ManifestSource:
-    """Watches a file or directory of manifests; every change re-reads the whole tree.
+    """Watches a file or directory of manifests (see the module docstring for what is trusted)."""
 
-    A tree that cannot be read at all (missing path, unreadable file) keeps the last good state
-    and logs why: a half-written file must not wipe a node's rules. Objects that fail
-    validation are reported through `snapshot().errors` and skipped, as everywhere else.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], node: NodeConfig | None = None, *, poll: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        node: NodeConfig | None = None,
+        *,
+        poll: float = 1.0,
+        empty_grace: float = 30.0,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = Path(path)
         self.node = node
         self.poll = poll
+        self.empty_grace = empty_grace
+        self.max_bytes = max_bytes
+        self._clock = clock
+        # Called with SOURCE_NAME once per newly seen problem (the daemon counts them).
+        self.on_error: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
+        self._polled = threading.Condition()
+        self._polls = 0
         self._result: LoadResult | None = None
-        self._signature: Signature | None = None
+        self._seen: dict[Path, _Seen] = {}
+        self._good: dict[Path, ManifestFile] = {}  # last good contents per file
+        self._settling: dict[Path, FileSignature] = {}  # changed files waiting to hold still
+        self._missing: set[Path] = set()  # good files gone since the last poll
+        self._problem_view: dict[str, str] = {}
+        self._object_errors: tuple[ObjectError, ...] = ()
+        self._vanished = False
+        self._empty_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._reload()
+        self.rescan()
 
-    def _reload(self) -> bool:
+    # ---- reading
+
+    def _error(self, message: str, *args: object) -> None:
+        log.warning(message, *args)
+        for hook in self.on_error:
+            hook(SOURCE_NAME)
+
+    def _listing(self) -> list[Path] | None:
+        """The files to read, or None when the path itself is gone (or cannot be looked at)."""
         try:
-            sig = _signature(self.path)
+            is_dir = self.path.is_dir()
+            os.stat(self.path)
         except OSError as exc:
-            log.error("cannot read manifests at %s: %s (keeping the last good state)", self.path, exc)
-            return False
-        if sig == self._signature:
-            return False
+            if not self._vanished:
+                self._vanished = True
+                self._empty_since = None
+                self._error(
+                    "%s: %s: keeping the last good state until it returns",
+                    self.path,
+                    "vanished" if isinstance(exc, FileNotFoundError) else exc.strerror,
+                )
+            return None
+        files = manifest_files(self.path) if is_dir else [self.path]
+        if is_dir and not self.path.is_dir():
+            return self._listing()  # removed while walking: judge it on the next look
+        if self._vanished:
+            self._vanished = False
+            log.info("%s is back", self.path)
+        return files
+
+    def _read(self, path: Path, signature: FileSignature) -> _Seen:
         try:
-            result = load(self.path, node=self.node)
-        except ManifestError as exc:
-            log.error("%s (keeping the last good state)", exc)
-            self._signature = sig
+            contents = read_manifest(path, self.max_bytes)
+        except FileProblem as exc:
+            return _Seen(signature, None, exc.error())
+        if contents.objects == 0:
+            return _Seen(signature, None, ObjectError("", "", "", "", "holds no Kubernetes object", str(path)), True)
+        return _Seen(signature, contents)
+
+    def _refresh(self, files: list[Path]) -> bool:
+        """Read the files whose signature changed; True when the set of good contents changed."""
+        changed = False
+        listed = set(files)
+        for path in [p for p in self._settling if p not in listed]:
+            del self._settling[path]
+        for path in [p for p in self._seen if p not in listed]:
+            if path in self._good and path not in self._missing:
+                # Gone since the last poll: `rm -rf` unlinks the files before the directory,
+                # so wait one poll to tell a removed file from a directory being removed.
+                self._missing.add(path)
+                continue
+            self._missing.discard(path)
+            del self._seen[path]
+            if self._good.pop(path, None) is not None:
+                log.info("%s was removed: its objects go", path)
+                changed = True
+        self._missing -= listed  # back again
+        for path in files:
+            signature = _file_signature(path)
+            previous = self._seen.get(path)
+            if previous is not None and previous.signature == signature:
+                continue
+            if self._result is not None and self._settling.get(path) != signature:
+                # Changed since the last poll: read it once it has held still for one poll, so
+                # a file being written in place is not taken for its first half.
+                self._settling[path] = signature
+                continue
+            self._settling.pop(path, None)
+            seen = self._read(path, signature)
+            if _file_signature(path) != signature:
+                continue  # written while we read: look again at the next poll
+            self._seen[path] = seen
+            if seen.contents is not None:
+                if previous is not None and previous.problem is not None:
+                    log.info("%s can be used again", path)
+                if self._good.get(path) != seen.contents:
+                    self._good[path] = seen.contents
+                    changed = True
+                continue
+            assert seen.problem is not None
+            kept = self._good.get(path)
+            if kept is not None:
+                self._error("%s; keeping its last good %d objects", seen.problem, kept.objects)
+            elif seen.empty:
+                log.info("%s", seen.problem)
+            else:
+                self._error("%s", seen.problem)
+        return changed
+
+    def _problems(self) -> tuple[ObjectError, ...]:
+        """File-level problems that matter (an empty file that never held anything does not)."""
+        out = []
+        for path, seen in sorted(self._seen.items()):
+            if seen.problem is None or (seen.empty and path not in self._good):
+                continue
+            kept = "; its last good objects are kept" if path in self._good else ""
+            out.append(replace(seen.problem, message=seen.problem.message + kept))
+        return tuple(out)
+
+    def rescan(self) -> bool:
+        """Look at the files once (the watcher does every `poll` seconds); True when the state
+        to sync changed."""
+        files = self._listing()
+        if files is None:
+            with self._lock:
+                self._problem_view = {str(self.path): "vanished: the last good state is kept"}
             return False
-        for err in result.errors:
-            log.warning("skipped: %s", err)
+        changed = self._refresh(files)
+        problems = self._problems()
         with self._lock:
+            self._problem_view = {e.source: e.message for e in problems}
+            if self._result is not None:
+                # Same state (no sync needed), today's file problems.
+                self._result = LoadResult(self._result.state, problems + self._object_errors)
+        if not changed and self._empty_since is None:
+            return False
+        result = build(sorted(self._good.values(), key=lambda f: f.path), self.node)
+        if changed:  # not again on every poll of an empty spell
+            for err in result.errors:
+                log.warning("skipped: %s", err)
+        object_errors = result.errors
+        result = LoadResult(result.state, problems + object_errors)
+        if self._held_empty(result):
+            return False
+        with self._lock:
+            if self._result is None and not self._good:
+                return False  # nothing good read yet: not ready, so the kernel is left alone
             self._result = result
-            self._signature = sig
+            self._object_errors = object_errors
         return True
+
+    def _held_empty(self, result: LoadResult) -> bool:
+        """True while a state without services waits out `empty_grace` after one with services."""
+        with self._lock:
+            before = self._result
+        if result.state.services or before is None or not before.state.services:
+            if self._empty_since is not None:
+                log.info("%s has services again: the empty state was never applied", self.path)
+            self._empty_since = None
+            return False
+        now = self._clock()
+        if self._empty_since is None:
+            self._empty_since = now
+            self._error(
+                "%s now holds no service at all: applying that only if it stays so for %gs",
+                self.path,
+                self.empty_grace,
+            )
+        if now - self._empty_since < self.empty_grace:
+            return True
+        log.warning("%s has held no service for %gs: removing every service", self.path, self.empty_grace)
+        self._empty_since = None
+        return False
+
+    # ---- the Source interface
 
     def start(self, notify: Callable[[], None]) -> None:
         def watch() -> None:
             while not self._stop.wait(self.poll):
-                if self._reload():
+                if self.rescan():
                     notify()
+                with self._polled:
+                    self._polls += 1
+                    self._polled.notify_all()
 
         self._thread = threading.Thread(target=watch, name="nfproxy-manifests", daemon=True)
         self._thread.start()
+
+    def wait_polled(self, timeout: float) -> bool:
+        """Wait until every change made before this call has been judged: two polls started
+        after it have finished (the first sees a change, the second reads it once it held
+        still). For tests and tools that change files and must know the watcher has looked."""
+        with self._polled:
+            target = self._polls + 3
+            return self._polled.wait_for(lambda: self._polls >= target, timeout)
+
+    def problems(self) -> dict[str, str]:
+        """Files whose contents are not used as they are now (path: reason)."""
+        with self._lock:
+            return dict(self._problem_view)
 
     def snapshot(self) -> LoadResult:
         with self._lock:

@@ -83,6 +83,9 @@ class WatchSettings:
     # A watch that ends this soon with nothing delivered counts as a failure (backs off), so a
     # server that closes watches at once cannot drive us into a tight reconnect loop.
     min_watch_seconds: float = 1.0
+    # A relist that finds none of a kind the copy holds (an API server back from an outage with
+    # an empty or restored store) is believed only after it has stayed empty this long.
+    empty_grace: float = 30.0
 
     def backoff(self, failures: int, rng: random.Random) -> float:
         """Delay before attempt `failures + 1`: exponential, capped, with +-jitter."""
@@ -111,6 +114,10 @@ class _Gone(Exception):
 
 class _StreamError(Exception):
     """The watch stream said something we cannot follow (an ERROR event, a malformed line)."""
+
+
+class _EmptyRelistHeld(Exception):
+    """A relist came back empty while the copy holds objects: kept, and listed again later."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,6 +354,8 @@ class _Reflector:
         # bookmark as it arrives, so a stream cut mid-way resumes after the last one seen.
         self.version: str | None = None
         self._progress = False
+        self._empty_since: float | None = None
+        self.on_error: list[Callable[[str], None]] = []
         self.lists = 0
         self.watches = 0
         self.thread = threading.Thread(
@@ -436,6 +445,7 @@ class _Reflector:
             for item in items
             if isinstance(item, dict)
         ]
+        self._guard_empty_relist(objects)
         changed = self._cache.replace(self.kind, objects)
         self.lists += 1
         first = not self.synced.is_set()
@@ -444,6 +454,27 @@ class _Reflector:
         if changed or first:
             self._on_change()
         return version
+
+    def _guard_empty_relist(self, objects: list[dict[str, Any]]) -> None:
+        """Raise _EmptyRelistHeld (a failed list: retried with backoff, the copy kept) until an
+        empty relist of a kind we hold has stayed empty for `empty_grace`."""
+        held = self._cache.counts()[self.kind.kind]
+        if objects or self.kind is NODES or not self.synced.is_set() or not held:
+            self._empty_since = None
+            return
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+            for hook in self.on_error:
+                hook("api")
+        waited = now - self._empty_since
+        if waited < self._settings.empty_grace:
+            raise _EmptyRelistHeld(
+                f"relist found no {self.kind.plural} where {held} were: keeping them until it "
+                f"stays so for {self._settings.empty_grace:g}s ({waited:.0f}s so far)"
+            )
+        log.warning("%s: the relist has been empty for %.0fs: removing all %d", self.kind.plural, waited, held)
+        self._empty_since = None
 
     def _watch(self) -> bool:
         """Follow one watch request from `self.version`; True if the request was worth it
@@ -565,6 +596,10 @@ class KubeSource:
             self._reflector(NODES, core.list_node, f"metadata.name={node.name}"),
         )
         self._started = False
+        # The daemon counts held empty relists (nfproxy_source_errors_total{source="api"}).
+        self.on_error: list[Callable[[str], None]] = []
+        for reflector in self.reflectors:
+            reflector.on_error = self.on_error
 
     def _reflector(
         self, kind: _Kind, call: Callable[..., Any], field_selector: str | None = None

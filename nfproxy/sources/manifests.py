@@ -23,9 +23,11 @@ is noted where it is made.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,7 +55,15 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ZONE_LABEL = "topology.kubernetes.io/zone"
+# kube-proxy's informers select `!service-proxy-name,!headless` for Services and EndpointSlices:
+# the first hands an object to another proxy (any value), the second marks a headless service's
+# slices. Objects carrying either are not ours, whatever else is in them.
+SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+HEADLESS_LABEL = "service.kubernetes.io/headless"
+_NOT_OURS_LABELS = (SERVICE_PROXY_NAME_LABEL, HEADLESS_LABEL)
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+# No real manifest set comes near this; a symlink to a huge file must not exhaust memory.
+DEFAULT_MAX_BYTES = 16 * 2**20
 
 _SERVICE = ("v1", "Service")
 _SLICE = ("discovery.k8s.io/v1", "EndpointSlice")
@@ -71,6 +81,11 @@ T = TypeVar("T")
 
 class ManifestError(Exception):
     """Nothing usable could be read: the path is missing, or every file in it is unreadable."""
+
+
+class UnsafeFile(ManifestError):
+    """A manifest path that must not be read at all: a FIFO (reading blocks forever), a device
+    (`/dev/zero` never ends), a symlink loop, or a file over the size cap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,38 +162,77 @@ class _Document:
     item_sources: tuple[str, ...] = ()
 
 
-class _FileError(Exception):
-    def __init__(self, message: str, line: int | None = None):
+class FileProblem(Exception):
+    """One file cannot be used as a whole; `unsafe` when it must not even be opened."""
+
+    def __init__(self, path: Path, message: str, line: int | None = None, *, unsafe: bool = False):
         super().__init__(message)
+        self.path = path
         self.line = line
+        self.unsafe = unsafe
+
+    @property
+    def source(self) -> str:
+        return f"{self.path}:{self.line}" if self.line else str(self.path)
+
+    def error(self) -> ObjectError:
+        return ObjectError("", "", "", "", str(self), self.source)
 
 
-def load(path: str | os.PathLike[str], node: NodeConfig | None = None) -> LoadResult:
+@dataclass(frozen=True, slots=True)
+class ManifestFile:
+    """The documents of one file, as read (not yet validated)."""
+
+    path: Path
+    documents: tuple[_Document, ...]
+
+    @property
+    def objects(self) -> int:
+        """Top-level documents that are mappings: 0 for an empty, comment-only or scalar file."""
+        return sum(isinstance(d.obj, dict) for d in self.documents)
+
+
+def load(
+    path: str | os.PathLike[str],
+    node: NodeConfig | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> LoadResult:
     """Read a manifest file or a directory tree of them.
 
     A file that cannot be read or parsed is reported and left out as a whole (a half-read file
-    could hold a Service without its EndpointSlices); the other files are still used.
+    could hold a Service without its EndpointSlices); the other files are still used. A path that
+    must not be read at all (`UnsafeFile`: a FIFO, a device, a symlink loop, over `max_bytes`)
+    stops the load: a command must fail naming it rather than hang or render half a cluster.
     """
     root = Path(path)
-    if not root.exists():
-        raise ManifestError(f"{root}: no such file or directory")
-    files = [root] if root.is_file() else manifest_files(root)
+    try:
+        os.stat(root)
+    except FileNotFoundError:
+        raise ManifestError(f"{root}: no such file or directory") from None
+    except OSError as exc:
+        raise UnsafeFile(f"{root}: {_open_failure(exc)}") from None
+    files = manifest_files(root) if root.is_dir() else [root]
     if not files:
         raise ManifestError(f"{root}: no *.yaml, *.yml or *.json files found")
-    documents: list[_Document] = []
+    read: list[ManifestFile] = []
     file_errors: list[ObjectError] = []
-    read = 0
     for file in files:
         try:
-            documents.extend(_read_file(file))
-            read += 1
-        except _FileError as exc:
-            source = f"{file}:{exc.line}" if exc.line else str(file)
-            file_errors.append(ObjectError("", "", "", "", str(exc), source))
+            read.append(read_manifest(file, max_bytes))
+        except FileProblem as exc:
+            if exc.unsafe:
+                raise UnsafeFile(f"{exc.source}: {exc}") from None
+            file_errors.append(exc.error())
     if not read:
         raise ManifestError("nothing could be read: " + "; ".join(map(str, file_errors)))
-    result = _build(documents, node)
+    result = build(read, node)
     return LoadResult(result.state, tuple(file_errors) + result.errors)
+
+
+def build(files: Iterable[ManifestFile], node: NodeConfig | None = None) -> LoadResult:
+    """Validate the documents of files already read (in the order given) into one state."""
+    return _build((doc for f in files for doc in f.documents), node)
 
 
 def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> LoadResult:
@@ -210,13 +264,76 @@ def _one_line(text: str, limit: int = 200) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _read_file(path: Path) -> list[_Document]:
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open_failure(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "symlink loop (too many levels of symbolic links)"
+    return f"cannot read: {exc.strerror}"
+
+
+def read_bytes(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The contents of a regular file of at most `max_bytes`, following symlinks.
+
+    The type is checked before opening (opening some devices has side effects) and again on the
+    open descriptor (the path may be swapped in between); O_NONBLOCK makes even that open of a
+    FIFO return at once instead of waiting for a writer.
+    """
     try:
-        text = path.read_text(encoding="utf-8")
+        before = os.stat(path)
+    except OSError as exc:
+        raise FileProblem(path, _open_failure(exc), unsafe=exc.errno == errno.ELOOP) from None
+    if not stat.S_ISREG(before.st_mode):
+        raise FileProblem(path, f"{_file_type(before.st_mode)}, not a regular file: not read", unsafe=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FileProblem(path, _open_failure(exc), unsafe=exc.errno == errno.ELOOP) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileProblem(path, f"{_file_type(st.st_mode)}, not a regular file: not read", unsafe=True)
+        try:
+            data = f.read(max_bytes + 1) if st.st_size <= max_bytes else b""
+        except OSError as exc:
+            raise FileProblem(path, _open_failure(exc)) from None
+    if st.st_size > max_bytes or len(data) > max_bytes:
+        raise FileProblem(
+            path, f"larger than the {max_bytes}-byte limit (--max-manifest-bytes): not read", unsafe=True
+        )
+    return data
+
+
+def read_manifest(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> ManifestFile:
+    """One file's documents; raises FileProblem naming the file (and line) when it cannot be."""
+    try:
+        return ManifestFile(path, tuple(_read_file(path, read_bytes(path, max_bytes))))
+    except _FileError as exc:
+        raise FileProblem(path, str(exc), exc.line) from None
+
+
+class _FileError(Exception):
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line
+
+
+def _read_file(path: Path, data: bytes) -> list[_Document]:
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _FileError(f"not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise _FileError(f"cannot read: {exc.strerror}") from None
     try:
         if path.suffix == ".json":
             return [_Document(json.loads(text), f"{path}:1")]
@@ -897,6 +1014,15 @@ def _objects(
             yield item, source
 
 
+def _not_ours(obj: dict[str, Any]) -> str | None:
+    """The label (of `_NOT_OURS_LABELS`) that excludes the object, as a label selector would."""
+    meta = obj.get("metadata")
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    if not isinstance(labels, dict):
+        return None
+    return next((label for label in _NOT_OURS_LABELS if label in labels), None)
+
+
 def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
     kind, api_version = obj.get("kind"), obj.get("apiVersion")
     if kind is None:
@@ -904,6 +1030,9 @@ def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
         return
     if not isinstance(kind, str) or kind not in _GROUPS:
         log.debug("%s: ignoring object of kind %s", source or "object", show(kind))
+        return
+    if kind != "Node" and (label := _not_ours(obj)) is not None:
+        log.debug("%s: %s labelled %s: left to another proxy", source or "object", kind, label)
         return
     r = _Report(kind, obj, source, into.errors)
     if (api_version, kind) not in (_SERVICE, _SLICE, _NODE):

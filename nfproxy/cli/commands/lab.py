@@ -335,7 +335,8 @@ def run(args: argparse.Namespace) -> int:
     manifests = args.manifests or default_manifests()
     state = load_manifests(args, manifests)
     bar = ProgressBar(sys.stderr, enabled=sys.stderr.isatty() and not args.json)
-    previous = signal.signal(signal.SIGTERM, _on_term)
+    # SIGHUP too (the terminal went away): every way of stopping it cleans up.
+    previous = {sig: signal.signal(sig, _on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         report = lab.run(state, backends=backends, connections=args.connections, progress=bar)
     except lab.LabError as exc:
@@ -347,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
         print("nfproxy lab: interrupted; every namespace it made is removed", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     bar.clear()
     if args.plot:
         plot(report, args.plot)

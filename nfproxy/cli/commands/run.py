@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from nfproxy.cli import conntrack_sysctls
-from nfproxy.cli.config import FlagError, add_node_flags, duration, node_config_from_args
+from nfproxy.cli.config import FlagError, add_node_flags, byte_size, duration, node_config_from_args
 from nfproxy.cli.feature_gates import parse_feature_gates
 from nfproxy.cli.flag_types import go_bool
 
@@ -34,6 +34,7 @@ def backend_of(mode: str) -> str:
 
 def _source(args: argparse.Namespace) -> Source:
     node = node_config_from_args(args)
+    grace = duration("--empty-source-grace", args.empty_source_grace)
     kube = bool(getattr(args, "kubeconfig", None) or getattr(args, "master", None))
     if args.manifests and kube:
         raise FlagError("--manifests: cannot be combined with --kubeconfig or --master")
@@ -42,10 +43,12 @@ def _source(args: argparse.Namespace) -> Source:
 
         if not os.path.exists(args.manifests):
             raise FlagError(f"--manifests: no such file or directory: {args.manifests}")
-        return ManifestSource(args.manifests, node)
+        return ManifestSource(args.manifests, node, empty_grace=grace,
+                              max_bytes=byte_size("--max-manifest-bytes", args.max_manifest_bytes))
     from nfproxy.cli.kube_flags import source_from_args
+    from nfproxy.sources.kube import WatchSettings
 
-    return source_from_args(args)
+    return source_from_args(args, WatchSettings(empty_grace=grace))
 
 
 def sync_periods(args: argparse.Namespace) -> tuple[float, float]:
@@ -126,6 +129,17 @@ def run(args: argparse.Namespace) -> int:
         raise FlagError(f"--netns: no network namespace named {args.netns!r} (see `ip netns list`)")
     if args.cleanup:
         return _cleanup(args)
+    from nfproxy.kernel import lock
+
+    owner = lock.acquire(args.backend, args.netns)  # NamespaceTaken: exit 1, nothing touched
+    try:
+        return _run(args, settings, min_sync, sync_period)
+    finally:
+        owner.release()
+
+
+def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings,
+         min_sync: float, sync_period: float) -> int:
     conntrack_sysctls.apply(settings, args.netns)
     if args.init_only:
         return 0
@@ -215,6 +229,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the effective configuration, defaults filled in, to FILE and exit")
     src = p.add_argument_group("source")
     src.add_argument("--manifests", metavar="PATH", help="a YAML file or directory, re-read on change")
+    src.add_argument("--empty-source-grace", default="30s", metavar="DURATION",
+                     help="apply a source that turned empty (no service at all) only after it "
+                     "stays so this long (default 30s)")
+    src.add_argument("--max-manifest-bytes", default="16Mi", metavar="SIZE",
+                     help="larger manifest files are not read (default 16Mi)")
     from nfproxy.cli.kube_flags import add_kube_flags
 
     add_kube_flags(src)
