@@ -7,7 +7,9 @@ the xtables lock, leaving every chain nfproxy does not own untouched.
 from __future__ import annotations
 
 import enum
+import re
 
+from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
 from nfproxy.core.model import IPFamily
 
@@ -53,6 +55,9 @@ def _detect(netns: str | None) -> Flavour:
     return Flavour.LEGACY if "legacy" in version else Flavour.NFT
 
 
+_NFACCT_NAME = re.compile(r"--nfacct-name\s+(\S+)")
+
+
 class IptablesRunner:
     def __init__(
         self, family: IPFamily, netns: str | None = None, flavour: Flavour | None = None
@@ -67,6 +72,12 @@ class IptablesRunner:
         find_tool(self.restore_cmd)
 
     def restore(self, payload: str, *, noflush: bool = True) -> None:
+        """Restore `payload`, creating first the nfacct counters its rules name (a rule
+        naming a missing counter fails the whole restore)."""
+        if "--nfacct-name" in payload:
+            counters = Nfacct(self.netns)
+            for name in sorted(set(_NFACCT_NAME.findall(payload))):
+                counters.ensure(name)
         argv = [self.restore_cmd, "-w", "5"]
         if noflush:
             argv.append("--noflush")

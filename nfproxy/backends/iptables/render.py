@@ -26,9 +26,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from nfproxy.backends import gc_paused
-from nfproxy.core.categorize import NoEndpoints, Routing, categorize
+from nfproxy.core.categorize import (
+    NoEndpoints,
+    PodMatch,
+    PodMatchKind,
+    Routing,
+    categorize,
+    firewall_sources,
+    nodeport_cidrs,
+    pod_match,
+)
 from nfproxy.core.model import (
-    MASQUERADE_MARK,
     ClusterState,
     Endpoint,
     IPFamily,
@@ -51,7 +59,8 @@ SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KU
 # kube-proxy drops per-endpoint comments past this many endpoints: they are ~40% of the bytes.
 LARGE_CLUSTER_ENDPOINTS = 1000
 
-_MARK = f"{MASQUERADE_MARK:#x}"
+# nfacct counter of the conntrack-INVALID drop (kube-proxy's metric reads it).
+INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
 _NODEPORTS_COMMENT = '"kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
 
 
@@ -313,18 +322,27 @@ def render(state: ClusterState, family: IPFamily) -> IptablesRules:
         return _render(state, family)
 
 
+def _pod_matches(match: PodMatch | None) -> tuple[str, str]:
+    """(if from a pod, if not from a pod) as iptables matches; ("", "") without a detector."""
+    if match is None:
+        return "", ""
+    if match.kind is PodMatchKind.CIDR:
+        return f"-s {match.value}", f"! -s {match.value}"
+    name = match.value + ("+" if match.kind is PodMatchKind.INTERFACE_PREFIX else "")
+    return f"-i {name}", f"! -i {name}"
+
+
 def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
     node = state.node
     v6 = family is IPFamily.V6
-    cidrs = node.cluster_cidrs_of(family)
-    pod_cidr = cidrs[0] if cidrs else ""
+    from_pod, not_from_pod = _pod_matches(pod_match(node, family))
     if node.masquerade_all:
         masq_match: str | None = ""
-    elif pod_cidr:
-        masq_match = f" ! -s {pod_cidr}"
+    elif not_from_pod:
+        masq_match = f" {not_from_pod}"
     else:
         masq_match = None
-    node_ips = [ipaddress.ip_address(ip) for ip in node.ips_of(family)]
+    mark = f"{node.masquerade_mark:#x}"
 
     # Same order as ClusterState.service_ports, but sorted on plain strings: the dataclass
     # comparison it uses costs more than the rest of a 10 000-service sort.
@@ -503,10 +521,10 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
                 # it had gone out to the load balancer and come back, i.e. by Cluster policy.
                 # The SVC chain exists: an externally accessible port with endpoints always has
                 # Cluster endpoints (ServicePort.uses_cluster_endpoints).
-                if pod_cidr:
+                if from_pod:
                     comment = quote_comment(f"pod traffic for {name} external destinations")
                     rules.append(
-                        f"-A {ext_chain} -m comment --comment {comment} -s {pod_cidr} -j {svc_chain}"
+                        f"-A {ext_chain} -m comment --comment {comment} {from_pod} -j {svc_chain}"
                     )
                 comment = quote_comment(f"masquerade LOCAL traffic for {name} external destinations")
                 rules.append(
@@ -524,18 +542,8 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
 
         if uses_fw:
             head = f"-A {fw_chain} -m comment --comment {lb_comment}"
-            allow_from_node = False
-            for cidr in svc.load_balancer_source_ranges:
-                if _family_of(cidr) is not family:
-                    continue
-                rules.append(f"{head} -s {cidr} -j {ext_chain}")
-                if not allow_from_node and node_ips:
-                    net = ipaddress.ip_network(cidr, strict=False)
-                    allow_from_node = any(ip in net for ip in node_ips)
-            # A VIP bound locally makes node -> VIP traffic arrive with the VIP as its source.
-            if allow_from_node:
-                for lbip in lb_ips:
-                    rules.append(f"{head} -s {lbip} -j {ext_chain}")
+            for source in firewall_sources(svc, node):
+                rules.append(f"{head} -s {source} -j {ext_chain}")
             comment = quote_comment(
                 f"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL"
             )
@@ -567,43 +575,16 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
                 rules.append(f"-A {sep}{sep_comment}{dnat}{addr}")
 
     # Finally the tail-call to the node ports: it must stay the last rule of KUBE-SERVICES.
-    nodeport_cidrs = node.nodeport_addresses_of(family)
-    not_loopback = " ! -d ::1/128" if v6 else " ! -d 127.0.0.0/8"
-    if not nodeport_cidrs:
-        n_services.append(
-            f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
-            f" -m addrtype --dst-type LOCAL{not_loopback} -j KUBE-NODEPORTS"
-        )
-    else:
-        # One rule takes one -d: iptables-restore refuses "-d CIDR ! -d 127.0.0.0/8". Loopback is
-        # excluded by a RETURN in front when some CIDR reaches into it, else it cannot match.
-        loopback = ipaddress.ip_network("::1/128" if v6 else "127.0.0.0/8")
-        if any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in nodeport_cidrs):
-            n_services.append(f"-A KUBE-SERVICES -d {loopback} -j RETURN")
-        for cidr in nodeport_cidrs:
-            n_services.append(
-                f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
-                f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
-            )
-
-    f_forward.append("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP")
-    f_forward.append(
-        f'-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
-        f" -m mark --mark {_MARK}/{_MARK} -j ACCEPT"
-    )
-    f_forward.append(
-        '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule"'
-        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
-    )
-
+    n_services.extend(_nodeports_tail(node.localhost_nodeports, nodeport_cidrs(node, family, primary_by_default=False), v6))
+    f_forward.extend(_forward_rules(node.drop_invalid, mark))
     postrouting = [
-        f"-A KUBE-POSTROUTING -m mark ! --mark {_MARK}/{_MARK} -j RETURN",
+        f"-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN",
         # Clear the mark so a packet that re-traverses the stack is not masqueraded twice.
-        f"-A KUBE-POSTROUTING -j MARK --xor-mark {_MARK}",
+        f"-A KUBE-POSTROUTING -j MARK --xor-mark {mark}",
         '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT"'
         " -j MASQUERADE --random-fully",
     ]
-    mark_masq = [f"-A KUBE-MARK-MASQ -j MARK --or-mark {_MARK}"]
+    mark_masq = [f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}"]
 
     filter_table = {
         KUBE_SERVICES: f_services,
@@ -619,6 +600,54 @@ def _render(state: ClusterState, family: IPFamily) -> IptablesRules:
         KUBE_MARK_MASQ: mark_masq,
     }
     return IptablesRules(family, filter_table, nat_table, service_chains)
+
+
+def _nodeports_tail(localhost: bool, cidrs: tuple[str, ...], v6: bool) -> list[str]:
+    """The tail-call to KUBE-NODEPORTS. IPv4 loopback takes node ports only with
+    localhost node ports on (kube-proxy's default, which needs route_localnet); IPv6 never."""
+    out: list[str] = []
+    if v6:
+        not_loopback = " ! -d ::1/128"
+    else:
+        not_loopback = "" if localhost else " ! -d 127.0.0.0/8"
+    if not cidrs:
+        out.append(
+            f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
+            f" -m addrtype --dst-type LOCAL{not_loopback} -j KUBE-NODEPORTS"
+        )
+        return out
+    # One rule takes one -d: iptables-restore refuses "-d CIDR ! -d 127.0.0.0/8". Loopback is
+    # excluded by a RETURN in front when some CIDR reaches into it, else it cannot match.
+    loopback = ipaddress.ip_network("::1/128" if v6 else "127.0.0.0/8")
+    if not_loopback and any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in cidrs):
+        out.append(f"-A KUBE-SERVICES -d {loopback} -j RETURN")
+    for cidr in cidrs:
+        out.append(
+            f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
+            f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
+        )
+    return out
+
+
+def _forward_rules(drop_invalid: bool, mark: str) -> list[str]:
+    """KUBE-FORWARD. The INVALID drop is counted by an nfacct object (created by the kernel
+    layer before the restore) and left out when nf_conntrack_tcp_be_liberal is set, as
+    kube-proxy does."""
+    rules = []
+    if drop_invalid:
+        rules.append(
+            "-A KUBE-FORWARD -m conntrack --ctstate INVALID"
+            f" -m nfacct --nfacct-name {INVALID_DROP_COUNTER} -j DROP"
+        )
+    rules.append(
+        f'-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
+        f" -m mark --mark {mark}/{mark} -j ACCEPT"
+    )
+    rules.append(
+        '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule"'
+        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    )
+    return rules
 
 
 def _select(
