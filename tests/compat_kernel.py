@@ -132,7 +132,8 @@ def sandbox_spec(scenario: Scenario) -> SandboxSpec:
         for e in eps:
             servers[e.ip].add((e.port, proto.lower))
     for probe in scenario.probes:
-        if probe.expect.verdict == "accept" and probe.proto != "sctp" and not probe.exact_only:
+        accepted = any(probe.expect_for(b).verdict == "accept" for b in ("iptables", "nft"))
+        if accepted and probe.proto != "sctp" and not probe.exact_only:
             servers[probe.dst].add((probe.port, probe.proto))
     return SandboxSpec.of(
         node_ips=state.node.ips,
@@ -195,7 +196,7 @@ def _masquerade_problems(
     return []
 
 
-def _judge(sb: Sandbox, scenario: Scenario, probe: Probe) -> ProbeResult:
+def _judge(sb: Sandbox, scenario: Scenario, probe: Probe, backend: str) -> ProbeResult:
     if probe.exact_only:
         return ProbeResult(probe, not_sent=probe.exact_only)
     if probe.proto == "sctp":
@@ -205,7 +206,7 @@ def _judge(sb: Sandbox, scenario: Scenario, probe: Probe) -> ProbeResult:
     names = _client_names(scenario)
     client = NODE if probe.src == NODE else names.get(probe.src, probe.src)
     own = _client_address(sb, client, probe)
-    expect = probe.expect
+    expect = probe.expect_for(backend)
     problems: list[str] = []
     p_value: float | None = None
 
@@ -292,7 +293,7 @@ def run_scenario(
     try:
         with Sandbox(sandbox_spec(scenario)) as sb:
             _apply(scenario.state, backend, sb.node_ns, flavour)
-            results = tuple(_judge(sb, scenario, probe) for probe in scenario.probes)
+            results = tuple(_judge(sb, scenario, probe, backend) for probe in scenario.probes)
     except Exception as exc:  # noqa: BLE001 - reported per scenario, the others still run
         return ScenarioResult(
             scenario.name, backend, (), time.monotonic() - started, f"{type(exc).__name__}: {exc}"

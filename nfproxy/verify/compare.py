@@ -11,6 +11,12 @@ Equivalent means: for every probe, the same outcomes (verdict, endpoint, masquer
 equal probabilities in ideal mode and within 1e-9 of each other in kernel mode (the two kernels'
 quantisations genuinely differ by that much).
 
+Documented differences: where upstream's two modes differ, ours differ the same way, and a
+probe says so (`Probe.nft_only`): kube-proxy's nftables mode rejects traffic to a cluster IP on
+a port no service uses and drops traffic to an unallocated address of the service CIDRs; its
+iptables mode leaves both alone. Such a probe passes when each backend does exactly its own
+upstream thing (docs/semantics.md lists the differences).
+
 Public API: `compare(state) -> Comparison`; `probes(state, family)`; `ProbeResult`.
 """
 
@@ -39,6 +45,9 @@ class Probe:
     service: str
     traffic: str  # e.g. "cluster IP from pod"
     packet: Packet
+    # The nft verdict of a documented difference ("reject", "drop"); iptables leaves the
+    # packet alone. "" for every ordinary probe.
+    nft_only: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +60,34 @@ class ProbeResult:
 
     @property
     def max_difference(self) -> Fraction:
+        """Largest probability difference; a documented difference that holds counts as none."""
+        if self.documented:
+            return Fraction(0)
         keys = set(self.iptables) | set(self.nft)
         return max((abs(self.iptables.get(k, Fraction(0)) - self.nft.get(k, Fraction(0))) for k in keys), default=Fraction(0))
 
     @property
     def total_variation(self) -> Fraction:
+        if self.documented:
+            return Fraction(0)
         keys = set(self.iptables) | set(self.nft)
         return sum((abs(self.iptables.get(k, Fraction(0)) - self.nft.get(k, Fraction(0))) for k in keys), Fraction(0)) / 2
 
     @property
+    def documented(self) -> bool:
+        """A documented difference, and both backends behave as documented."""
+        want = self.probe.nft_only
+        if not want:
+            return False
+        return all(
+            all(o.verdict == want for o in nft) and all(o.verdict == "accept" for o in ipt)
+            for nft, ipt in ((self.nft, self.iptables), (self.nft_ideal, self.iptables_ideal))
+        )
+
+    @property
     def equivalent(self) -> bool:
+        if self.probe.nft_only:
+            return self.documented
         return (
             set(self.iptables) == set(self.nft)
             and self.iptables_ideal == self.nft_ideal
@@ -150,6 +177,34 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
             yield from emit(f"LB IP {ip}", ip, svc.port, srcs)
 
 
+UNUSED_PORT = "unused port of cluster IP"
+UNALLOCATED = "unallocated address of service CIDR"
+
+
+def documented_probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
+    """Probes of the documented nft/iptables differences (see the module docstring)."""
+    node = state.node
+    pods = node.cluster_cidrs_of(family)
+    src, origin = (_inside(pods[0]), "pod") if pods else (_outside(state, family, []), "outside")
+    if src is None:
+        return
+    used: dict[str, set[int]] = {}
+    for svc, _ in state.service_ports(family):
+        used.setdefault(svc.cluster_ip, set()).update((svc.port, svc.node_port))
+    for ip, ports in used.items():
+        port = next(p for p in range(1, 65536) if p not in ports)
+        yield Probe(ip, f"{UNUSED_PORT} from {origin}", Packet(src, ip, port, "tcp", origin), "reject")  # type: ignore[arg-type]
+    for cidr in node.service_cidrs_of(family):
+        net = ipaddress.ip_network(cidr, strict=False)
+        if net.num_addresses < 4:
+            continue
+        for offset in range(2, min(net.num_addresses - 1, 1 << 16)):
+            addr = str(net.broadcast_address - offset)
+            if addr not in used:
+                yield Probe(cidr, f"{UNALLOCATED} from {origin}", Packet(src, addr, 80, "tcp", origin), "drop")  # type: ignore[arg-type]
+                break
+
+
 def _of(ips: tuple[str, ...], family: IPFamily) -> list[str]:
     return [ip for ip in ips if (":" in ip) == (family is IPFamily.V6)]
 
@@ -183,7 +238,7 @@ def compare(state: ClusterState) -> Comparison:
             ipt = iptables_ruleset(state, family)
             nft = nft_ruleset(state, family, session)
             node_ips = state.node.ips_of(family)
-            for probe in probes(state, family):
+            for probe in (*probes(state, family), *documented_probes(state, family)):
                 results.append(
                     ProbeResult(
                         probe,

@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
         proxier = Proxier(args.backend, netns=args.netns, flavour=Flavour(args.iptables_flavour))
     source = _source(args)
+    from nfproxy.daemon.localhost import prepare
+
+    prepare(args.backend, node_config_from_args(args), args.netns)
     daemon = Daemon(source, config, proxier)
     if args.once:
         if not source.ready():
