@@ -8,9 +8,9 @@ behaviour, and an `iptables-save` that people already know how to read. Delibera
   prints both the same way, and one quoting rule is easier to keep safe (see quote_comment);
 - `nodeport_addresses` CIDRs are matched in the kernel (`-d CIDR -m addrtype --dst-type LOCAL`)
   instead of being resolved to node IPs at sync time;
-- what kube-proxy decides from the host is fixed here: `MASQUERADE --random-fully` is always
-  used, the conntrack-INVALID drop is always written (kube-proxy omits it when
-  nf_conntrack_tcp_be_liberal is set), and there is no KUBE-FIREWALL localnet rule or
+- what kube-proxy decides from the host comes in through NodeConfig (`drop_invalid`: no
+  conntrack-INVALID drop when nf_conntrack_tcp_be_liberal is set) or is fixed here:
+  `MASQUERADE --random-fully` is always used, and there is no KUBE-FIREWALL localnet rule or
   KUBE-PROXY-CANARY chain (kubelet's and the flush monitor's business, not the model's);
 - built-in-chain jumps are data (`JUMPS`), not `iptables -C/-I` calls: the kernel layer owns that.
 
@@ -305,15 +305,13 @@ def _family_of(addr: str) -> IPFamily:
 def render(state: ClusterState, family: IPFamily) -> IptablesRules:
     """Render one family's rules: kube-proxy's syncProxyRules minus the kernel calls.
 
-    Masquerading of cluster-IP traffic uses the *first* cluster CIDR of the family, like
-    kube-proxy's `--cluster-cidr` local detector (one CIDR per family; iptables cannot negate
-    a list of sources in one rule). With no CIDR and no masquerade-all, no masquerade rule is
-    written and the eTP=Local pod short-circuit is omitted, as kube-proxy does with no detector.
+    "From a pod" is core's `pod_match` (kube-proxy's local detector: the first pod CIDR of the
+    family, or an interface). With no detector and no masquerade-all, no masquerade rule is
+    written and the eTP=Local pod short-circuit is omitted, as kube-proxy does.
 
-    Node ports: with no `nodeport_addresses` for the family, KUBE-SERVICES ends with kube-proxy's
-    `-m addrtype --dst-type LOCAL` jump, excluding loopback (127.0.0.0/8, ::1) in every case:
-    kube-proxy's iptables mode with `--iptables-localhost-nodeports=false`, and what its (and our)
-    nftables mode does, so that both backends accept node ports on the same addresses.
+    Node ports: with no node-port CIDRs for the family, KUBE-SERVICES ends with kube-proxy's
+    `-m addrtype --dst-type LOCAL` jump; IPv6 loopback is always excluded, IPv4 loopback only
+    with `localhost_nodeports` off (kube-proxy's `--iptables-localhost-nodeports`, default on).
     With CIDRs, kube-proxy resolves them to node IPs at sync time; nfproxy instead writes one
     `-d CIDR -m addrtype --dst-type LOCAL` rule per CIDR, so the kernel does the resolving and an
     address change needs no resync.
