@@ -724,3 +724,14 @@ def node(name: str, *, zone: str = "", ips: list[str] | None = None,
     if pod_cidr:
         obj["spec"] = {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]}
     return obj
+
+
+def service_cidr(name: str, cidrs: list[str]) -> dict[str, Any]:
+    """A ServiceCIDR (networking.k8s.io/v1): cluster-scoped, spec.cidrs one per family."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": name},
+        "spec": {"cidrs": list(cidrs)},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+    }

@@ -93,18 +93,16 @@ def test_interface_detectors_are_spelled_by_both_backends(
     assert pod_match(node, V6) == pod_match(node, V4)
 
 
-def test_node_cidr_mode_uses_the_node_objects_pod_cidrs() -> None:
-    node = NodeConfig(name="node-a", cluster_cidrs=("10.0.0.0/8",), pod_cidrs=("10.244.3.0/24",),
-                      detect_local_mode=LocalMode.NODE_CIDR)
-    assert pod_match(node, V4) == PodMatch(PodMatchKind.CIDR, "10.244.3.0/24")
-    assert pod_match(NodeConfig(detect_local_mode=LocalMode.NODE_CIDR), V4) is None
-
-
-def test_node_object_fills_pod_cidrs() -> None:
+def test_node_cidr_mode_takes_the_node_objects_pod_cidrs_over_the_flag() -> None:
     node_obj = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
                 "spec": {"podCIDRs": ["10.244.3.0/24"]}}
-    got = load_objects([node_obj], NodeConfig(name="node-a", cluster_cidrs=("10.0.0.0/8",))).state.node
-    assert got.pod_cidrs == ("10.244.3.0/24",) and got.cluster_cidrs == ("10.0.0.0/8",)
+    flags = NodeConfig(name="node-a", cluster_cidrs=("10.0.0.0/8",))
+    assert load_objects([node_obj], flags).state.node.cluster_cidrs == ("10.0.0.0/8",)
+    node_mode = NodeConfig(name="node-a", cluster_cidrs=("10.0.0.0/8",), detect_local_mode=LocalMode.NODE_CIDR)
+    got = load_objects([node_obj], node_mode).state.node
+    assert pod_match(got, V4) == PodMatch(PodMatchKind.CIDR, "10.244.3.0/24")
+    # No Node object (yet): the flag's CIDR, rather than no detector at all.
+    assert load_objects([], node_mode).state.node.cluster_cidrs == ("10.0.0.0/8",)
 
 
 # --------------------------------------------------------------------------------------------

@@ -198,7 +198,8 @@ def pod_match(node: NodeConfig, family: IPFamily) -> PodMatch | None:
 
     As kube-proxy: ClusterCIDR and NodeCIDR take the *first* CIDR of the family (kube-proxy
     accepts one per family; one CIDR is also all a single iptables rule can negate), the
-    interface modes hold for both families.
+    interface modes hold for both families. Under NodeCIDR the sources put the Node object's
+    spec.podCIDRs into `cluster_cidrs` (sources.manifests.merge_node).
     """
     mode = node.detect_local_mode
     if mode is LocalMode.BRIDGE_INTERFACE:
@@ -206,7 +207,7 @@ def pod_match(node: NodeConfig, family: IPFamily) -> PodMatch | None:
     if mode is LocalMode.INTERFACE_NAME_PREFIX:
         prefix = node.pod_interface_name_prefix
         return PodMatch(PodMatchKind.INTERFACE_PREFIX, prefix) if prefix else None
-    cidrs = node.pod_cidrs_of(family) if mode is LocalMode.NODE_CIDR else node.cluster_cidrs_of(family)
+    cidrs = node.cluster_cidrs_of(family)
     return PodMatch(PodMatchKind.CIDR, cidrs[0]) if cidrs else None
 
 

@@ -161,8 +161,6 @@ class NodeConfig:
     detect_local_mode: LocalMode = LocalMode.CLUSTER_CIDR
     pod_bridge_interface: str = ""
     pod_interface_name_prefix: str = ""
-    # The Node object's spec.podCIDRs (NodeCIDR local detection).
-    pod_cidrs: tuple[str, ...] = ()
     # False when nf_conntrack_tcp_be_liberal is set: no conntrack-INVALID drop is written.
     drop_invalid: bool = True
     # Service CIDRs (ServiceCIDR objects or --service-cluster-ip-range): the nft backend drops
@@ -186,9 +184,6 @@ class NodeConfig:
             for c in self.nodeport_addresses
             if c != NODEPORT_PRIMARY and (":" in c) == (family is IPFamily.V6)
         )
-
-    def pod_cidrs_of(self, family: IPFamily) -> tuple[str, ...]:
-        return tuple(c for c in self.pod_cidrs if (":" in c) == (family is IPFamily.V6))
 
     def service_cidrs_of(self, family: IPFamily) -> tuple[str, ...]:
         return tuple(c for c in self.service_cidrs if (":" in c) == (family is IPFamily.V6))

@@ -38,6 +38,7 @@ from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
+    LocalMode,
     NodeConfig,
     Protocol,
     ServicePort,
@@ -133,9 +134,15 @@ def merge_node(given: NodeConfig | None, found: NodeInfo | None) -> NodeConfig:
         name=given.name or found.name,
         zone=given.zone or found.zone,
         ips=given.ips or found.ips,
-        cluster_cidrs=given.cluster_cidrs or found.pod_cidrs,
-        pod_cidrs=given.pod_cidrs or found.pod_cidrs,
+        cluster_cidrs=_pod_cidrs(given, found),
     )
+
+
+def _pod_cidrs(given: NodeConfig, found: NodeInfo) -> tuple[str, ...]:
+    """--detect-local-mode=NodeCIDR means the Node's own pod CIDRs, even over --cluster-cidr."""
+    if given.detect_local_mode is LocalMode.NODE_CIDR:
+        return found.pod_cidrs or given.cluster_cidrs
+    return given.cluster_cidrs or found.pod_cidrs
 
 
 # --------------------------------------------------------------------------------------------
