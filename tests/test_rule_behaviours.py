@@ -314,3 +314,27 @@ def test_bad_service_cidr_names_object_and_field() -> None:
     assert result.state.node.service_cidrs == ()
     wrong = dict(_service_cidr("v", "10.96.0.0/28"), apiVersion="networking.k8s.io/v2")
     assert "not supported" in str(load_objects([wrong]).errors[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream's localhost node-port flow (iptables TestNodePorts), exactly, through the interpreter
+
+
+def test_localhost_to_node_port_is_masqueraded_to_every_endpoint_exactly() -> None:
+    from fractions import Fraction
+
+    from nfproxy.analysis.interpret import Packet, interpret
+    from nfproxy.verify.compare import iptables_ruleset
+
+    node = NodeConfig(name="node-a", ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+    svc = ServicePort(_spn(), V4, ServiceType.NODE_PORT, "172.30.0.41", 80, node_port=3001)
+    state = _state(node, svc)
+    packet = Packet("127.0.0.1", "127.0.0.1", 3001, "tcp", "node")
+    dist = interpret(iptables_ruleset(state, V4), packet, node_ips=node.ips, mode="ideal")
+    assert {(o.verdict, o.endpoint, o.masquerade): p for o, p in dist.items()} == {
+        ("dnat", "10.180.0.1:80", True): Fraction(1, 2),
+        ("dnat", "10.180.2.1:80", True): Fraction(1, 2),
+    }
+    off = _state(NodeConfig(name="node-a", ips=("192.168.0.2",), localhost_nodeports=False), svc)
+    dist = interpret(iptables_ruleset(off, V4), packet, node_ips=node.ips, mode="ideal")
+    assert {o.verdict for o in dist} == {"accept"}

@@ -196,3 +196,19 @@ def test_nft_rejects_unused_ports_and_drops_unallocated_cluster_ips() -> None:
         assert proxier.sync(_state(node, _nodeport(), second)).kind == "partial"
         assert sb.connect("pod", "10.96.0.50", 80, "tcp", 1)[0].ok
         assert [o.kind for o in sb.connect("pod", "10.96.0.50", 81, "tcp", 1)] == ["refused"]
+
+
+def test_nft_leaves_localhost_node_ports_alone_exactly() -> None:
+    """The same flow on the nft backend (read back from the kernel): untouched, as upstream's
+    nftables mode, whatever --iptables-localhost-nodeports says."""
+    from nfproxy.analysis.interpret import Packet, interpret
+    from nfproxy.verify.compare import nft_ruleset
+
+    node = NodeConfig(name="node-a", ips=(NODE_IP,), cluster_cidrs=("10.0.0.0/8",))
+    state = _state(node, _nodeport())
+    with netns_mod.throwaway("nfp-h2") as ns:
+        rs = nft_ruleset(state, V4, NftSession(ns))
+    dist = interpret(rs, Packet("127.0.0.1", "127.0.0.1", 30080, "tcp", "node"), node_ips=node.ips, mode="ideal")
+    assert {o.verdict for o in dist} == {"accept"}
+    dist = interpret(rs, Packet(NODE_IP, NODE_IP, 30080, "tcp", "node"), node_ips=node.ips, mode="ideal")
+    assert {o.endpoint for o in dist} == {f"{EP_LOCAL}:8080", f"{EP_REMOTE}:8080"}
