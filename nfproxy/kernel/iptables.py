@@ -7,7 +7,6 @@ the xtables lock, leaving every chain nfproxy does not own untouched.
 from __future__ import annotations
 
 import enum
-import re
 
 from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
@@ -55,7 +54,20 @@ def _detect(netns: str | None) -> Flavour:
     return Flavour.LEGACY if "legacy" in version else Flavour.NFT
 
 
-_NFACCT_NAME = re.compile(r"--nfacct-name\s+(\S+)")
+_NFACCT = "--nfacct-name"
+
+
+def _nfacct_names(payload: str) -> list[str]:
+    """The counters a payload's rules name. str.find, not a regex over the whole text: a large
+    cluster's payload is tens of megabytes and names a counter once."""
+    names: set[str] = set()
+    pos = payload.find(_NFACCT)
+    while pos >= 0:
+        rest = payload[pos + len(_NFACCT) : pos + len(_NFACCT) + 64].split(None, 1)
+        if rest:
+            names.add(rest[0])
+        pos = payload.find(_NFACCT, pos + 1)
+    return sorted(names)
 
 
 class IptablesRunner:
@@ -74,9 +86,10 @@ class IptablesRunner:
     def restore(self, payload: str, *, noflush: bool = True) -> None:
         """Restore `payload`, creating first the nfacct counters its rules name (a rule
         naming a missing counter fails the whole restore)."""
-        if "--nfacct-name" in payload:
+        names = _nfacct_names(payload)
+        if names:
             counters = Nfacct(self.netns)
-            for name in sorted(set(_NFACCT_NAME.findall(payload))):
+            for name in names:
                 counters.ensure(name)
         argv = [self.restore_cmd, "-w", "5"]
         if noflush:
