@@ -144,6 +144,7 @@ def test_iptables_accepts_node_ports_on_localhost_by_default() -> None:
 def test_localhost_node_ports_off_or_unsupported(backend: str, localhost: bool) -> None:
     node = NodeConfig(name="node-a", ips=(NODE_IP,), cluster_cidrs=("10.244.0.0/16",), localhost_nodeports=localhost)
     with Sandbox(_spec()) as sb:
+        sysctl.ensure(ROUTE_LOCALNET, 0, sb.node_ns)  # a new namespace may inherit the host's
         prepare(backend, node, sb.node_ns)
         assert sysctl.read(ROUTE_LOCALNET, sb.node_ns) == "0"
         Proxier(backend, netns=sb.node_ns).sync(_state(node, _nodeport()))
