@@ -338,3 +338,21 @@ def test_localhost_to_node_port_is_masqueraded_to_every_endpoint_exactly() -> No
     off = _state(NodeConfig(name="node-a", ips=("192.168.0.2",), localhost_nodeports=False), svc)
     dist = interpret(iptables_ruleset(off, V4), packet, node_ips=node.ips, mode="ideal")
     assert {o.verdict for o in dist} == {"accept"}
+
+
+def test_route_localnet_is_needed_only_for_iptables_localhost_node_ports(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from nfproxy.daemon.localhost import needs_route_localnet, prepare
+
+    assert needs_route_localnet("iptables", NodeConfig())
+    assert needs_route_localnet("iptables", NodeConfig(nodeport_addresses=("127.0.0.0/16",)))
+    assert not needs_route_localnet("iptables", NodeConfig(nodeport_addresses=("192.168.0.0/24",)))
+    assert not needs_route_localnet("iptables", NodeConfig(nodeport_addresses=("primary",), ips=("192.168.0.2",)))
+    assert not needs_route_localnet("iptables", NodeConfig(localhost_nodeports=False))
+    assert not needs_route_localnet("nft", NodeConfig())
+    with caplog.at_level(logging.INFO, logger="nfproxy.daemon"):
+        prepare("nft", NodeConfig(), None)  # logs only: the nft backend sets no sysctl
+        prepare("nft", NodeConfig(localhost_nodeports=False), None)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "localhost NodePorts are not supported" in said[0]
