@@ -2,10 +2,12 @@
 
 No kube-apiserver can run on the test machines, and a mock of the `kubernetes` package would test
 nothing but the mock. This server speaks the wire protocol the official client (and so
-`nfproxy.sources.kube`) talks, for Services, EndpointSlices (discovery.k8s.io/v1) and Nodes:
+`nfproxy.sources.kube`) talks, for Services, EndpointSlices (discovery.k8s.io/v1), Nodes and
+ServiceCIDRs (networking.k8s.io/v1, cluster-scoped):
 
 - **list**: `GET /api/v1/services`, `/api/v1/namespaces/NS/services`,
-  `/apis/discovery.k8s.io/v1/[namespaces/NS/]endpointslices`, `/api/v1/nodes`; a `*List` with
+  `/apis/discovery.k8s.io/v1/[namespaces/NS/]endpointslices`, `/api/v1/nodes`,
+  `/apis/networking.k8s.io/v1/servicecidrs`; a `*List` with
   `metadata.resourceVersion`, items without `kind`/`apiVersion` (as the real server sends them),
   `limit`/`continue` pagination over one consistent snapshot (an expired token is 410 Expired),
   `fieldSelector` (metadata.name, metadata.namespace) and equality `labelSelector`s.
@@ -60,11 +62,13 @@ RESOURCES = {
         Resource("endpointslices", "EndpointSlice", "discovery.k8s.io/v1",
                  "/apis/discovery.k8s.io/v1", True),
         Resource("nodes", "Node", "v1", "/api/v1", False),
+        Resource("servicecidrs", "ServiceCIDR", "networking.k8s.io/v1",
+                 "/apis/networking.k8s.io/v1", False),
     )
 }
 _BY_KIND = {r.kind: r for r in RESOURCES.values()}
 _ROUTE = re.compile(
-    r"^(?P<prefix>/api/v1|/apis/discovery\.k8s\.io/v1)"
+    r"^(?P<prefix>/api/v1|/apis/discovery\.k8s\.io/v1|/apis/networking\.k8s\.io/v1)"
     r"(?:/namespaces/(?P<namespace>[a-z0-9][-a-z0-9]*))?/(?P<plural>[a-z]+)/?$"
 )
 # How long a watch without timeoutSeconds may run (the real server picks a random 30-60 min).
@@ -720,3 +724,14 @@ def node(name: str, *, zone: str = "", ips: list[str] | None = None,
     if pod_cidr:
         obj["spec"] = {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]}
     return obj
+
+
+def service_cidr(name: str, cidrs: list[str]) -> dict[str, Any]:
+    """A ServiceCIDR (networking.k8s.io/v1): cluster-scoped, spec.cidrs one per family."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": name},
+        "spec": {"cidrs": list(cidrs)},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+    }

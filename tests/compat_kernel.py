@@ -117,7 +117,8 @@ def sandbox_spec(scenario: Scenario) -> SandboxSpec:
         for e in eps:
             servers[e.ip].add((e.port, proto.lower))
     for probe in scenario.probes:
-        if probe.expect.verdict == "accept" and probe.proto != "sctp" and not probe.exact_only:
+        accepted = any(probe.expect_for(b).verdict == "accept" for b in ("iptables", "nft"))
+        if accepted and probe.proto != "sctp" and not probe.exact_only:
             servers[probe.dst].add((probe.port, probe.proto))
     return SandboxSpec.of(
         node_ips=state.node.ips,
@@ -209,9 +210,10 @@ def _judge(sb: Sandbox, scenario: Scenario, probe: Probe, backend: str) -> Probe
         return ProbeResult(probe, {backend: Measured({}, {}, 0.0, (problem,))})
     client = NODE if probe.src == NODE else _client_names(scenario).get(probe.src, probe.src)
     sender = _Sender(sb, client, probe)
-    assert probe.expect is not None
+    expect = probe.expect_for(backend)
+    assert expect is not None
     started = time.monotonic()
-    outcomes, problems, p_value = _BY_VERDICT[probe.expect.verdict](sender, scenario, probe.expect)
+    outcomes, problems, p_value = _BY_VERDICT[expect.verdict](sender, scenario, expect)
     seen = Measured({}, observed(outcomes), time.monotonic() - started, tuple(problems), p_value)
     return ProbeResult(probe, {backend: seen})
 

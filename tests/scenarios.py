@@ -37,7 +37,7 @@ PROTOS = ("tcp", "udp", "sctp")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _TOP_KEYS = {"name", "description", "node", "objects", "probes"}
 _NODE_KEYS = {"name", "ips", "clusterCIDR", "zone", "masqueradeAll", "nodePortAddresses"}
-_PROBE_KEYS = {"src", "dst", "port", "proto", "expect", "exactOnly", "note"}
+_PROBE_KEYS = {"src", "dst", "port", "proto", "expect", "expectIptables", "exactOnly", "note"}
 _EXPECT_KEYS = {"uniform", "verdict", "masquerade"}
 _ENDPOINT = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<v4>[0-9.]+)):(?P<port>[0-9]{1,5})")
 
@@ -228,12 +228,17 @@ class _Reader:
             elif (":" in src) != (family == 6):
                 self.add(f"{field}.src", f"{src} and {dst} are of different IP families")
         expect = self.expect(f"{field}.expect", p.get("expect"), endpoints) if "expect" in p else None
+        expect_iptables = (
+            self.expect(f"{field}.expectIptables", p.get("expectIptables"), endpoints)
+            if "expectIptables" in p
+            else None
+        )
         if len(self.errors) > before:
             return None
         assert src is not None and dst is not None and port is not None and proto is not None
         assert expect is not None
         return Probe(src, dst, port, proto, origin_of(src, node), expect=expect,
-                     exact_only=exact_only.strip())
+                     exact_only=exact_only.strip(), expect_iptables=expect_iptables)
 
     def expect(self, field: str, raw: Any, endpoints: set[str]) -> Expect | None:
         e = self.mapping(field, raw, _EXPECT_KEYS, set())

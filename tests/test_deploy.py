@@ -1,5 +1,5 @@
 """deploy/: every manifest is a valid object for the `kubernetes` client's models, the RBAC grants
-exactly list and watch on services, endpointslices and nodes, and the DaemonSet's command line
+exactly list and watch on services, endpointslices, nodes and servicecidrs, and the DaemonSet's command line
 is one nfproxy itself accepts."""
 
 from __future__ import annotations
@@ -77,11 +77,14 @@ def _grants(role: Any) -> set[tuple[str, str, str]]:
     return grants
 
 
-def test_rbac_grants_exactly_list_and_watch_on_the_three_resources():
+def test_rbac_grants_exactly_list_and_watch_on_the_four_resources():
     role = one("ClusterRole")
     assert _grants(role) == {
         (group, resource, verb)
-        for group, resource in (("", "services"), ("", "nodes"), ("discovery.k8s.io", "endpointslices"))
+        for group, resource in (
+            ("", "services"), ("", "nodes"), ("discovery.k8s.io", "endpointslices"),
+            ("networking.k8s.io", "servicecidrs"),
+        )
         for verb in ("list", "watch")
     }
     assert not any("*" in g for g in _grants(role) for g in g)

@@ -35,7 +35,7 @@ from nfproxy.sources.kube import (
 )
 from nfproxy.cli.kube_flags import add_kube_flags, source_from_args
 from nfproxy.sources.manifests import load, load_objects
-from tests.apiserver import FakeApiServer, endpoint_slice, node, service
+from tests.apiserver import FakeApiServer, endpoint_slice, node, service, service_cidr
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NODE = "node-a"
@@ -201,7 +201,7 @@ def test_service_and_slice_changes_reach_the_state(api, start_source):
     assert eventually(lambda: spn("default", "web") not in source.snapshot().state.services)
     # The slice of a deleted service stays cached but yields no endpoints.
     assert spn("default", "web") not in source.snapshot().state.endpoints
-    assert [r for r in api.requests if not r.watch and r.plural != "nodes"].__len__() == 2
+    assert [r for r in api.requests if not r.watch and r.plural not in ("nodes", "servicecidrs")].__len__() == 2
 
 
 def test_slice_moving_to_another_service(api, start_source):
@@ -291,7 +291,7 @@ def test_dropped_watch_resumes_from_its_resource_version_without_relisting(api, 
     for n in range(1, 4):
         api.drop_watches()
         assert eventually(lambda: api.count("endpointslices", watch=True) == watches + n)
-        assert eventually(lambda: api.open_watches() == 3)
+        assert eventually(lambda: api.open_watches() == 4)
     assert notices.count == before, "a reconnect without changes was reported as a change"
     assert _lists(api) == {"services": 1, "endpointslices": 1, "nodes": 1}
     resumed = [r for r in api.requests if r.watch and r.plural == "endpointslices"][-1]
@@ -345,7 +345,7 @@ def test_gone_as_http_status_relists(api, start_source):
     # Same objects after the relist: no change to report.
     time.sleep(0.3)
     assert spn("default", "web") in source.snapshot().state.services
-    assert notices.count == 3
+    assert notices.count == 4  # one per reflector's first list (services, slices, node, ServiceCIDRs)
 
 
 def test_server_errors_are_retried_with_backoff(api, start_source):
@@ -813,7 +813,9 @@ def test_api_changes_reach_the_kernel_within_one_min_sync_period(api, kernel_nod
         and s.services[spn("default", "web")].port == 81,
     )
     assert set(n.reach(6, port=81)) == {f"{EPS[1]}:8080"}
-    assert set(n.reach(3, port=80)) == {"timeout"}  # nothing rewrites it: the sink drops it
+    # The old port: nothing rewrites it. iptables leaves it to the sink, which drops it; nft
+    # rejects a cluster IP's unused port (kube-proxy's nftables mode, docs/semantics.md).
+    assert set(n.reach(3, port=80)) == ({"refused"} if backend == "nft" else {"timeout"})
 
     # Delete the slices: the service has no endpoints and rejects.
     api.delete("EndpointSlice", "default", "web-a")
@@ -904,3 +906,45 @@ def test_api_server_gone_for_30s_leaves_the_rules_and_nfproxy_recovers(api, kern
     assert n.reach(6) == {f"{EPS[1]}:8080": 6}
     print(f"outage 30s: {checks} traffic checks passed; recovered {latency:.3f}s after return")
     assert latency <= settings.backoff_max * (1 + settings.jitter) + MIN_SYNC + SLACK
+
+
+# --------------------------------------------------------------------------------------------
+# ServiceCIDRs (networking.k8s.io/v1): the node's service ranges
+
+
+def test_service_cidrs_are_listed_watched_and_relisted_after_gone(api, start_source):
+    api.apply(service_cidr("kubernetes", ["10.96.0.0/16", "fd00:96::/112"]))
+    source, notices = start_source()
+    assert source.snapshot().state.node.service_cidrs == ("10.96.0.0/16", "fd00:96::/112")
+    assert source.cache.counts()["ServiceCIDR"] == 1
+
+    # A new range arrives by the watch; a status-only change is not a change.
+    api.apply(service_cidr("extra", ["10.97.0.0/24"]))
+    assert eventually(lambda: "10.97.0.0/24" in source.snapshot().state.node.service_cidrs)
+    before = notices.count
+    updated = service_cidr("extra", ["10.97.0.0/24"])
+    updated["status"] = {"conditions": [{"type": "Ready", "status": "False"}]}
+    api.apply(updated)
+    watched = api.resource_version
+    assert eventually(lambda: source.cache.counts()["ServiceCIDR"] == 2)
+    assert notices.count == before, "a ServiceCIDR status change was reported as a change"
+
+    # Deleted while the watch is behind and history compacted: 410, relist, converged.
+    with api.paused():
+        api.delete("ServiceCIDR", "", "extra")
+        api.compact()
+    assert eventually(lambda: source.snapshot().state.node.service_cidrs == ("10.96.0.0/16", "fd00:96::/112"))
+    assert api.count("servicecidrs", watch=False) >= 2
+    assert watched <= api.resource_version
+
+
+def test_without_service_cidr_objects_the_flag_decides(api):
+    source = KubeSource(api_client(master=api.url), NodeConfig(name=NODE, service_cidrs=("10.0.0.0/24",)), FAST)
+    source.start(lambda: None)
+    try:
+        assert source.wait_ready(10)
+        assert source.snapshot().state.node.service_cidrs == ("10.0.0.0/24",)
+        api.apply(service_cidr("kubernetes", ["10.96.0.0/16"]))
+        assert eventually(lambda: source.snapshot().state.node.service_cidrs == ("10.96.0.0/16",))
+    finally:
+        source.stop()

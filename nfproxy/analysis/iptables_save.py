@@ -317,6 +317,8 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
                 matches.append(Unknown(f"-m statistic --mode {mode}"))
         elif module == "statistic" and tok == "--probability":
             matches.append(Statistic(ts.next(), negate))
+        elif module == "nfacct" and tok == "--nfacct-name":
+            ts.next()  # counts the packet, decides nothing
         elif module in ("conntrack", "state") and tok in ("--ctstate", "--state", "--ctstatus"):
             key = "status" if tok == "--ctstatus" else "state"
             flags = tuple(s.lower() for s in ts.next().split(","))

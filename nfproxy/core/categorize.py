@@ -8,9 +8,17 @@ renderers read a `Routing`; neither re-decides eligibility, so they cannot drift
 from __future__ import annotations
 
 import enum
+import ipaddress
 from dataclasses import dataclass
 
-from nfproxy.core.model import Endpoint, NodeConfig, ServicePort
+from nfproxy.core.model import (
+    NODEPORT_PRIMARY,
+    Endpoint,
+    IPFamily,
+    LocalMode,
+    NodeConfig,
+    ServicePort,
+)
 
 
 class NoEndpoints(enum.Enum):
@@ -161,3 +169,71 @@ def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeConf
     members = set(cluster) | set(local)
     reachable = tuple(e for e in endpoints if e in members)
     return Routing(svc, cluster, local, reachable, has_endpoints, mode)
+
+
+# --------------------------------------------------------------------------------------------
+# Node-wide decisions both backends spell: made here once, so the two cannot drift apart.
+
+
+class PodMatchKind(enum.Enum):
+    CIDR = "cidr"  # source address in the CIDR
+    INTERFACE = "interface"  # arrived on this interface (a bridge)
+    INTERFACE_PREFIX = "interface-prefix"  # arrived on an interface whose name starts so
+
+
+@dataclass(frozen=True, slots=True)
+class PodMatch:
+    """What "this packet comes from a pod" means: kube-proxy's LocalTrafficDetector.
+
+    It decides both the masquerading of cluster-IP traffic (from outside: masquerade) and the
+    eTP=Local short-circuit (pod traffic to an external address goes to the cluster chain).
+    """
+
+    kind: PodMatchKind
+    value: str
+
+
+def pod_match(node: NodeConfig, family: IPFamily) -> PodMatch | None:
+    """The local-traffic detector of one family, or None when none can be built.
+
+    As kube-proxy: ClusterCIDR and NodeCIDR take the *first* CIDR of the family (kube-proxy
+    accepts one per family; one CIDR is also all a single iptables rule can negate), the
+    interface modes hold for both families. Under NodeCIDR the sources put the Node object's
+    spec.podCIDRs into `cluster_cidrs` (sources.manifests.merge_node).
+    """
+    mode = node.detect_local_mode
+    if mode is LocalMode.BRIDGE_INTERFACE:
+        return PodMatch(PodMatchKind.INTERFACE, node.pod_bridge_interface) if node.pod_bridge_interface else None
+    if mode is LocalMode.INTERFACE_NAME_PREFIX:
+        prefix = node.pod_interface_name_prefix
+        return PodMatch(PodMatchKind.INTERFACE_PREFIX, prefix) if prefix else None
+    cidrs = node.cluster_cidrs_of(family)
+    return PodMatch(PodMatchKind.CIDR, cidrs[0]) if cidrs else None
+
+
+def nodeport_cidrs(node: NodeConfig, family: IPFamily, *, primary_by_default: bool) -> tuple[str, ...]:
+    """CIDRs of the local addresses that accept node ports; () means every local address.
+
+    `primary` stands for the node's own IPs (host routes). Left unset, kube-proxy's nftables
+    mode defaults to `primary` and its iptables mode to every address: `primary_by_default`
+    says which backend asks. With `primary` and no node IP of the family, every local address.
+    """
+    given = node.nodeport_addresses or ((NODEPORT_PRIMARY,) if primary_by_default else ())
+    cidrs = [c for c in given if c != NODEPORT_PRIMARY and (":" in c) == (family is IPFamily.V6)]
+    if NODEPORT_PRIMARY in given:
+        host = "/128" if family is IPFamily.V6 else "/32"
+        cidrs.extend(ip + host for ip in node.ips_of(family))
+    return tuple(dict.fromkeys(cidrs))
+
+
+def firewall_sources(svc: ServicePort, node: NodeConfig) -> tuple[str, ...]:
+    """Sources a LoadBalancer with source ranges accepts: its ranges (of its family), plus its
+    own VIPs when a range covers a node IP. A VIP bound locally makes the node's request to it
+    arrive with the VIP as source, which must stay allowed when the node itself is."""
+    v6 = svc.family is IPFamily.V6
+    ranges = tuple(c for c in svc.load_balancer_source_ranges if (":" in c) == v6)
+    nets = [ipaddress.ip_network(c, strict=False) for c in ranges]
+    node_ips = [ipaddress.ip_address(ip) for ip in node.ips_of(svc.family)]
+    if any(ip in net for net in nets for ip in node_ips):
+        return ranges + tuple(ip for ip in svc.load_balancer_ips if (":" in ip) == v6)
+    return ranges

@@ -36,7 +36,19 @@ class ServiceType(enum.Enum):
 
 
 DEFAULT_AFFINITY_TIMEOUT = 10800
-MASQUERADE_MARK = 0x4000
+MASQUERADE_BIT = 14
+MASQUERADE_MARK = 1 << MASQUERADE_BIT
+# `--nodeport-addresses primary`: the node's own IPs (kube-proxy's nftables-mode default).
+NODEPORT_PRIMARY = "primary"
+
+
+class LocalMode(str, enum.Enum):
+    """How traffic from local pods is recognised (kube-proxy's --detect-local-mode)."""
+
+    CLUSTER_CIDR = "ClusterCIDR"
+    NODE_CIDR = "NodeCIDR"
+    BRIDGE_INTERFACE = "BridgeInterface"
+    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -139,8 +151,25 @@ class NodeConfig:
     cluster_cidrs: tuple[str, ...] = ()
     masquerade_all: bool = False
     zone: str = ""
-    # CIDRs whose local addresses accept NodePort traffic; empty means every local address.
+    # CIDRs whose local addresses accept NodePort traffic, and/or "primary" (the node IPs);
+    # empty means the backend's default (core.categorize.nodeport_cidrs).
     nodeport_addresses: tuple[str, ...] = ()
+    # Node ports are also accepted on 127.0.0.1 (iptables backend only, as kube-proxy).
+    localhost_nodeports: bool = True
+    # Bit of the packet mark that asks for masquerading (kube-proxy's --iptables-masquerade-bit).
+    masquerade_bit: int = MASQUERADE_BIT
+    detect_local_mode: LocalMode = LocalMode.CLUSTER_CIDR
+    pod_bridge_interface: str = ""
+    pod_interface_name_prefix: str = ""
+    # False when nf_conntrack_tcp_be_liberal is set: no conntrack-INVALID drop is written.
+    drop_invalid: bool = True
+    # Service CIDRs (ServiceCIDR objects or --service-cluster-ip-range): the nft backend drops
+    # traffic to unallocated addresses in them.
+    service_cidrs: tuple[str, ...] = ()
+
+    @property
+    def masquerade_mark(self) -> int:
+        return 1 << self.masquerade_bit
 
     def ips_of(self, family: IPFamily) -> tuple[str, ...]:
         return tuple(ip for ip in self.ips if (":" in ip) == (family is IPFamily.V6))
@@ -149,9 +178,15 @@ class NodeConfig:
         return tuple(c for c in self.cluster_cidrs if (":" in c) == (family is IPFamily.V6))
 
     def nodeport_addresses_of(self, family: IPFamily) -> tuple[str, ...]:
+        """The explicit CIDRs of one family (without `primary`)."""
         return tuple(
-            c for c in self.nodeport_addresses if (":" in c) == (family is IPFamily.V6)
+            c
+            for c in self.nodeport_addresses
+            if c != NODEPORT_PRIMARY and (":" in c) == (family is IPFamily.V6)
         )
+
+    def service_cidrs_of(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(c for c in self.service_cidrs if (":" in c) == (family is IPFamily.V6))
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,11 @@ class Daemon:
         self.source = source
         self.proxier = proxier or Proxier(config.backend, netns=config.netns)
         self.metrics = ProxyMetrics()
+        if config.netns is None:
+            # kube-proxy's INVALID-drop counter: the node's own kernel object, read when scraped.
+            from nfproxy.daemon.invalid_drops import InvalidDropCollector, reader
+
+            self.metrics.registry.register(InvalidDropCollector(reader(config.backend)))
         # kube-proxy: healthz fails when a queued update waits longer than 2 x sync period.
         self.health = ProxierHealth(max(2 * config.sync_period, 1.0))
         self.health_checks = ServiceHealthServer(config.netns, health=self.health)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from nfproxy.core.model import IPFamily
 from nfproxy.kernel.base import Owned
+from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
 
 # The tables an iptables backend writes, and their built-in chains (never owned by anybody).
@@ -64,6 +65,22 @@ def _detect(netns: str | None) -> Flavour:
     return Flavour.LEGACY if "legacy" in version else Flavour.NFT
 
 
+_NFACCT = "--nfacct-name"
+
+
+def _nfacct_names(payload: str) -> list[str]:
+    """The counters a payload's rules name. str.find, not a regex over the whole text: a large
+    cluster's payload is tens of megabytes and names a counter once."""
+    names: set[str] = set()
+    pos = payload.find(_NFACCT)
+    while pos >= 0:
+        rest = payload[pos + len(_NFACCT) : pos + len(_NFACCT) + 64].split(None, 1)
+        if rest:
+            names.add(rest[0])
+        pos = payload.find(_NFACCT, pos + 1)
+    return sorted(names)
+
+
 class IptablesRunner:
     def __init__(
         self, family: IPFamily, netns: str | None = None, flavour: Flavour | None = None
@@ -78,6 +95,13 @@ class IptablesRunner:
         find_tool(self.restore_cmd)
 
     def restore(self, payload: str) -> None:
+        """Restore `payload` (--noflush), creating first the nfacct counters its rules name (a
+        rule naming a missing counter fails the whole restore)."""
+        names = _nfacct_names(payload)
+        if names:
+            counters = Nfacct(self.netns)
+            for name in names:
+                counters.ensure(name)
         run([self.restore_cmd, "-w", "5", "--noflush"], netns=self.netns, stdin=payload)
 
     def save(self, table: str | None = None) -> str:

@@ -89,6 +89,19 @@ class NftSession:
         }
         return chain_names, set_names
 
+    def counter_packets(self, family: str, table: str, name: str) -> int | None:
+        """Packets of a named counter object, or None when it (or its table) does not exist."""
+        try:
+            out = self._cmd(f"list counter {family} {table} {name}", json_output=True)
+        except KernelError as exc:
+            if "No such file or directory" in str(exc):
+                return None
+            raise
+        for item in json.loads(out).get("nftables", []):
+            if "counter" in item:
+                return int(item["counter"].get("packets", 0))
+        return None
+
     def list_ruleset(self) -> dict[str, Any]:
         return json.loads(self._cmd("list ruleset", json_output=True))
 

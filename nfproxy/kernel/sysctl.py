@@ -68,3 +68,11 @@ def write(name: str, value: int | str, netns: str | None = None) -> None:
             if exc.errno == errno.EROFS:
                 raise ReadOnlySysctl(f"sysctl {name}={value}: /proc/sys is read-only here") from None
             raise KernelError(f"sysctl {name}={value}: cannot write: {exc.strerror}") from None
+
+
+def ensure(name: str, value: int, netns: str | None = None) -> bool:
+    """Set `name` to `value` unless it already is (kube-proxy's EnsureSysctl); True when written."""
+    if read(name, netns) == str(value):
+        return False
+    write(name, value, netns)
+    return True

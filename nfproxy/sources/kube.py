@@ -103,6 +103,8 @@ class _Kind:
 SERVICES = _Kind("Service", "v1", "services")
 ENDPOINT_SLICES = _Kind("EndpointSlice", "discovery.k8s.io/v1", "endpointslices")
 NODES = _Kind("Node", "v1", "nodes")
+# Cluster-scoped; they only feed the node configuration (ClusterState.node.service_cidrs).
+SERVICE_CIDRS = _Kind("ServiceCIDR", "networking.k8s.io/v1", "servicecidrs")
 
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
 GroupKey = tuple[str, str, str]  # ("service", namespace, service name) or ("orphan", ns, name)
@@ -203,6 +205,8 @@ class ObjectCache:
         self._group_of: dict[ObjectKey, GroupKey] = {}
         self._dirty: set[GroupKey] = set()
         self._node: dict[str, Any] | None = None
+        self._cidrs: dict[str, dict[str, Any]] = {}  # ServiceCIDRs by name
+        self._cidrs_dirty = False
         self._parsed: dict[GroupKey, LoadResult] = {}
         self._last: tuple[dict[str, Any] | None, LoadResult] | None = None
         # Per service, per address type: the newest last-change-trigger-time of its
@@ -225,6 +229,8 @@ class ObjectCache:
                 old = self._node
                 self._node = next(iter(fresh.values()), None)
                 return _node_facts(old) != _node_facts(self._node)
+            if kind is SERVICE_CIDRS:
+                return self._set_cidrs({key[2]: obj for key, obj in fresh.items()})
             changed = False
             for key in [k for k in self._objects if k[0] == kind.kind and k not in fresh]:
                 self._remove(key)
@@ -245,6 +251,13 @@ class ObjectCache:
                 old = self._node
                 self._node = None if event == "DELETED" else obj
                 return _node_facts(old) != _node_facts(self._node)
+            if kind is SERVICE_CIDRS:
+                cidrs = dict(self._cidrs)
+                if event == "DELETED":
+                    cidrs.pop(key[2], None)
+                else:
+                    cidrs[key[2]] = obj
+                return self._set_cidrs(cidrs)
             if event == "DELETED":
                 if key not in self._objects:
                     return False
@@ -254,6 +267,16 @@ class ObjectCache:
                 return False
             self._put(key, obj)
             return True
+
+    def _set_cidrs(self, cidrs: dict[str, dict[str, Any]]) -> bool:
+        """Only the spec counts: status conditions and resourceVersions change no rule."""
+        def specs(objs: dict[str, dict[str, Any]]) -> dict[str, object]:
+            return {name: obj.get("spec") for name, obj in objs.items()}
+
+        changed = specs(cidrs) != specs(self._cidrs)
+        self._cidrs = cidrs
+        self._cidrs_dirty = self._cidrs_dirty or changed
+        return changed
 
     def _put(self, key: ObjectKey, obj: dict[str, Any]) -> None:
         if key in self._objects:
@@ -284,7 +307,14 @@ class ObjectCache:
                     for group in dirty
                 }
                 node_obj = self._node
-            if not work and self._last is not None and _node_facts(self._last[0]) == _node_facts(node_obj):
+                cidr_objs = [self._cidrs[name] for name in sorted(self._cidrs)]
+                cidrs_dirty, self._cidrs_dirty = self._cidrs_dirty, False
+            if (
+                not work
+                and not cidrs_dirty
+                and self._last is not None
+                and _node_facts(self._last[0]) == _node_facts(node_obj)
+            ):
                 # Nothing changed: the very same state, so the sync loop's diff is O(1).
                 return self._last[1]
             for group, objects in work.items():
@@ -294,7 +324,7 @@ class ObjectCache:
                     self._parsed.pop(group, None)
                 if group[0] == "service":
                     self._triggers[group[1:]] = _trigger_times(objects)
-            node_result = load_objects([node_obj] if node_obj else [], self._node_config)
+            node_result = load_objects(([node_obj] if node_obj else []) + cidr_objs, self._node_config)
             services: dict[Any, Any] = {}
             endpoints: dict[Any, Any] = {}
             errors = list(node_result.errors)
@@ -318,7 +348,12 @@ class ObjectCache:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            out = {SERVICES.kind: 0, ENDPOINT_SLICES.kind: 0, NODES.kind: int(self._node is not None)}
+            out = {
+                SERVICES.kind: 0,
+                ENDPOINT_SLICES.kind: 0,
+                NODES.kind: int(self._node is not None),
+                SERVICE_CIDRS.kind: len(self._cidrs),
+            }
             for kind, _, _ in self._objects:
                 out[kind] += 1
             return out
@@ -594,6 +629,7 @@ class KubeSource:
             self._reflector(SERVICES, core.list_service_for_all_namespaces),
             self._reflector(ENDPOINT_SLICES, discovery.list_endpoint_slice_for_all_namespaces),
             self._reflector(NODES, core.list_node, f"metadata.name={node.name}"),
+            self._reflector(SERVICE_CIDRS, k8s.NetworkingV1Api(api_client).list_service_cidr),
         )
         self._started = False
         # The daemon counts held empty relists (nfproxy_source_errors_total{source="api"}).

@@ -40,6 +40,7 @@ from nfproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
+    LocalMode,
     NodeConfig,
     Protocol,
     ServicePort,
@@ -68,7 +69,9 @@ DEFAULT_MAX_BYTES = 16 * 2**20
 _SERVICE = ("v1", "Service")
 _SLICE = ("discovery.k8s.io/v1", "EndpointSlice")
 _NODE = ("v1", "Node")
-_GROUPS = {"Service": "", "EndpointSlice": "discovery.k8s.io", "Node": ""}
+_SERVICE_CIDR = ("networking.k8s.io/v1", "ServiceCIDR")
+_GROUPS = {"Service": "", "EndpointSlice": "discovery.k8s.io", "Node": "", "ServiceCIDR": "networking.k8s.io"}
+_CLUSTER_SCOPED = ("Node", "ServiceCIDR", "")
 _PROTOCOLS = tuple(p.value for p in Protocol)
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 _POLICIES = ("Cluster", "Local")
@@ -146,8 +149,15 @@ def merge_node(given: NodeConfig | None, found: NodeInfo | None) -> NodeConfig:
         name=given.name or found.name,
         zone=given.zone or found.zone,
         ips=given.ips or found.ips,
-        cluster_cidrs=given.cluster_cidrs or found.pod_cidrs,
+        cluster_cidrs=_pod_cidrs(given, found),
     )
+
+
+def _pod_cidrs(given: NodeConfig, found: NodeInfo) -> tuple[str, ...]:
+    """--detect-local-mode=NodeCIDR means the Node's own pod CIDRs, even over --cluster-cidr."""
+    if given.detect_local_mode is LocalMode.NODE_CIDR:
+        return found.pod_cidrs or given.cluster_cidrs
+    return given.cluster_cidrs or found.pod_cidrs
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,7 +403,7 @@ class _Report:
         meta = obj.get("metadata")
         meta = meta if isinstance(meta, dict) else {}
         self.kind = kind
-        namespaced = kind not in ("Node", "") and not kind.endswith("List")
+        namespaced = kind not in _CLUSTER_SCOPED and not kind.endswith("List")
         self.namespace = show(meta.get("namespace") or "default") if namespaced else ""
         self.name = show(meta["name"]) if meta.get("name") is not None else "<unnamed>"
         self.source = source
@@ -928,6 +938,24 @@ def _node_ips(candidates: list[str]) -> tuple[str, ...]:
 
 
 # --------------------------------------------------------------------------------------------
+# Service CIDRs
+
+
+def _service_cidr(obj: dict[str, Any], r: _Report) -> tuple[str, tuple[str, ...]] | None:
+    """A ServiceCIDR's spec.cidrs: at most two, one per family (as the API server checks)."""
+    _, name, _ = _metadata(obj, r, v.dns_subdomain, namespaced=False)
+    spec = r.get(obj, "spec", "spec", dict) or {}
+    cidrs = [r.check(path, v.cidr, raw) for path, raw in r.items(spec, "cidrs", "spec.cidrs")]
+    for family in IPFamily:
+        of = [c for c in cidrs if c and v.family_of(c.split("/")[0]) is family]
+        if len(of) > 1:
+            r.add("spec.cidrs", f"more than one IPv{family.value} CIDR: {', '.join(of)}")
+    if r.count:
+        return None
+    return name, tuple(c for c in cidrs if c)
+
+
+# --------------------------------------------------------------------------------------------
 # Putting it together
 
 
@@ -936,6 +964,7 @@ class _Collected:
     services: dict[tuple[str, str], tuple[ServicePort, ...]] = field(default_factory=dict)
     slices: dict[tuple[str, str], _Slice] = field(default_factory=dict)
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    service_cidrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Where each kept object came from, to point at the first of two duplicates.
     sources: dict[tuple[str, Any], str] = field(default_factory=dict)
     errors: list[ObjectError] = field(default_factory=list)
@@ -1035,7 +1064,7 @@ def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
         log.debug("%s: %s labelled %s: left to another proxy", source or "object", kind, label)
         return
     r = _Report(kind, obj, source, into.errors)
-    if (api_version, kind) not in (_SERVICE, _SLICE, _NODE):
+    if (api_version, kind) not in (_SERVICE, _SLICE, _NODE, _SERVICE_CIDR):
         # Same group, other version: ours, but a schema we would misread. Another group
         # (a Knative Service, say): not ours at all.
         if not isinstance(api_version, str):
@@ -1059,6 +1088,8 @@ def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
         parsed, table = _service(obj, r), into.services
     elif kind == "EndpointSlice":
         parsed, table = _slice(obj, r), into.slices
+    elif kind == "ServiceCIDR":
+        parsed, table = _service_cidr(obj, r), into.service_cidrs
     else:
         parsed, table = _node(obj, r), into.nodes
     if parsed is None:
@@ -1115,6 +1146,10 @@ def _build(documents: Iterable[_Document], given: NodeConfig | None) -> LoadResu
     for obj, source in _objects(documents, collected.errors):
         _collect(obj, source, collected)
     node = merge_node(given, _pick_node(given, collected.nodes))
+    if collected.service_cidrs:
+        # ServiceCIDR objects, where the cluster has them, win over --service-cluster-ip-range.
+        found = (c for name in sorted(collected.service_cidrs) for c in collected.service_cidrs[name])
+        node = replace(node, service_cidrs=tuple(dict.fromkeys(found)))
     services = {sp.key: sp for ports in collected.services.values() for sp in ports}
     endpoints = _endpoints(collected.slices, services, node.name)
     return LoadResult(ClusterState(node, services, endpoints), tuple(collected.errors))

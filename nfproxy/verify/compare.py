@@ -11,6 +11,12 @@ Equivalent means: for every probe, the same outcomes (verdict, endpoint, masquer
 equal probabilities in ideal mode and within 1e-9 of each other in kernel mode (the two kernels'
 quantisations genuinely differ by that much).
 
+Documented differences: where upstream's two modes differ, ours differ the same way, and a
+probe says so (`Probe.nft_only`): kube-proxy's nftables mode rejects traffic to a cluster IP on
+a port no service uses and drops traffic to an unallocated address of the service CIDRs; its
+iptables mode leaves both alone. Such a probe passes when each backend does exactly its own
+upstream thing (docs/semantics.md lists the differences).
+
 Public API: `compare(state) -> Comparison`; `probes(state, family)` (verify.probe's `Probe`);
 `Agreement`, one probe's four exact distributions. It is not verify.probe's `ProbeResult`: no
 traffic is sent, so there is nothing measured, only two rule sets' promises side by side.
@@ -49,16 +55,34 @@ class Agreement:
 
     @property
     def max_difference(self) -> Fraction:
+        """Largest probability difference; a documented difference that holds counts as none."""
+        if self.documented:
+            return Fraction(0)
         keys = set(self.iptables) | set(self.nft)
         return max((abs(self.iptables.get(k, Fraction(0)) - self.nft.get(k, Fraction(0))) for k in keys), default=Fraction(0))
 
     @property
     def total_variation(self) -> Fraction:
+        if self.documented:
+            return Fraction(0)
         keys = set(self.iptables) | set(self.nft)
         return sum((abs(self.iptables.get(k, Fraction(0)) - self.nft.get(k, Fraction(0))) for k in keys), Fraction(0)) / 2
 
     @property
+    def documented(self) -> bool:
+        """A documented difference, and both backends behave as documented."""
+        want = self.probe.nft_only
+        if not want:
+            return False
+        return all(
+            all(o.verdict == want for o in nft) and all(o.verdict == "accept" for o in ipt)
+            for nft, ipt in ((self.nft, self.iptables), (self.nft_ideal, self.iptables_ideal))
+        )
+
+    @property
     def equivalent(self) -> bool:
+        if self.probe.nft_only:
+            return self.documented
         return (
             set(self.iptables) == set(self.nft)
             and self.iptables_ideal == self.nft_ideal
@@ -148,6 +172,34 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
             yield from emit(f"LB IP {ip}", ip, svc.port, srcs)
 
 
+UNUSED_PORT = "unused port of cluster IP"
+UNALLOCATED = "unallocated address of service CIDR"
+
+
+def documented_probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
+    """Probes of the documented nft/iptables differences (see the module docstring)."""
+    node = state.node
+    pods = node.cluster_cidrs_of(family)
+    src, origin = (_inside(pods[0]), "pod") if pods else (_outside(state, family, []), "outside")
+    if src is None:
+        return
+    used: dict[str, set[int]] = {}
+    for svc, _ in state.service_ports(family):
+        used.setdefault(svc.cluster_ip, set()).update((svc.port, svc.node_port))
+    for ip, ports in used.items():
+        port = next(p for p in range(1, 65536) if p not in ports)
+        yield Probe(src, ip, port, "tcp", origin, service=ip, traffic=f"{UNUSED_PORT} from {origin}", nft_only="reject")  # type: ignore[arg-type]
+    for cidr in node.service_cidrs_of(family):
+        net = ipaddress.ip_network(cidr, strict=False)
+        if net.num_addresses < 4:
+            continue
+        for offset in range(2, min(net.num_addresses - 1, 1 << 16)):
+            addr = str(net.broadcast_address - offset)
+            if addr not in used:
+                yield Probe(src, addr, 80, "tcp", origin, service=cidr, traffic=f"{UNALLOCATED} from {origin}", nft_only="drop")  # type: ignore[arg-type]
+                break
+
+
 # --------------------------------------------------------------------------------------------
 # Renderings read back.
 
@@ -177,7 +229,7 @@ def compare(state: ClusterState) -> Comparison:
             ipt = iptables_ruleset(state, family)
             nft = nft_ruleset(state, family, session)
             node_ips = state.node.ips_of(family)
-            for probe in probes(state, family):
+            for probe in (*probes(state, family), *documented_probes(state, family)):
                 packet = probe.packet()
                 results.append(
                     Agreement(

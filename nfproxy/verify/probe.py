@@ -78,6 +78,17 @@ class Probe:
     """The hand-written expectation (compat corpus); None where the rules are the expectation."""
     exact_only: str = ""
     """Why the kernel runner cannot send this probe (the exact interpreter still checks it)."""
+    expect_iptables: Expect | None = None
+    """Where kube-proxy's iptables mode differs from its nftables mode (docs/semantics.md):
+    what the iptables backend does instead of `expect`."""
+    nft_only: str = ""
+    """compare: the nft verdict of a documented difference ("reject", "drop"), which the
+    iptables backend leaves alone; "" for every ordinary probe."""
+
+    def expect_for(self, backend: str) -> Expect | None:
+        if backend == "iptables" and self.expect_iptables is not None:
+            return self.expect_iptables
+        return self.expect
 
     @property
     def family(self) -> IPFamily:

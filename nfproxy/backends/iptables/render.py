@@ -8,9 +8,9 @@ behaviour, and an `iptables-save` that people already know how to read. Delibera
   prints both the same way, and one quoting rule is easier to keep safe (see quote_comment);
 - `nodeport_addresses` CIDRs are matched in the kernel (`-d CIDR -m addrtype --dst-type LOCAL`)
   instead of being resolved to node IPs at sync time;
-- what kube-proxy decides from the host is fixed here: `MASQUERADE --random-fully` is always
-  used, the conntrack-INVALID drop is always written (kube-proxy omits it when
-  nf_conntrack_tcp_be_liberal is set), and there is no KUBE-FIREWALL localnet rule or
+- what kube-proxy decides from the host comes in through NodeConfig (`drop_invalid`: no
+  conntrack-INVALID drop when nf_conntrack_tcp_be_liberal is set) or is fixed here:
+  `MASQUERADE --random-fully` is always used, and there is no KUBE-FIREWALL localnet rule or
   KUBE-PROXY-CANARY chain (kubelet's and the flush monitor's business, not the model's);
 - built-in-chain jumps are data (`JUMPS`), not `iptables -C/-I` calls: the kernel layer owns that.
 
@@ -26,9 +26,17 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nfproxy.backends import gc_paused
-from nfproxy.core.categorize import NoEndpoints, Routing, categorize
+from nfproxy.core.categorize import (
+    NoEndpoints,
+    PodMatch,
+    PodMatchKind,
+    Routing,
+    categorize,
+    firewall_sources,
+    nodeport_cidrs,
+    pod_match,
+)
 from nfproxy.core.model import (
-    MASQUERADE_MARK,
     ClusterState,
     Endpoint,
     IPFamily,
@@ -52,7 +60,8 @@ SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KU
 # kube-proxy drops per-endpoint comments past this many endpoints: they are ~40% of the bytes.
 LARGE_CLUSTER_ENDPOINTS = 1000
 
-_MARK = f"{MASQUERADE_MARK:#x}"
+# nfacct counter of the conntrack-INVALID drop (kube-proxy's metric reads it).
+INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
 _NODEPORTS_COMMENT = '"kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
 
 
@@ -336,19 +345,23 @@ def _render(
         if port.routing.has_endpoints and port.seps is not None:
             # With no endpoints at all there are no nat chains: only the filter REJECTs.
             service_chains[port.svc.key] = _service_chains(port, ctx)
-    top.n_services.extend(_nodeports_tail(state.node, family))
+    top.n_services.extend(_nodeports_tail(
+        state.node.localhost_nodeports,
+        nodeport_cidrs(state.node, family, primary_by_default=False),
+        family is IPFamily.V6,
+    ))
     filter_table = {
         KUBE_SERVICES: top.f_services,
         KUBE_EXTERNAL_SERVICES: top.f_external,
-        KUBE_FORWARD: _forward_rules(),
+        KUBE_FORWARD: _forward_rules(state.node.drop_invalid, ctx.mark),
         KUBE_NODEPORTS: top.f_nodeports,
         KUBE_PROXY_FIREWALL: top.f_firewall,
     }
     nat_table = {
         KUBE_SERVICES: top.n_services,
         KUBE_NODEPORTS: top.n_nodeports,
-        KUBE_POSTROUTING: _postrouting_rules(),
-        KUBE_MARK_MASQ: [f"-A KUBE-MARK-MASQ -j MARK --or-mark {_MARK}"],
+        KUBE_POSTROUTING: _postrouting_rules(ctx.mark),
+        KUBE_MARK_MASQ: [f"-A KUBE-MARK-MASQ -j MARK --or-mark {ctx.mark}"],
     }
     return IptablesRules(family, filter_table, nat_table, service_chains, large=ctx.large)
 
@@ -361,9 +374,10 @@ class _Context:
     """Node-wide facts every service's chains read, worked out once per render."""
 
     family: IPFamily
-    pod_cidr: str
+    node: NodeConfig
+    from_pod: str  # the match for "from a pod" ("" without a local-traffic detector)
     masq_match: str | None  # appended to the masquerade rule; None: no masquerade rule at all
-    node_ips: list[ipaddress.IPv4Address | ipaddress.IPv6Address]
+    mark: str  # the masquerade mark, e.g. 0x4000
     large: bool  # past LARGE_CLUSTER_ENDPOINTS: no per-endpoint comments
 
 
@@ -384,17 +398,25 @@ def _service_ports(
 def _context(
     node: NodeConfig, family: IPFamily, ports: list[tuple[ServicePort, tuple[Endpoint, ...]]]
 ) -> _Context:
-    cidrs = node.cluster_cidrs_of(family)
-    pod_cidr = cidrs[0] if cidrs else ""
+    from_pod, not_from_pod = _pod_matches(pod_match(node, family))
     if node.masquerade_all:
         masq_match: str | None = ""
-    elif pod_cidr:
-        masq_match = f" ! -s {pod_cidr}"
+    elif not_from_pod:
+        masq_match = f" {not_from_pod}"
     else:
         masq_match = None
-    node_ips = [ipaddress.ip_address(ip) for ip in node.ips_of(family)]
     large = sum(len(eps) for _, eps in ports) > LARGE_CLUSTER_ENDPOINTS
-    return _Context(family, pod_cidr, masq_match, node_ips, large)
+    return _Context(family, node, from_pod, masq_match, f"{node.masquerade_mark:#x}", large)
+
+
+def _pod_matches(match: PodMatch | None) -> tuple[str, str]:
+    """(if from a pod, if not from a pod) as iptables matches; ("", "") without a detector."""
+    if match is None:
+        return "", ""
+    if match.kind is PodMatchKind.CIDR:
+        return f"-s {match.value}", f"! -s {match.value}"
+    name = match.value + ("+" if match.kind is PodMatchKind.INTERFACE_PREFIX else "")
+    return f"-i {name}", f"! -i {name}"
 
 
 # ---- Step 2: categorise every port and name its chains (all names hashed in one batch).
@@ -645,10 +667,10 @@ def _external_chain(port: _Port, ctx: _Context, rules: list[str]) -> None:
         # it had gone out to the load balancer and come back, i.e. by Cluster policy.
         # The SVC chain exists: an externally accessible port with endpoints always has
         # Cluster endpoints (ServicePort.uses_cluster_endpoints).
-        if ctx.pod_cidr:
+        if ctx.from_pod:
             comment = quote_comment(f"pod traffic for {name} external destinations")
             rules.append(
-                f"-A {ext_chain} -m comment --comment {comment} -s {ctx.pod_cidr} -j {svc_chain}"
+                f"-A {ext_chain} -m comment --comment {comment} {ctx.from_pod} -j {svc_chain}"
             )
         comment = quote_comment(f"masquerade LOCAL traffic for {name} external destinations")
         rules.append(
@@ -666,20 +688,10 @@ def _external_chain(port: _Port, ctx: _Context, rules: list[str]) -> None:
 
 
 def _firewall_chain(port: _Port, ctx: _Context, rules: list[str]) -> None:
-    fw_chain, ext_chain, node_ips = port.fw_chain, port.ext_chain, ctx.node_ips
+    fw_chain, ext_chain = port.fw_chain, port.ext_chain
     head = f"-A {fw_chain} -m comment --comment {port.lb_comment}"
-    allow_from_node = False
-    for cidr in port.svc.load_balancer_source_ranges:
-        if _family_of(cidr) is not ctx.family:
-            continue
-        rules.append(f"{head} -s {cidr} -j {ext_chain}")
-        if not allow_from_node and node_ips:
-            net = ipaddress.ip_network(cidr, strict=False)
-            allow_from_node = any(ip in net for ip in node_ips)
-    # A VIP bound locally makes node -> VIP traffic arrive with the VIP as its source.
-    if allow_from_node:
-        for lbip in port.lb_ips:
-            rules.append(f"{head} -s {lbip} -j {ext_chain}")
+    for source in firewall_sources(port.svc, ctx.node):
+        rules.append(f"{head} -s {source} -j {ext_chain}")
     comment = quote_comment(f"other traffic to {port.name} will be dropped by KUBE-PROXY-FIREWALL")
     rules.append(f"-A {fw_chain} -m comment --comment {comment}")
 
@@ -714,23 +726,26 @@ def _endpoint_chains(port: _Port, ctx: _Context, rules: list[str]) -> None:
 # ---- Step 5: the fixed rules.
 
 
-def _nodeports_tail(node: NodeConfig, family: IPFamily) -> list[str]:
-    """The tail-call to the node ports: it must stay the last rule of KUBE-SERVICES."""
-    v6 = family is IPFamily.V6
-    nodeport_cidrs = node.nodeport_addresses_of(family)
-    not_loopback = " ! -d ::1/128" if v6 else " ! -d 127.0.0.0/8"
-    if not nodeport_cidrs:
-        return [
+def _nodeports_tail(localhost: bool, cidrs: tuple[str, ...], v6: bool) -> list[str]:
+    """The tail-call to KUBE-NODEPORTS. IPv4 loopback takes node ports only with
+    localhost node ports on (kube-proxy's default, which needs route_localnet); IPv6 never."""
+    out: list[str] = []
+    if v6:
+        not_loopback = " ! -d ::1/128"
+    else:
+        not_loopback = "" if localhost else " ! -d 127.0.0.0/8"
+    if not cidrs:
+        out.append(
             f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
             f" -m addrtype --dst-type LOCAL{not_loopback} -j KUBE-NODEPORTS"
-        ]
+        )
+        return out
     # One rule takes one -d: iptables-restore refuses "-d CIDR ! -d 127.0.0.0/8". Loopback is
     # excluded by a RETURN in front when some CIDR reaches into it, else it cannot match.
-    out: list[str] = []
     loopback = ipaddress.ip_network("::1/128" if v6 else "127.0.0.0/8")
-    if any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in nodeport_cidrs):
+    if not_loopback and any(ipaddress.ip_network(c, strict=False).overlaps(loopback) for c in cidrs):
         out.append(f"-A KUBE-SERVICES -d {loopback} -j RETURN")
-    for cidr in nodeport_cidrs:
+    for cidr in cidrs:
         out.append(
             f"-A KUBE-SERVICES -m comment --comment {_NODEPORTS_COMMENT}"
             f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
@@ -738,21 +753,32 @@ def _nodeports_tail(node: NodeConfig, family: IPFamily) -> list[str]:
     return out
 
 
-def _forward_rules() -> list[str]:
-    return [
-        "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP",
-        '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
-        f" -m mark --mark {_MARK}/{_MARK} -j ACCEPT",
+def _forward_rules(drop_invalid: bool, mark: str) -> list[str]:
+    """KUBE-FORWARD. The INVALID drop is counted by an nfacct object (created by the kernel
+    layer before the restore) and left out when nf_conntrack_tcp_be_liberal is set, as
+    kube-proxy does."""
+    rules = []
+    if drop_invalid:
+        rules.append(
+            "-A KUBE-FORWARD -m conntrack --ctstate INVALID"
+            f" -m nfacct --nfacct-name {INVALID_DROP_COUNTER} -j DROP"
+        )
+    rules.append(
+        f'-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules"'
+        f" -m mark --mark {mark}/{mark} -j ACCEPT"
+    )
+    rules.append(
         '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule"'
-        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
-    ]
+        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    )
+    return rules
 
 
-def _postrouting_rules() -> list[str]:
+def _postrouting_rules(mark: str) -> list[str]:
     return [
-        f"-A KUBE-POSTROUTING -m mark ! --mark {_MARK}/{_MARK} -j RETURN",
+        f"-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN",
         # Clear the mark so a packet that re-traverses the stack is not masqueraded twice.
-        f"-A KUBE-POSTROUTING -j MARK --xor-mark {_MARK}",
+        f"-A KUBE-POSTROUTING -j MARK --xor-mark {mark}",
         '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT"'
         " -j MASQUERADE --random-fully",
     ]

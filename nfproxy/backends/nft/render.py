@@ -25,9 +25,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from nfproxy.backends import gc_paused
-from nfproxy.core.categorize import NoEndpoints, Routing, categorize
+from nfproxy.core.categorize import (
+    NoEndpoints,
+    PodMatch,
+    PodMatchKind,
+    Routing,
+    categorize,
+    firewall_sources,
+    nodeport_cidrs,
+    pod_match,
+)
 from nfproxy.core.model import (
-    MASQUERADE_MARK,
     ClusterState,
     Endpoint,
     IPFamily,
@@ -62,6 +70,12 @@ FIREWALL_CHECK_CHAIN = "firewall-check"
 MARK_MASQ_CHAIN = "mark-for-masquerade"
 MASQUERADING_CHAIN = "masquerading"
 HAIRPIN_SET = "hairpin"
+# Traffic to an allocated cluster IP on a port no service uses is rejected, to an unallocated
+# address of the service CIDRs dropped (kube-proxy's nftables mode; not its iptables mode).
+CLUSTER_IPS_SET = "cluster-ips"
+CLUSTER_IPS_CHECK_CHAIN = "cluster-ips-check"
+# Named counter of the conntrack-INVALID drop (the iptables backend's nfacct counter).
+INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
 # Endpoint slots: every endpoint-selecting chain owns a block of consecutive integers, and a
 # data map `endpoints-M` (M = block start // SHARD_SLOTS) turns a slot into the endpoint's
 # address and port. Why shards and blocks: see docs/design.md ("The nft layout at scale").
@@ -82,7 +96,6 @@ NAME_LENGTH_MAX = 256
 _NAME_BASE_LENGTH_MAX = NAME_LENGTH_MAX - 16
 COMMENT_LENGTH_MAX = 128  # nft refuses longer comments ("comment too long")
 
-_MARK = f"{MASQUERADE_MARK:#x}"
 
 # --------------------------------------------------------------------------------------------
 # Quoting: every string that reaches the script from the model goes through one of these two.
@@ -215,6 +228,8 @@ class ServiceRules:
     blocks: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
     shards: tuple[str, ...] = ()  # the data map of each block, in the same order
     hairpin: tuple[str, ...] = ()
+    # This port's cluster IP, for the shared (reference-counted) cluster-ips set.
+    cluster_ip: str = ""
 
 
 def block_size(n: int) -> int:
@@ -289,6 +304,10 @@ class NftRuleset:
     # Shard map name -> number of slot blocks in it; the allocator's state for partial syncs.
     shard_users: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     allocator: SlotAllocator | None = None
+    # Cluster IP -> number of service ports that put it in the cluster-ips set.
+    cluster_ip_refs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Named counters the static rules use (declared, never reset by a sync).
+    counters: tuple[str, ...] = ()
 
     @property
     def nft_family(self) -> str:
@@ -315,6 +334,7 @@ class NftRuleset:
         flush_chain = f"flush chain {t} "
         add_rule = f"add rule {t} "
         out: list[str] = [f"add table {t} {{ comment {nft_comment('rules for nfproxy')} ; }}\n"]
+        out.extend(f"add counter {t} {name}\n" for name in self.counters)
         for bc in self.base_chains:
             out.append(f"{add_chain}{bc.name}\ndelete chain {t} {bc.name}\n")
         for bc in self.base_chains:
@@ -352,6 +372,9 @@ class NftRuleset:
         if self.hairpin_refs:
             pairs = ",\n".join(f"\t{ip} . {ip}" for ip in self.hairpin_refs)
             out.append(f"\nadd element {t} {HAIRPIN_SET} {{\n{pairs}\n}}\n")
+        if self.cluster_ip_refs:
+            ips = ",\n".join(f"\t{ip}" for ip in self.cluster_ip_refs)
+            out.append(f"\nadd element {t} {CLUSTER_IPS_SET} {{\n{ips}\n}}\n")
         for name, elements in self.elements.items():
             if not elements:
                 continue
@@ -375,6 +398,8 @@ BASE_CHAINS = (
     BaseChain("filter-input", "filter", "input", "-110"),
     BaseChain("filter-forward", "filter", "forward", "-110"),
     BaseChain("filter-output", "filter", "output", "-110"),
+    # After the node's own DNAT: what is still addressed to a cluster IP matched no service.
+    BaseChain("filter-output-post-dnat", "filter", "output", "-90"),
     BaseChain("nat-prerouting", "nat", "prerouting", "-100"),
     BaseChain("nat-output", "nat", "output", "-100"),
     BaseChain("nat-postrouting", "nat", "postrouting", "100"),
@@ -395,6 +420,8 @@ _JUMPS = (
     (SERVICES_CHAIN, "nat-output", ""),
     (SERVICES_CHAIN, "nat-prerouting", ""),
     (MASQUERADING_CHAIN, "nat-postrouting", ""),
+    (CLUSTER_IPS_CHECK_CHAIN, "filter-forward", "ct state new "),
+    (CLUSTER_IPS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
 )
 
 _NO_ENDPOINT_VERDICT = {NoEndpoints.REJECT: f"goto {REJECT_CHAIN}", NoEndpoints.DROP: "drop"}
@@ -418,22 +445,28 @@ class _Context:
     # Match for "source is a pod" and its negation, "" when no pod CIDR is known.
     from_pod: str
     not_from_pod: str
-    node_ips: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]
+    mark: str
+
+
+_IFNAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
+
+
+def _pod_matches(ipx: str, match: PodMatch | None) -> tuple[str, str]:
+    """(if from a pod, if not from a pod) as nft matches; ("", "") without a detector."""
+    if match is None:
+        return "", ""
+    if match.kind is PodMatchKind.CIDR:
+        cidr = _address(match.value)
+        return f"{ipx} saddr {cidr}", f"{ipx} saddr != {cidr}"
+    if _IFNAME_RE.fullmatch(match.value) is None:
+        raise ValueError(f"not an interface name: {match.value!r}")
+    name = match.value + ("*" if match.kind is PodMatchKind.INTERFACE_PREFIX else "")
+    return f'iifname "{name}"', f'iifname != "{name}"'
 
 
 def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, ...]]:
     ipx = "ip" if family is IPFamily.V4 else "ip6"
-    cidrs = _collapse(node.cluster_cidrs_of(family))
-    if not cidrs:
-        from_pod = not_from_pod = ""
-    elif len(cidrs) == 1:
-        from_pod, not_from_pod = f"{ipx} saddr {cidrs[0]}", f"{ipx} saddr != {cidrs[0]}"
-    else:
-        # A named set, not an anonymous one per rule: anonymous sets cost the kernel
-        # quadratic time to bind across a large transaction.
-        from_pod = f"{ipx} saddr @{CLUSTER_CIDRS_SET}"
-        not_from_pod = f"{ipx} saddr != @{CLUSTER_CIDRS_SET}"
-    node_ips = tuple(ipaddress.ip_address(_address(ip)) for ip in node.ips_of(family))
+    from_pod, not_from_pod = _pod_matches(ipx, pod_match(node, family))
     ctx = _Context(
         node=node,
         family=family,
@@ -441,28 +474,29 @@ def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, .
         addr_type="ipv4_addr" if family is IPFamily.V4 else "ipv6_addr",
         from_pod=from_pod,
         not_from_pod=not_from_pod,
-        node_ips=node_ips,
+        mark=f"{node.masquerade_mark:#x}",
     )
-    return ctx, cidrs
+    return ctx, _collapse(node.service_cidrs_of(family))
 
 
 def _static(
-    ctx: _Context, cluster_cidrs: tuple[str, ...]
+    ctx: _Context, service_cidrs: tuple[str, ...]
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, SetDecl], dict[str, SetDecl], dict[str, dict[str, Element]]]:
     ipx, addr = ctx.ipx, ctx.addr_type
     loopback = "127.0.0.0/8" if ctx.family is IPFamily.V4 else "::1"
-    nodeport_cidrs = _collapse(ctx.node.nodeport_addresses_of(ctx.family))
+    nodeports = _collapse(nodeport_cidrs(ctx.node, ctx.family, primary_by_default=True))
     # nfproxy resolves --nodeport-addresses CIDRs in the kernel (an interval set, intersected
     # with "is a local address") instead of listing interface addresses at render time, so the
     # rules stay right when addresses come and go. Loopback is excluded either way, as
     # kube-proxy's nftables mode does: DNAT of 127/8 traffic to a remote pod cannot work.
     nodeport_match = f"fib daddr type local {ipx} daddr != {loopback}"
-    if nodeport_cidrs:
+    if nodeports:
         nodeport_match = f"{ipx} daddr @{NODEPORT_IPS_SET} {nodeport_match}"
 
     chains: dict[str, list[str]] = {bc.name: [] for bc in BASE_CHAINS}
     # KUBE-FORWARD in the iptables backend drops INVALID packets; keep the two equal.
-    chains["filter-forward"].append("ct state invalid drop")
+    if ctx.node.drop_invalid:
+        chains["filter-forward"].append(f"ct state invalid counter name {INVALID_DROP_COUNTER} drop")
     for name in (
         NODEPORT_ENDPOINTS_CHECK_CHAIN,
         SERVICE_ENDPOINTS_CHECK_CHAIN,
@@ -472,6 +506,7 @@ def _static(
         MASQUERADING_CHAIN,
         MARK_MASQ_CHAIN,
         REJECT_CHAIN,
+        CLUSTER_IPS_CHECK_CHAIN,
     ):
         chains[name] = []
     # Hairpin: a pod that reaches its own service through a data-map DNAT must be masqueraded
@@ -482,13 +517,14 @@ def _static(
     )
     for target, base, gate in _JUMPS:
         chains[base].append(f"{gate}jump {target}")
-    chains[MARK_MASQ_CHAIN].append(f"meta mark set meta mark or {_MARK}")
+    chains[MARK_MASQ_CHAIN].append(f"meta mark set meta mark or {ctx.mark}")
     chains[MASQUERADING_CHAIN] += [
-        f"meta mark and {_MARK} == 0 return",
-        f"meta mark set meta mark xor {_MARK}",
+        f"meta mark and {ctx.mark} == 0 return",
+        f"meta mark set meta mark xor {ctx.mark}",
         "masquerade fully-random",
     ]
     chains[REJECT_CHAIN].append("reject")
+    chains[CLUSTER_IPS_CHECK_CHAIN] += _cluster_ips_check(ipx, service_cidrs)
     dispatch = f"{ipx} daddr . meta l4proto . th dport vmap"
     chains[FIREWALL_CHECK_CHAIN].append(f"{dispatch} @{FIREWALL_IPS_MAP}")
     chains[SERVICE_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_SERVICES_MAP}")
@@ -523,24 +559,33 @@ def _static(
         HAIRPIN_SET: SetDecl(
             "set", f"type {addr} . {addr} ; comment {nft_comment('endpoint E . E: a pod reaching itself through a service')} ;"
         ),
+        CLUSTER_IPS_SET: SetDecl("set", f"type {addr} ; comment {nft_comment('Active ClusterIPs')} ;"),
     }
     nodeport_decl = SetDecl(
         "set", f"type {addr} ; flags interval ; comment {nft_comment('CIDRs whose local IPs accept NodePort traffic')} ;"
     )
-    elements: dict[str, dict[str, Element]] = {name: {} for name in sets if name != HAIRPIN_SET}
+    elements: dict[str, dict[str, Element]] = {
+        name: {} for name in sets if name not in (HAIRPIN_SET, CLUSTER_IPS_SET)
+    }
     unused: dict[str, SetDecl] = {}
-    if nodeport_cidrs:
+    if nodeports:
         sets[NODEPORT_IPS_SET] = nodeport_decl
-        elements[NODEPORT_IPS_SET] = {c: Element() for c in nodeport_cidrs}
+        elements[NODEPORT_IPS_SET] = {c: Element() for c in nodeports}
     else:
         unused[NODEPORT_IPS_SET] = nodeport_decl
-    if len(cluster_cidrs) > 1:
-        # Not deleted when unused: stale service chains may still reference it.
-        sets[CLUSTER_CIDRS_SET] = SetDecl(
-            "set", f"type {addr} ; flags interval ; comment {nft_comment('pod CIDRs: sources that are not masqueraded')} ;"
-        )
-        elements[CLUSTER_CIDRS_SET] = {c: Element() for c in cluster_cidrs}
     return {k: tuple(v) for k, v in chains.items()}, sets, unused, elements
+
+
+def _cluster_ips_check(ipx: str, service_cidrs: tuple[str, ...]) -> list[str]:
+    """What reaches a cluster IP undispatched: it matched no service port (kube-proxy's
+    cluster-ips-check). The drop needs the service CIDRs; the reject does not."""
+    rules = [f'{ipx} daddr @{CLUSTER_IPS_SET} reject comment "Reject traffic to invalid ports of ClusterIPs"']
+    if service_cidrs:
+        rules.append(
+            f"{ipx} daddr {{ {', '.join(service_cidrs)} }} drop"
+            ' comment "Drop traffic to unallocated ClusterIPs"'
+        )
+    return rules
 
 
 def _policy_rules(
@@ -744,12 +789,7 @@ def _render_service(
         chains[external_chain] = tuple(ext)
 
     if r.uses_firewall:
-        ranges = [_address(c) for c in svc.load_balancer_source_ranges]
-        nets = [ipaddress.ip_network(c, strict=False) for c in ranges]
-        # A VIP often is a local address too: the node's own request then loops back with the
-        # VIP as source, which must stay allowed when the node itself is.
-        if any(ip in net for net in nets for ip in ctx.node_ips if ip.version == net.version):
-            ranges += [_address(ip) for ip in svc.load_balancer_ips]
+        ranges = [_address(c) for c in firewall_sources(svc, ctx.node)]
         chains[firewall_chain] = (f"{ipx} saddr != {{ {', '.join(ranges)} }} drop",)
 
     chains.update(ep_chains)
@@ -798,6 +838,7 @@ def _render_service(
         blocks=MappingProxyType(blocks),
         shards=tuple(shards),
         hairpin=hairpin,
+        cluster_ip=cluster_ip,
     )
 
 
@@ -813,8 +854,8 @@ def render(state: ClusterState, family: IPFamily) -> NftRuleset:
 
 
 def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
-    ctx, cluster_cidrs = _context(state.node, family)
-    chains, sets, unused, elements = _static(ctx, cluster_cidrs)
+    ctx, service_cidrs = _context(state.node, family)
+    chains, sets, unused, elements = _static(ctx, service_cidrs)
 
     services: dict[ServicePortKey, ServiceRules] = {}
     all_endpoints = state.endpoints
@@ -822,6 +863,7 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
     contested: set[tuple[str, str]] = set()
     slots = _Slots(SlotAllocator())
     hairpin_refs: dict[str, int] = {}
+    cluster_ip_refs: dict[str, int] = {}
     shard_users: dict[str, int] = {}
     # Sorted by plain string tuples: far cheaper than the dataclass ordering at 10 000 services.
     keys = sorted((k for k in svc_map if k[1] is family), key=_service_order)
@@ -830,6 +872,7 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         services[key] = rules
         for ip in rules.hairpin:
             hairpin_refs[ip] = hairpin_refs.get(ip, 0) + 1
+        cluster_ip_refs[rules.cluster_ip] = cluster_ip_refs.get(rules.cluster_ip, 0) + 1
         for shard in rules.shards:
             shard_users[shard] = shard_users.get(shard, 0) + 1
         for map_name, elem_key, element in rules.elements:
@@ -856,6 +899,8 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         hairpin_refs=MappingProxyType(hairpin_refs),
         shard_users=MappingProxyType(shard_users),
         allocator=slots.allocator,
+        cluster_ip_refs=MappingProxyType(cluster_ip_refs),
+        counters=(INVALID_DROP_COUNTER,) if state.node.drop_invalid else (),
     )
 
 
@@ -896,6 +941,7 @@ def render_update(
         contested = previous.contested
         allocator = previous.allocator or SlotAllocator()
         hairpin = previous.hairpin_refs.copy()
+        cluster_ips = previous.cluster_ip_refs.copy()
         shard_users = previous.shard_users.copy()
         removed: list[tuple[str, str, Element]] = []
         added: list[tuple[str, str, Element]] = []
@@ -911,6 +957,7 @@ def render_update(
                         hairpin[ip] = left
                     else:
                         del hairpin[ip]
+                _unref(cluster_ips, old.cluster_ip)
                 for shard in old.shards:
                     shard_users[shard] -= 1
                     if not shard_users[shard]:
@@ -923,6 +970,7 @@ def render_update(
                 added.extend(rules.elements)
                 for ip in rules.hairpin:
                     hairpin[ip] = hairpin.get(ip, 0) + 1
+                cluster_ips[rules.cluster_ip] = cluster_ips.get(rules.cluster_ip, 0) + 1
                 for shard in rules.shards:
                     shard_users[shard] = shard_users.get(shard, 0) + 1
             slots.release_unkept()
@@ -961,7 +1009,17 @@ def render_update(
             hairpin_refs=MappingProxyType(hairpin),
             shard_users=MappingProxyType(shard_users),
             allocator=allocator,
+            cluster_ip_refs=MappingProxyType(cluster_ips),
+            counters=previous.counters,
         )
+
+
+def _unref(refs: dict[str, int], key: str) -> None:
+    left = refs[key] - 1
+    if left:
+        refs[key] = left
+    else:
+        del refs[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1024,6 +1082,7 @@ def delta(
         f"add map {t} {n} {{ {new.shard_spec(n)} }}" for n in new.shard_users if n not in previous.shard_users
     ]
     hairpin_ips: set[str] = set()
+    cluster_ips: set[str] = set()
     rules_out: list[str] = []
     old_elements: dict[tuple[str, str], Element] = {}
     new_elements: dict[tuple[str, str], Element] = {}
@@ -1054,6 +1113,7 @@ def delta(
                 stale_chains.append(name)
         hairpin_ips.update(old.hairpin)
         hairpin_ips.update(cur.hairpin)
+        cluster_ips.update(ip for ip in (old.cluster_ip, cur.cluster_ip) if ip)
         for map_name, elem_key, el in old.elements:
             old_elements[(map_name, elem_key)] = el
         for map_name, elem_key, el in cur.elements:
@@ -1075,4 +1135,10 @@ def delta(
             cmds.append(f"delete element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
         elif now and not was:
             cmds.append(f"add element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
+    for ip in sorted(cluster_ips):
+        was, now = ip in previous.cluster_ip_refs, ip in new.cluster_ip_refs
+        if was and not now:
+            cmds.append(f"delete element {t} {CLUSTER_IPS_SET} {{ {ip} }}")
+        elif now and not was:
+            cmds.append(f"add element {t} {CLUSTER_IPS_SET} {{ {ip} }}")
     return NftDelta(tuple(cmds), tuple(stale_chains), tuple(stale_sets))

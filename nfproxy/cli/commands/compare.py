@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
                         "max_difference": float(r.max_difference),
                         "total_variation": float(r.total_variation),
                         "equivalent": r.equivalent,
+                        "documented_difference": r.probe.nft_only or None,
                     }
                     for r in result.results
                 ],
@@ -51,13 +52,16 @@ def run(args: argparse.Namespace) -> int:
             if r.probe.service != service:
                 service = r.probe.service
                 print(service)
-            mark = "ok  " if r.equivalent else "DIFF"
+            mark = ("doc " if r.documented else "ok  ") if r.equivalent else "DIFF"
             print(f"  {mark} {r.probe.traffic} ({r.probe.src} -> {r.probe.dst}:{r.probe.port})")
             for o in sorted(set(r.iptables) | set(r.nft)):
                 a, b = r.iptables.get(o, Fraction(0)), r.nft.get(o, Fraction(0))
                 print(f"         {str(o):<40} iptables {float(a):.12f}  nft {float(b):.12f}")
         print(f"{len(result.results)} probes; largest difference (kernel mode) {float(result.max_difference):.3e}, "
               f"largest total-variation distance {float(result.total_variation):.3e}")
+        documented = sum(1 for r in result.results if r.documented)
+        if documented:
+            print(f"{documented} documented differences (as between kube-proxy's modes; see docs/semantics.md)")
         print("EQUIVALENT" if result.equivalent else "NOT EQUIVALENT")
     return 0 if result.equivalent else 1
 

@@ -163,6 +163,9 @@ def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings
 
         proxier = Proxier(args.backend, netns=args.netns, flavour=Flavour(args.iptables_flavour))
     source = _source(args)
+    from nfproxy.daemon.localhost import prepare
+
+    prepare(args.backend, node_config_from_args(args), args.netns)
     daemon = Daemon(source, config, proxier)
     if args.once:
         return _once(source, daemon)
