@@ -484,10 +484,12 @@ class _Reflector:
         changed = self._cache.replace(self.kind, objects)
         self.lists += 1
         first = not self.synced.is_set()
-        self.synced.set()
         log.info("listed %d %s at resourceVersion %s", len(objects), self.kind.plural, version)
+        # Notify before saying synced: whoever waits for readiness then never sees this list's
+        # notice arrive after it (a sync loop woken early just finds the source not ready yet).
         if changed or first:
             self._on_change()
+        self.synced.set()
         return version
 
     def _guard_empty_relist(self, objects: list[dict[str, Any]]) -> None:
