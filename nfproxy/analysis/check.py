@@ -234,23 +234,23 @@ def _selection(
     best = None
     for proto in ("tcp", "udp", "sctp"):
         packet = Packet(src, dst, 1, proto, "pod")
+        entered: set[str] = set()
         try:
-            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, tracing=True)
+            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, entered=entered)
         except InterpretError as exc:
             return None, [Problem("uninterpretable", _where(table, chain.name), str(exc))], set()
         dnat = sum((p.probability for p in paths if p.outcome.verdict == "dnat"), Fraction(0))
         if best is None or dnat > best[0]:
-            best = (dnat, proto, paths)
+            best = (dnat, proto, paths, entered)
         if dnat == 1:
             break
     assert best is not None
-    _, proto, paths = best
+    _, proto, paths, entered = best
     endpoints: dict[str, Fraction] = {}
     fallthrough = Fraction(0)
-    reached: set[str] = set()
+    reached = set(entered) - {chain.name}
     timeout = 0
     for p in paths:
-        reached.update(s.chain for s in p.steps)
         if p.outcome.verdict == "dnat":
             reached.add(chain.name)
         for name in p.lookups:
@@ -325,19 +325,54 @@ def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
                     elements = sdef.elements
                 else:
                     elements = m.elements
-                keys = {el.key[0].value for el in elements if len(el.key) == 1 and isinstance(el.key[0], Const)}
-                slots = set(range(key.offset, key.offset + key.mod))
-                missing = sorted(slots - keys)
+                keys = _int_keys_cached(elements)
+                slots = range(key.offset, key.offset + key.mod)
+                inside = sum(1 for k in keys if k in slots)
+                missing = _first_missing(slots, keys, 8)
                 # A shared map holds other chains' slots too: only an anonymous one can have
                 # slots that belong to this numgen and can never be drawn.
-                extra = [] if shared else sorted(keys - slots)
+                extra = [] if shared else sorted(k for k in keys if k not in slots)
                 if missing or extra:
-                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {len(keys)} slots"
+                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {inside if shared else len(keys)} slots"
                     if missing:
-                        detail += f"; values {missing[:8]} find no slot"
+                        more = key.mod - inside - len(missing)
+                        detail += f"; values {missing}{f' and {more} more' if more > 0 else ''} find no slot"
                     if extra:
                         detail += f"; slots {extra[:8]} can never be drawn"
                     out.append(Problem("numgen-slots", _where(table, chain.name, i), detail))
+    return out
+
+
+_KEYS: dict[int, tuple[tuple, frozenset[int]]] = {}
+
+
+def _int_keys_cached(elements: tuple) -> frozenset[int]:
+    """A shared map's keys, read once for all the chains that index it (kept with the tuple,
+    so an id is never reused while its entry lives; bounded to the last few maps)."""
+    entry = _KEYS.get(id(elements))
+    if entry is None or entry[0] is not elements:
+        if len(_KEYS) > 64:
+            _KEYS.clear()
+        entry = _KEYS[id(elements)] = (elements, _int_keys(elements))
+    return entry[1]
+
+
+def _int_keys(elements: tuple) -> frozenset[int]:
+    return frozenset(
+        el.key[0].value for el in elements
+        if len(el.key) == 1 and isinstance(el.key[0], Const) and isinstance(el.key[0].value, int)
+    )
+
+
+def _first_missing(slots: range, keys: frozenset[int], limit: int) -> list[int]:
+    """The first `limit` values of `slots` not in `keys`: costs len(keys) + limit, not the
+    modulus (a numgen may have 2^32 slots)."""
+    out: list[int] = []
+    value = slots.start
+    while value < slots.stop and len(out) < limit:
+        if value not in keys:
+            out.append(value)
+        value += 1
     return out
 
 

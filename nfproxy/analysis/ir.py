@@ -278,7 +278,7 @@ class Table:
     sets: Mapping[str, SetDef] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Ruleset:
     tables: tuple[Table, ...] = ()
 

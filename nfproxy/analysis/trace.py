@@ -73,7 +73,8 @@ def format_trace(paths: Sequence[Path], limit: int = 20) -> str:
     lines = []
     for outcome, ps in order[:limit]:
         total = sum(p.probability for p in ps)
-        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({len(ps)} path{'s' if len(ps) > 1 else ''})")
+        count = sum(p.count for p in ps)
+        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({count} path{'s' if count > 1 else ''})")
         first = ps[0]
         last = None
         for step in first.steps:
