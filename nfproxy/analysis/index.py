@@ -269,7 +269,7 @@ class RulesetIndex:
     def __init__(self) -> None:
         self._elements: dict[int, tuple[tuple[Element, ...], ElementIndex]] = {}
         self._rules: dict[int, tuple[Chain, RuleIndex]] = {}
-        self._hooks: dict[tuple[str, int], list] = {}
+        self._hooks: dict[tuple, Any] = {}
 
     def elements(self, elements: tuple[Element, ...]) -> ElementIndex:
         # Keyed by identity: the tuple is kept alive with its index, so the id cannot be reused.
@@ -286,7 +286,8 @@ class RulesetIndex:
             self._rules[id(chain)] = entry
         return entry[1]
 
-    def hooks(self, key: tuple[str, int], build: Any) -> list:
+    def cached(self, key: tuple, build: Any) -> Any:
+        """Anything else derived from the ruleset alone (base chains per hook, pod CIDRs)."""
         found = self._hooks.get(key)
         if found is None:
             found = self._hooks[key] = build()

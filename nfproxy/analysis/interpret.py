@@ -78,7 +78,12 @@ Mode = Literal["kernel", "ideal"]
 
 
 class InterpretError(ValueError):
-    """The interpreter cannot decide what a rule does; the message names the rule."""
+    """The interpreter cannot decide what a rule does; the message names the rule, and `line`
+    is where the dump holds it (0 when the format has no lines)."""
+
+    def __init__(self, message: str, line: int = 0) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 @dataclass(frozen=True, slots=True)
@@ -568,9 +573,12 @@ class _Interpreter:
             for w, st in pending.pop(i).items.values():
                 try:
                     branches = self.rule(table, rule, st)
-                except _Unknown as exc:
+                except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
+                    # _Unknown: not modelled. The others: values of a type the rule cannot
+                    # hold (a dump edited by hand), which a parser let through.
                     raise InterpretError(
-                        f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text})"
+                        f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
+                        rule.line,
                     ) from None
                 for f, st2, act in branches:
                     w2 = f if w is self.one else w * f
@@ -590,7 +598,8 @@ class _Interpreter:
                     if sub is None:
                         raise InterpretError(
                             f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: "
-                            f"{kind} to missing chain {target!r}"
+                            f"{kind} to missing chain {target!r}",
+                            rule.line,
                         )
                     for w3, st3, r in self.run_chain(table, sub, w2, st2, depth + 1):
                         if r == "return" and kind == "jump":
@@ -618,7 +627,7 @@ class _Interpreter:
         return out
 
     def base_chains(self, hook: str, version: int) -> list[tuple[Table, Chain]]:
-        return self.index.hooks((hook, version), lambda: self._base_chains(hook, version))
+        return self.index.cached(("hook", hook, version), lambda: self._base_chains(hook, version))
 
     def _base_chains(self, hook: str, version: int) -> list[tuple[Table, Chain]]:
         family = "ip" if version == 4 else "ip6"

@@ -224,6 +224,7 @@ class Rule:
     statements: tuple[Statement, ...]
     comment: str = ""
     text: str = ""
+    line: int = field(default=0, compare=False)  # where the text format read it; 0: no lines
 
     def verdicts(self) -> Iterator[Verdict]:
         """Every verdict this rule can take, including those inside verdict maps it uses

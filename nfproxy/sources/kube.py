@@ -654,19 +654,8 @@ def default_node_name() -> str:
     return socket.gethostname().strip().lower()
 
 
-def add_kube_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add --kubeconfig and --master to a parser or to one of its argument groups."""
-    parser.add_argument(
-        "--kubeconfig",
-        metavar="PATH",
-        help="kubeconfig with the API server and credentials "
-        "(default: the pod's service account, in-cluster)",
-    )
-    parser.add_argument(
-        "--master",
-        metavar="URL",
-        help="API server URL; overrides the kubeconfig's server",
-    )
+# Defined apart so that building the CLI's parser does not import the kubernetes client.
+from nfproxy.sources.kube_flags import add_kube_flags  # noqa: E402,F401  (re-exported)
 
 
 def source_from_args(args: argparse.Namespace, settings: WatchSettings = WatchSettings()) -> KubeSource:

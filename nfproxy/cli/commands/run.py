@@ -84,12 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=BACKENDS, required=True, help="how to program the kernel")
     src = p.add_argument_group("source")
     src.add_argument("--manifests", metavar="PATH", help="a YAML file or directory, re-read on change")
-    try:
-        from nfproxy.sources.kube import add_kube_flags
-    except ImportError:  # pragma: no cover - the kube source ships with the package
-        pass
-    else:
-        add_kube_flags(src)
+    from nfproxy.sources.kube_flags import add_kube_flags  # not .kube: no kubernetes import at start-up
+
+    add_kube_flags(src)
     p.add_argument("--netns", metavar="NAME", help="program this named network namespace instead of the current one")
     p.add_argument("--once", action="store_true", help="sync once (full) and exit")
     p.add_argument("--min-sync-period", default="1s", metavar="DURATION",
