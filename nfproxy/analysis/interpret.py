@@ -450,7 +450,7 @@ class _Interpreter:
             operand = stmt.right
             dynamic = isinstance(operand, SetRef) and self._is_dynamic(table, operand)
             if dynamic:
-                st = dataclasses.replace(st, lookups=st.lookups + (operand.name,))  # type: ignore[union-attr]
+                st = _with_history(st, st.steps, st.lookups + (operand.name,), st.pins, st.paths)  # type: ignore[union-attr]
             if isinstance(stmt.left, Numgen):
                 return [(w, st, None if hit else _NOMATCH) for w, hit in self._numgen_match(table, stmt.left, stmt.op, operand, st)]
             for w, v in self.values(table, stmt.left, st):
@@ -487,11 +487,11 @@ class _Interpreter:
             return out
         if isinstance(stmt, MarkSet):
             return [
-                (w, st, _NOMATCH) if v is None else (w, dataclasses.replace(st, mark=v & _MASK32), None)
+                (w, st, _NOMATCH) if v is None else (w, _State(st.src, st.dst, st.dport, st.proto, v & _MASK32, st.dnat, st.masq, st.steps, st.lookups, st.pins, st.paths), None)
                 for w, v in self.values(table, stmt.value, st)
             ]
         if isinstance(stmt, SetUpdate):
-            return [(one, dataclasses.replace(st, pins=st.pins + (stmt.set,)), None)]
+            return [(one, _with_history(st, st.steps, st.lookups, st.pins + (stmt.set,), st.paths), None)]
         if isinstance(stmt, Dnat):
             out = []
             ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
@@ -503,11 +503,13 @@ class _Interpreter:
                     if isinstance(addr, tuple):
                         addr, port = addr
                     new_port = st.dport if port is None else int(port)
-                    new = dataclasses.replace(st, dst=addr, dport=new_port, dnat=(addr, new_port))
+                    new = _State(st.src, addr, new_port, st.proto, st.mark, (addr, new_port), st.masq,
+                                 st.steps, st.lookups, st.pins, st.paths)
                     out.append((w * w2, new, ("nat", "")))
             return out
         if isinstance(stmt, Masquerade):
-            return [(one, dataclasses.replace(st, masq=True), ("nat", ""))]
+            return [(one, _State(st.src, st.dst, st.dport, st.proto, st.mark, st.dnat, True,
+                                 st.steps, st.lookups, st.pins, st.paths), ("nat", ""))]
         if isinstance(stmt, Unknown):
             raise _Unknown(f"unsupported match or statement: {stmt.text}")
         raise _Unknown(f"statement {stmt!r} is not modelled")
@@ -586,7 +588,8 @@ class _Interpreter:
                         reach(i + 1, w2, st2)
                         continue
                     if self.tracing:
-                        st2 = dataclasses.replace(st2, steps=st2.steps + (Step(table.name, chain.name, i, rule.text),))
+                        st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                                            st2.lookups, st2.pins, st2.paths)
                     if act is None:
                         reach(i + 1, w2, st2)
                         continue
