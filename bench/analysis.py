@@ -17,7 +17,7 @@ shape of nfproxy/testing.py (IPv4 TCP ClusterIP services, N endpoints each):
   (target < 0.3 s), and whether the kubernetes client was imported.
 
 Usage: sudo .venv/bin/python bench/analysis.py [--sizes 100,1000,10000] [--endpoints 10]
-       [--only compare,check,pathological,startup]
+       [--only compare,check,pathological,startup] [--backends nft,iptables]
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ def main() -> None:
     p.add_argument("--sizes", default="100,1000,10000")
     p.add_argument("--endpoints", type=int, default=10)
     p.add_argument("--only", default="compare,check,pathological,startup")
+    p.add_argument("--backends", default="nft,iptables", help="which backends `check` reads (iptables-legacy-restore "
+                   "of 10 000 services holds the host-wide xtables lock for seconds)")
     p.add_argument("--child", nargs=3, metavar=("KIND", "ARG", "ENDPOINTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -185,8 +187,8 @@ def main() -> None:
     if "compare" in only:
         table("compare", "compare", sizes, args.endpoints, 60, 1024)
     if "check" in only:
-        table("check --netns, nft", "check-nft", sizes, args.endpoints, 10, None)
-        table("check --netns, iptables", "check-iptables", sizes, args.endpoints, 10, None)
+        for backend in args.backends.split(","):
+            table(f"check --netns, {backend}", f"check-{backend}", sizes, args.endpoints, 10, None)
     if "pathological" in only:
         print("\npathological inputs (target < 2 s each)")
         for case in ("40 chains x 2 rules", "numgen mod 2^32 map", "numgen mod 2^64 map"):

@@ -10,7 +10,10 @@ Public API:
 - `interpret(ruleset, packet, *, node_ips=(), mode="kernel") -> dict[Outcome, Fraction]`:
   probabilities sum to exactly 1.
 - `trace(...) -> list[Path]`: the same walk, one `Path` per random branch, with the rules each
-  branch matched (`Step`s), the affinity sets it consulted and the ones it would pin.
+  branch matched (`Step`s), the affinity sets it consulted and the ones it would pin. Branches
+  that reach a rule in the same state are merged into one `Path` (`count` says how many), so
+  the work is bounded by rules x distinct states, never by the number of paths (2^40 for 40
+  chains of two rules each).
 - `walk_chain(ruleset, table, chain, packet, ...) -> list[Path]`: the walk started inside one
   chain (as if jumped to from nat prerouting); falling off its end gives Outcome("accept").
 - `InterpretError`: an Unknown statement, a missing chain or set, a loop; the message names the

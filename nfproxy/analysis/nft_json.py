@@ -89,13 +89,13 @@ def parse(doc: dict[str, Any] | str) -> Ruleset:
     items = doc["nftables"]
     # Sets first: rules are read against their declared types.
     for number, item in enumerate(items):
-        with _item(number, item) as (kind, obj):
+        with _Item(number, item) as (kind, obj):
             if kind == "table":
                 _table_of(tables, obj)
             elif kind in ("set", "map"):
                 _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj)
     for number, item in enumerate(items):
-        with _item(number, item) as (kind, obj):
+        with _Item(number, item) as (kind, obj):
             if kind == "chain":
                 t = _table_of(tables, obj)
                 t["chains"][_name(obj, "name")] = obj
@@ -124,7 +124,7 @@ def parse(doc: dict[str, Any] | str) -> Ruleset:
     return Ruleset(tuple(out))
 
 
-class _item:
+class _Item:
     """Context for reading item `number`: yields (kind, body) and names the item on failure."""
 
     def __init__(self, number: int, item: Any) -> None:
