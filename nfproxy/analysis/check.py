@@ -23,6 +23,7 @@ affinity history, so the numbers are the kernel's. Problem kinds:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -190,12 +191,18 @@ def check(ruleset: Ruleset, *, node_ips: Sequence[str] = (), mode: Mode = "kerne
             reached |= reached_here
             if report is not None:
                 services.append(report)
+        selected: frozenset[str] | None = None
         for chain in table.chains.values():
             if not _has_dnat(chain) or chain.is_base:
                 continue
             if chain.name not in referenced:
                 problems.append(Problem("unreachable-endpoint", _where(table, chain.name), "no rule or map refers to this endpoint chain"))
-            elif chain.name not in reached and _selected_by_random(table, chain.name):
+                continue
+            if chain.name in reached:
+                continue
+            if selected is None:
+                selected = _randomly_selected(table)
+            if chain.name in selected:
                 problems.append(Problem("unreachable-endpoint", _where(table, chain.name), "its selection chain never picks it (probability 0)"))
     services.sort(key=lambda s: (s.name, s.chain))
     return Report(tuple(services), tuple(problems))
@@ -217,13 +224,13 @@ def _selects(table: Table, chain: Chain) -> bool:
     return False
 
 
-def _selected_by_random(table: Table, name: str) -> bool:
-    for chain in table.chains.values():
-        if any(_is_random(r) for r in chain.rules):
-            for rule in chain.rules:
-                if any(v.target == name for v in _targets(table, rule)):
-                    return True
-    return False
+def _randomly_selected(table: Table) -> frozenset[str]:
+    """The chains some random choice can go to, found once per table."""
+    return frozenset(
+        v.target
+        for chain in table.chains.values() if any(_is_random(r) for r in chain.rules)
+        for rule in chain.rules for v in _targets(table, rule)
+    )
 
 
 def _selection(
@@ -234,23 +241,23 @@ def _selection(
     best = None
     for proto in ("tcp", "udp", "sctp"):
         packet = Packet(src, dst, 1, proto, "pod")
+        entered: set[str] = set()
         try:
-            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, tracing=True)
+            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, entered=entered)
         except InterpretError as exc:
             return None, [Problem("uninterpretable", _where(table, chain.name), str(exc))], set()
         dnat = sum((p.probability for p in paths if p.outcome.verdict == "dnat"), Fraction(0))
         if best is None or dnat > best[0]:
-            best = (dnat, proto, paths)
+            best = (dnat, proto, paths, entered)
         if dnat == 1:
             break
     assert best is not None
-    _, proto, paths = best
+    _, proto, paths, entered = best
     endpoints: dict[str, Fraction] = {}
     fallthrough = Fraction(0)
-    reached: set[str] = set()
+    reached = set(entered) - {chain.name}
     timeout = 0
     for p in paths:
-        reached.update(s.chain for s in p.steps)
         if p.outcome.verdict == "dnat":
             reached.add(chain.name)
         for name in p.lookups:
@@ -325,19 +332,55 @@ def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
                     elements = sdef.elements
                 else:
                     elements = m.elements
-                keys = {el.key[0].value for el in elements if len(el.key) == 1 and isinstance(el.key[0], Const)}
-                slots = set(range(key.offset, key.offset + key.mod))
-                missing = sorted(slots - keys)
+                keys, ordered = _int_keys_cached(elements)
+                slots = range(key.offset, key.offset + key.mod)
+                inside = bisect.bisect_left(ordered, slots.stop) - bisect.bisect_left(ordered, slots.start)
+                missing = _first_missing(slots, keys, 8)
                 # A shared map holds other chains' slots too: only an anonymous one can have
                 # slots that belong to this numgen and can never be drawn.
-                extra = [] if shared else sorted(keys - slots)
+                extra = [] if shared else sorted(k for k in keys if k not in slots)
                 if missing or extra:
-                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {len(keys)} slots"
+                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {inside if shared else len(keys)} slots"
                     if missing:
-                        detail += f"; values {missing[:8]} find no slot"
+                        more = key.mod - inside - len(missing)
+                        detail += f"; values {missing}{f' and {more} more' if more > 0 else ''} find no slot"
                     if extra:
                         detail += f"; slots {extra[:8]} can never be drawn"
                     out.append(Problem("numgen-slots", _where(table, chain.name, i), detail))
+    return out
+
+
+_KEYS: dict[int, tuple[tuple, tuple[frozenset[int], list[int]]]] = {}
+
+
+def _int_keys_cached(elements: tuple) -> tuple[frozenset[int], list[int]]:
+    """A shared map's keys, read once for all the chains that index it (kept with the tuple,
+    so an id is never reused while its entry lives; bounded to the last few maps)."""
+    entry = _KEYS.get(id(elements))
+    if entry is None or entry[0] is not elements:
+        if len(_KEYS) > 64:
+            _KEYS.clear()
+        keys = _int_keys(elements)
+        entry = _KEYS[id(elements)] = (elements, (keys, sorted(keys)))
+    return entry[1]
+
+
+def _int_keys(elements: tuple) -> frozenset[int]:
+    return frozenset(
+        el.key[0].value for el in elements
+        if len(el.key) == 1 and isinstance(el.key[0], Const) and isinstance(el.key[0].value, int)
+    )
+
+
+def _first_missing(slots: range, keys: frozenset[int], limit: int) -> list[int]:
+    """The first `limit` values of `slots` not in `keys`: costs len(keys) + limit, not the
+    modulus (a numgen may have 2^32 slots)."""
+    out: list[int] = []
+    value = slots.start
+    while value < slots.stop and len(out) < limit:
+        if value not in keys:
+            out.append(value)
+        value += 1
     return out
 
 
@@ -362,14 +405,27 @@ def _undrawable_slots(table: Table) -> Iterator[Problem]:
         sdef = table.sets.get(name)
         if sdef is None:
             continue
+        starts, stops = _union(ranges)
         stray = sorted(
-            el.key[0].value
-            for el in sdef.elements
-            if len(el.key) == 1 and isinstance(el.key[0], Const) and isinstance(el.key[0].value, int)
-            and not any(el.key[0].value in r for r in ranges)
+            k for k in _int_keys(sdef.elements)
+            if (i := bisect.bisect_right(starts, k) - 1) < 0 or k >= stops[i]
         )
         if stray:
             yield Problem("numgen-slots", f"{table.family} {table.name} map {name}", f"slots {stray[:8]} are no numgen's value: their endpoints can never be drawn")
+
+
+def _union(ranges: list[range]) -> tuple[list[int], list[int]]:
+    """Disjoint, sorted [start, stop) intervals covering `ranges`: one bisect per key instead
+    of a scan of every numgen's range (a shared map is indexed by one numgen per service)."""
+    starts: list[int] = []
+    stops: list[int] = []
+    for r in sorted(ranges, key=lambda r: r.start):
+        if stops and r.start <= stops[-1]:
+            stops[-1] = max(stops[-1], r.stop)
+        else:
+            starts.append(r.start)
+            stops.append(r.stop)
+    return starts, stops
 
 
 def _missing_chains(table: Table) -> Iterator[Problem]:

@@ -1,14 +1,27 @@
 """Where rules are read from: a live network namespace or a dump file, into one Ruleset.
 
-Public API: `read_live(backend, netns) -> Source`, `read_file(path) -> Source`,
-`read_text(text) -> Source`. A `Source` carries the ruleset, the backend it was read as and a
-human description ("iptables-legacy in netns X"). Reading never writes to the kernel.
+Public API: `read_live(backend, netns) -> Source`, `read_file(path, max_bytes=…) -> Source`,
+`read_text(text, name) -> Source`, `DumpError`. A `Source` carries the ruleset, the backend it
+was read as and a human description ("iptables-legacy in netns X"). Reading never writes to the
+kernel.
+
+Every way a file can be unreadable (missing, not a regular file, larger than `max_bytes`, not
+UTF-8 text, not a dump, cut short) is a `DumpError` whose message starts `FILE:LINE:` (or
+`FILE:` when no line applies), so commands print it as it is and exit 2. Only regular files
+are opened: a FIFO would block forever and /dev/zero never ends.
+
+iptables text may hold both families: `nfproxy render --backend iptables` prints the IPv4
+tables and then the IPv6 ones, each after a `# IPv4:` / `# IPv6:` comment. Each table block is
+read as the family its marker comment names, or, without markers, as the family of the
+addresses in its run of tables (a run ends where a table name repeats).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 
 from nfproxy.analysis import iptables_save, nft_json
@@ -56,22 +69,125 @@ def read_live(backend: str, netns: str | None) -> Source:
     return Source(Ruleset(tuple(tables)), "iptables", f"{', '.join(used)} in {where}")
 
 
+# A dump of 10 000 services x 10 endpoints is ~40 MB of JSON; parsing costs ~10x its size.
+MAX_DUMP_BYTES = 256 * 1024 * 1024
+
+
+class DumpError(ValueError):
+    """A dump that cannot be read; the message starts with FILE:LINE: or FILE:."""
+
+
 _ADDR6 = re.compile(r"\s(?:-s|-d|--to-destination)\s+\[?[0-9a-fA-F]*:[0-9a-fA-F:]*[:\]]")
+_MARKER = re.compile(r"#\s*IPv([46])\b")
 
 
 def read_text(text: str, name: str = "input") -> Source:
-    """JSON is `nft -j` output; anything else is iptables-save/restore text (IPv6 when it
-    holds IPv6 addresses)."""
-    if text.lstrip().startswith("{"):
+    """JSON is `nft -j` output; anything else is iptables-save/restore text, of one family or
+    of both (see the module's docstring)."""
+    if "\x00" in text:
+        line = text.count("\n", 0, text.index("\x00")) + 1
+        raise DumpError(f"{name}:{line}: a NUL byte: binary data, not a dump")
+    if text.lstrip().startswith(("{", "[")):
+        return _read_json(text, name)
+    if not text.strip():
+        raise DumpError(f"{name}: empty: no rules to read")
+    blocks = _family_blocks(text)
+    tables = []
+    families = []
+    for family, masked in blocks:
         try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise nft_json.ParseError(f"{name}: not valid JSON: {exc}") from None
-        return Source(nft_json.parse(doc), "nft", f"nft JSON from {name}")
-    family = IPFamily.V6 if _ADDR6.search(text) else IPFamily.V4
-    return Source(iptables_save.parse(text, family), "iptables", f"iptables text (IPv{family.value}) from {name}")
+            tables.extend(iptables_save.parse(masked, family).tables)
+        except iptables_save.ParseError as exc:
+            where = f"{name}:{exc.line}" if exc.line is not None else name
+            raise DumpError(f"{where}: {exc.reason}") from None
+        families.append(f"IPv{family.value}")
+    if not tables:
+        raise DumpError(f"{name}: no *table ... COMMIT block: not iptables-save or iptables-restore text")
+    return Source(Ruleset(tuple(tables)), "iptables", f"iptables text ({' and '.join(families)}) from {name}")
 
 
-def read_file(path: str) -> Source:
-    with open(path, encoding="utf-8") as f:
-        return read_text(f.read(), path)
+def _read_json(text: str, name: str) -> Source:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DumpError(f"{name}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise DumpError(f"{name}: JSON nested too deeply to be nft output") from None
+    try:
+        ruleset = nft_json.parse(doc)
+    except nft_json.ParseError as exc:
+        raise DumpError(f"{name}: {exc}") from None
+    except RecursionError:
+        raise DumpError(f"{name}: JSON nested too deeply to be nft output") from None
+    return Source(ruleset, "nft", f"nft JSON from {name}")
+
+
+def _family_blocks(text: str) -> list[tuple[IPFamily, str]]:
+    """The text once per family it holds, other families' lines blanked (so line numbers stay
+    those of the file)."""
+    lines = text.splitlines()
+    owner: list[IPFamily | None] = [None] * len(lines)
+    runs: list[list[int]] = []  # line indexes of each run of tables
+    marked: dict[int, IPFamily] = {}  # run -> family its marker names
+    seen: set[str] = set()
+    marker: IPFamily | None = None
+    for i, raw in enumerate(lines):
+        line = raw.strip()
+        m = _MARKER.match(line)
+        if m:
+            marker = IPFamily.V6 if m.group(1) == "6" else IPFamily.V4
+            if runs and runs[-1]:
+                runs.append([])
+                seen = set()
+            continue
+        if line.startswith("*"):
+            name = line[1:].strip()
+            if name in seen or not runs:
+                runs.append([])
+                seen = set()
+            seen.add(name)
+            if marker is not None:
+                marked[len(runs) - 1] = marker
+        if not runs:
+            runs.append([])
+        runs[-1].append(i)
+    for r, members in enumerate(runs):
+        family = marked.get(r)
+        if family is None:
+            body = "\n".join(lines[i] for i in members)
+            family = IPFamily.V6 if _ADDR6.search(body) else IPFamily.V4
+        for i in members:
+            owner[i] = family
+    out = []
+    for family in IPFamily:
+        if family not in owner:
+            continue
+        masked = "\n".join(raw if owner[i] is family else "" for i, raw in enumerate(lines))
+        out.append((family, masked))
+    return out
+
+
+def read_file(path: str, max_bytes: int = MAX_DUMP_BYTES) -> Source:
+    """Read a dump from a regular file of at most `max_bytes` (symlinks followed)."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
+        raise DumpError(f"{path}: {kind}, not a regular file")
+    if info.st_size > max_bytes:
+        raise DumpError(f"{path}: {info.st_size} bytes, more than the limit of {max_bytes} (--max-dump-bytes)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise DumpError(f"{path}: more than the limit of {max_bytes} bytes (--max-dump-bytes)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DumpError(f"{path}:{line}: not UTF-8 text (byte {exc.start}): binary data, not a dump") from None
+    return read_text(text, path)

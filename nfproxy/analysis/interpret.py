@@ -10,7 +10,10 @@ Public API:
 - `interpret(ruleset, packet, *, node_ips=(), mode="kernel") -> dict[Outcome, Fraction]`:
   probabilities sum to exactly 1.
 - `trace(...) -> list[Path]`: the same walk, one `Path` per random branch, with the rules each
-  branch matched (`Step`s), the affinity sets it consulted and the ones it would pin.
+  branch matched (`Step`s), the affinity sets it consulted and the ones it would pin. Branches
+  that reach a rule in the same state are merged into one `Path` (`count` says how many), so
+  the work is bounded by rules x distinct states, never by the number of paths (2^40 for 40
+  chains of two rules each).
 - `walk_chain(ruleset, table, chain, packet, ...) -> list[Path]`: the walk started inside one
   chain (as if jumped to from nat prerouting); falling off its end gives Outcome("accept").
 - `InterpretError`: an Unknown statement, a missing chain or set, a loop; the message names the
@@ -30,6 +33,7 @@ manipulation at one hook stops later nat chains of that hook, as nf_nat does.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from fractions import Fraction
 from typing import Any, Literal, Union
 
 from nfproxy.analysis import quantize
+from nfproxy.analysis.index import ElementIndex, indexes, key_matches
 from nfproxy.analysis.ir import (
     Address,
     AnonSet,
@@ -76,7 +81,12 @@ Mode = Literal["kernel", "ideal"]
 
 
 class InterpretError(ValueError):
-    """The interpreter cannot decide what a rule does; the message names the rule."""
+    """The interpreter cannot decide what a rule does; the message names the rule, and `line`
+    is where the dump holds it (0 when the format has no lines)."""
+
+    def __init__(self, message: str, line: int = 0) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,7 @@ class Path:
     steps: tuple[Step, ...] = ()
     lookups: tuple[str, ...] = ()  # dynamic (affinity) sets consulted: empty for a new client
     pins: tuple[str, ...] = ()  # dynamic sets this connection would be recorded in
+    count: int = 1  # how many walks, equal from here on, this one stands for (steps: the first's)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,9 +203,74 @@ class _State:
     mark: int = 0
     dnat: tuple[Address, int] | None = None
     masq: bool = False
+    # History: what the walk reports, not what decides it. Walks that reach one rule in equal
+    # states are merged (weights summed, `paths` counted, the first one's history kept), so a
+    # chain of 40 two-way choices costs 80 rule evaluations, not 2^40.
     steps: tuple[Step, ...] = ()
     lookups: tuple[str, ...] = ()
     pins: tuple[str, ...] = ()
+    paths: int = 1
+
+
+_StateKey = tuple
+
+
+def _key(st: _State) -> _StateKey:
+    # Addresses as ints: ipaddress's own __hash__ formats a hex string on every call. One walk
+    # is of one family, so the ints cannot collide across families.
+    dnat = None if st.dnat is None else (int(st.dnat[0]), st.dnat[1])
+    return (int(st.src), int(st.dst), st.dport, st.proto, st.mark, dnat, st.masq)
+
+
+def _with_history(st: _State, steps: tuple, lookups: tuple, pins: tuple, paths: int) -> _State:
+    return _State(st.src, st.dst, st.dport, st.proto, st.mark, st.dnat, st.masq, steps, lookups, pins, paths)
+
+
+def _fresh(st: _State) -> _State:
+    """`st` without its history: how a memoised chain walk starts."""
+    if not (st.steps or st.lookups or st.pins or st.paths != 1):
+        return st
+    return _with_history(st, (), (), (), 1)
+
+
+def _join(before: _State, after: _State) -> _State:
+    """A memoised chain's exit state `after`, preceded by the history of `before`."""
+    if not (before.steps or before.lookups or before.pins or before.paths != 1):
+        return after
+    return _with_history(
+        after,
+        before.steps + after.steps,
+        before.lookups + after.lookups,
+        before.pins + after.pins,
+        before.paths * after.paths,
+    )
+
+
+class _Merge:
+    """Items (weight, state) with equal decision state folded into one."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: dict[_StateKey, tuple[Weight, _State]] = {}
+
+    def add(self, w: Weight, st: _State) -> None:
+        k = _key(st)
+        old = self.items.get(k)
+        if old is None:
+            self.items[k] = (w, st)
+        else:
+            o = old[1]
+            self.items[k] = (old[0] + w, _with_history(o, o.steps, o.lookups, o.pins, o.paths + st.paths))
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+# A numgen used as a plain value (not a map key, not compared) is enumerated slot by slot only
+# up to this modulus; the map and comparison forms cost the same for any modulus.
+_ENUMERABLE_NUMGEN = 4096
+_EMPTY = ElementIndex(())
 
 
 class _Unknown(Exception):
@@ -210,22 +286,78 @@ class _Interpreter:
         self.tracing = tracing
         self.local = frozenset(ipaddress.ip_address(ip) for ip in node_ips)
         self.one: Weight = _Dyadic(1, 0) if mode == "kernel" else _Exact(Fraction(1))
+        self.index = indexes(ruleset)
         self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
+        # (table, chain, decision state) -> the chain's exits, for a walk entering with weight 1
+        self._memo: dict[tuple[int, str, _StateKey], list[tuple[Weight, _State, str]]] = {}
+        self.entered: set[str] | None = None  # when set, the name of every chain walked
 
     # ---- weights
 
     def _numgen(self, expr: Numgen) -> list[tuple[Weight, int]]:
+        if expr.mod > _ENUMERABLE_NUMGEN:
+            raise _Unknown(
+                f"numgen random mod {expr.mod} used as a plain value: only map lookups and "
+                f"comparisons are evaluated for a modulus above {_ENUMERABLE_NUMGEN}"
+            )
         key = (expr.mod, expr.offset)
         cached = self._numgen_cache.get(key)
         if cached is None:
-            if self.mode == "kernel":
-                counts = quantize.numgen_buckets(expr.mod)
-                cached = [(_Dyadic(c, 32), expr.offset + k) for k, c in enumerate(counts)]
-            else:
-                w = _Exact(Fraction(1, expr.mod))
-                cached = [(w, expr.offset + k) for k in range(expr.mod)]
+            cached = [(self._slots(expr, k, k), expr.offset + k) for k in range(expr.mod)]
             self._numgen_cache[key] = cached
         return cached
+
+    def _slots(self, expr: Numgen, first: int, last: int) -> Weight:
+        """The weight of slots first..last (relative to the offset) of a numgen: closed form."""
+        if self.mode == "kernel":
+            return _Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32)
+        return _Exact(Fraction(last - first + 1, expr.mod))
+
+    def _numgen_split(self, expr: Numgen, index: ElementIndex) -> list[tuple[Weight, Element | None]]:
+        """A numgen value looked up in a map or set: each element's share, and the rest (no
+        element) as None. Costs the elements in the numgen's range, whatever its modulus."""
+        out: list[tuple[Weight, Element | None]] = []
+        low, high = expr.offset, expr.offset + expr.mod - 1
+        taken: Weight | None = None
+        for first, last, el in index.slots(low, high):
+            w = self._slots(expr, first - low, last - low)
+            if w.is_zero():
+                continue
+            out.append((w, el))
+            taken = w if taken is None else taken + w
+        rest = self.one if taken is None else taken.complement()
+        if not rest.is_zero():
+            out.append((rest, None))
+        return out
+
+    def _numgen_match(self, table: Table, expr: Numgen, op: str, operand: Any, st: _State) -> list[tuple[Weight, bool]]:
+        """`numgen … == / != / < … operand`: the weights of true and false, in closed form."""
+        low, high = expr.offset, expr.offset + expr.mod - 1
+        if op in ("<", "<=", ">", ">="):
+            if not isinstance(operand, Const) or not isinstance(operand.value, int):
+                raise _Unknown(f"ordered comparison with {operand!r}")
+            r = operand.value
+            span = {"<": (low, r - 1), "<=": (low, r), ">": (r + 1, high), ">=": (r, high)}[op]
+            spans = [(max(span[0], low), min(span[1], high))]
+        elif isinstance(operand, (SetRef, AnonSet)):
+            spans = [(a, b) for a, b, _ in self._elements(table, operand, st, record=True).slots(low, high)]
+        elif isinstance(operand, Const) and isinstance(operand.value, int):
+            spans = [(operand.value, operand.value)]
+        elif isinstance(operand, Range) and isinstance(operand.low, int) and isinstance(operand.high, int):
+            spans = [(max(operand.low, low), min(operand.high, high))]
+        else:
+            spans = []
+        hit: Weight | None = None
+        for a, b in spans:
+            if a <= b and a <= high and b >= low:
+                w = self._slots(expr, max(a, low) - low, min(b, high) - low)
+                hit = w if hit is None else hit + w
+        if hit is None:
+            hit = self.one.complement()
+        miss = hit.complement()
+        if op == "!=":
+            hit, miss = miss, hit
+        return [(w, v) for w, v in ((hit, True), (miss, False)) if not w.is_zero()]
 
     def _statistic(self, st: Statistic) -> Weight:
         if self.mode == "kernel":
@@ -294,23 +426,23 @@ class _Interpreter:
                 acc = nxt
             return acc
         if isinstance(expr, MapLookup):
-            elements = self._elements(table, expr.map, st, record=False)
-            out = []
-            for w, key in self.values(table, expr.key, st):
-                el = _find(elements, key)
-                out.append((w, None if el is None or not isinstance(el.data, Const) else el.data.value))
-            return out
+            index = self._elements(table, expr.map, st, record=False)
+            if isinstance(expr.key, Numgen):
+                found = self._numgen_split(expr.key, index)
+            else:
+                found = [(w, index.find(key)) for w, key in self.values(table, expr.key, st)]
+            return [(w, None if el is None or not isinstance(el.data, Const) else el.data.value) for w, el in found]
         raise _Unknown(f"expression {expr!r} is not modelled")
 
-    def _elements(self, table: Table, operand: SetRef | AnonSet, st: _State, record: bool) -> tuple[Element, ...]:
+    def _elements(self, table: Table, operand: SetRef | AnonSet, st: _State, record: bool) -> ElementIndex:
         if isinstance(operand, AnonSet):
-            return operand.elements
+            return self.index.elements(operand.elements)
         sdef: SetDef | None = table.sets.get(operand.name)
         if sdef is None:
             raise _Unknown(f"set or map @{operand.name} does not exist")
         if sdef.dynamic:
-            return ()  # a client with no history
-        return sdef.elements
+            return _EMPTY  # a client with no history
+        return self.index.elements(sdef.elements)
 
     # ---- statements
 
@@ -321,7 +453,9 @@ class _Interpreter:
             operand = stmt.right
             dynamic = isinstance(operand, SetRef) and self._is_dynamic(table, operand)
             if dynamic:
-                st = dataclasses.replace(st, lookups=st.lookups + (operand.name,))  # type: ignore[union-attr]
+                st = _with_history(st, st.steps, st.lookups + (operand.name,), st.pins, st.paths)  # type: ignore[union-attr]
+            if isinstance(stmt.left, Numgen):
+                return [(w, st, None if hit else _NOMATCH) for w, hit in self._numgen_match(table, stmt.left, stmt.op, operand, st)]
             for w, v in self.values(table, stmt.left, st):
                 hit = self._compare(table, v, stmt.op, operand, st)
                 out.append((w, st, None if hit else _NOMATCH))
@@ -340,10 +474,13 @@ class _Interpreter:
                 return [(one, st, None)]
             return [(one, st, (stmt.kind, stmt.target))]
         if isinstance(stmt, VerdictMap):
-            elements = self._elements(table, stmt.map, st, record=True)
+            index = self._elements(table, stmt.map, st, record=True)
             out = []
-            for w, key in self.values(table, stmt.key, st):
-                el = _find(elements, key)
+            if isinstance(stmt.key, Numgen):
+                found = self._numgen_split(stmt.key, index)
+            else:
+                found = [(w, index.find(key)) for w, key in self.values(table, stmt.key, st)]
+            for w, el in found:
                 if el is None or not isinstance(el.data, Verdict):
                     out.append((w, st, _NOMATCH))
                 elif el.data.kind == "continue":
@@ -353,11 +490,11 @@ class _Interpreter:
             return out
         if isinstance(stmt, MarkSet):
             return [
-                (w, st, _NOMATCH) if v is None else (w, dataclasses.replace(st, mark=v & _MASK32), None)
+                (w, st, _NOMATCH) if v is None else (w, _State(st.src, st.dst, st.dport, st.proto, v & _MASK32, st.dnat, st.masq, st.steps, st.lookups, st.pins, st.paths), None)
                 for w, v in self.values(table, stmt.value, st)
             ]
         if isinstance(stmt, SetUpdate):
-            return [(one, dataclasses.replace(st, pins=st.pins + (stmt.set,)), None)]
+            return [(one, _with_history(st, st.steps, st.lookups, st.pins + (stmt.set,), st.paths), None)]
         if isinstance(stmt, Dnat):
             out = []
             ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
@@ -369,11 +506,13 @@ class _Interpreter:
                     if isinstance(addr, tuple):
                         addr, port = addr
                     new_port = st.dport if port is None else int(port)
-                    new = dataclasses.replace(st, dst=addr, dport=new_port, dnat=(addr, new_port))
+                    new = _State(st.src, addr, new_port, st.proto, st.mark, (addr, new_port), st.masq,
+                                 st.steps, st.lookups, st.pins, st.paths)
                     out.append((w * w2, new, ("nat", "")))
             return out
         if isinstance(stmt, Masquerade):
-            return [(one, dataclasses.replace(st, masq=True), ("nat", ""))]
+            return [(one, _State(st.src, st.dst, st.dport, st.proto, st.mark, st.dnat, True,
+                                 st.steps, st.lookups, st.pins, st.paths), ("nat", ""))]
         if isinstance(stmt, Unknown):
             raise _Unknown(f"unsupported match or statement: {stmt.text}")
         raise _Unknown(f"statement {stmt!r} is not modelled")
@@ -391,57 +530,89 @@ class _Interpreter:
             r = operand.value
             return {"<": value < r, "<=": value <= r, ">": value > r, ">=": value >= r}[op]  # type: ignore[operator]
         if isinstance(operand, (SetRef, AnonSet)):
-            elements = self._elements(table, operand, st, record=True)
-            hit = _find(elements, value) is not None
+            hit = self._elements(table, operand, st, record=True).find(value) is not None
         else:
-            hit = _component(value, operand)
+            hit = key_matches(value, operand)
         return hit if op == "==" else not hit
 
     # ---- chains and hooks
 
     def run_chain(self, table: Table, chain: Chain, w: Weight, st: _State, depth: int = 0) -> list[tuple[Weight, _State, str]]:
+        """The chain's exits (weight, state, verdict; "return" for falling off its end), for a
+        walk entering with weight `w` in state `st`. Memoised per decision state: a chain that
+        many paths reach in the same state is walked once."""
         if depth > 64:
             raise InterpretError(f"{table.family} {table.name}: chain {chain.name}: jumps nest deeper than 64 (a loop?)")
+        if self.entered is not None and not w.is_zero():
+            self.entered.add(chain.name)
+        key = (id(table), chain.name, _key(st))
+        exits = self._memo.get(key)
+        if exits is None:
+            exits = self._walk_rules(table, chain, _fresh(st), depth)
+            self._memo[key] = exits
+        one = w is self.one
+        return [(f if one else w * f, _join(st, ex), r) for f, ex, r in exits]
+
+    def _walk_rules(self, table: Table, chain: Chain, start: _State, depth: int) -> list[tuple[Weight, _State, str]]:
         out: list[tuple[Weight, _State, str]] = []
         rules = chain.rules
-        work: list[tuple[int, Weight, _State]] = [(0, w, st)]
-        while work:
-            i, w, st = work.pop()
+        skip = self.index.rules(chain)
+        pending: dict[int, _Merge] = {}
+        heap: list[int] = []
+
+        def reach(i: int, w: Weight, st: _State) -> None:
+            i = skip.next(i, st.dst, st.dport)
             if i >= len(rules):
                 out.append((w, st, "return"))
-                continue
+                return
+            merge = pending.get(i)
+            if merge is None:
+                merge = pending[i] = _Merge()
+                heapq.heappush(heap, i)
+            merge.add(w, st)
+
+        reach(0, self.one, start)
+        while heap:
+            i = heapq.heappop(heap)
             rule = rules[i]
-            try:
-                branches = self.rule(table, rule, st)
-            except _Unknown as exc:
-                raise InterpretError(
-                    f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text})"
-                ) from None
-            for f, st2, act in branches:
-                w2 = w * f
-                if act is None or act is _NOMATCH:
-                    if act is None and self.tracing:
-                        st2 = dataclasses.replace(st2, steps=st2.steps + (Step(table.name, chain.name, i, rule.text),))
-                    work.append((i + 1, w2, st2))
-                    continue
-                if self.tracing:
-                    st2 = dataclasses.replace(st2, steps=st2.steps + (Step(table.name, chain.name, i, rule.text),))
-                kind, target = act
-                if kind in ("jump", "goto"):
+            for w, st in pending.pop(i).items.values():
+                try:
+                    branches = self.rule(table, rule, st)
+                except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
+                    # _Unknown: not modelled. The others: values of a type the rule cannot
+                    # hold (a dump edited by hand), which a parser let through.
+                    raise InterpretError(
+                        f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
+                        rule.line,
+                    ) from None
+                for f, st2, act in branches:
+                    w2 = f if w is self.one else w * f
+                    if act is _NOMATCH:
+                        reach(i + 1, w2, st2)
+                        continue
+                    if self.tracing:
+                        st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                                            st2.lookups, st2.pins, st2.paths)
+                    if act is None:
+                        reach(i + 1, w2, st2)
+                        continue
+                    kind, target = act
+                    if kind not in ("jump", "goto"):
+                        out.append((w2, st2, kind))
+                        continue
                     sub = table.chains.get(target)
                     if sub is None:
                         raise InterpretError(
                             f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: "
-                            f"{kind} to missing chain {target!r}"
+                            f"{kind} to missing chain {target!r}",
+                            rule.line,
                         )
                     for w3, st3, r in self.run_chain(table, sub, w2, st2, depth + 1):
                         if r == "return" and kind == "jump":
-                            work.append((i + 1, w3, st3))
+                            reach(i + 1, w3, st3)
                         else:
                             out.append((w3, st3, r))
-                else:
-                    out.append((w2, st2, kind))
-        return out
+        return _merged(out)
 
     def rule(self, table: Table, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
         branches: list[tuple[Weight, _State]] = [(self.one, st)]
@@ -462,6 +633,9 @@ class _Interpreter:
         return out
 
     def base_chains(self, hook: str, version: int) -> list[tuple[Table, Chain]]:
+        return self.index.cached(("hook", hook, version), lambda: self._base_chains(hook, version))
+
+    def _base_chains(self, hook: str, version: int) -> list[tuple[Table, Chain]]:
         family = "ip" if version == 4 else "ip6"
         found = []
         for order, table in enumerate(self.ruleset.tables):
@@ -484,10 +658,10 @@ class _Interpreter:
         for table, chain in self.base_chains(hook, version):
             if chain.type == "nat" and not nat:
                 continue
-            nxt: list[tuple[Weight, _State]] = []
+            nxt = _Merge()
             for w, st in items:
                 if chain.type == "nat" and _nat_done(hook, st):
-                    nxt.append((w, st))
+                    nxt.add(w, st)
                     continue
                 for w2, st2, r in self.run_chain(table, chain, w, st):
                     if r == "return":
@@ -499,43 +673,31 @@ class _Interpreter:
                     if r in ("drop", "reject"):
                         terminal.append((w2, st2, r))
                     else:
-                        nxt.append((w2, st2))
-            items = nxt
+                        nxt.add(w2, st2)
+            items = list(nxt.items.values())
         return items, terminal
+
+
+def _merged(exits: list[tuple[Weight, _State, str]]) -> list[tuple[Weight, _State, str]]:
+    """Exits with equal decision state and verdict folded into one (the first one's history)."""
+    if len(exits) < 2:
+        return exits
+    folded: dict[tuple, tuple[Weight, _State, str]] = {}
+    for w, st, r in exits:
+        k = (_key(st), r)
+        old = folded.get(k)
+        if old is None:
+            folded[k] = (w, st, r)
+        else:
+            o = old[1]
+            folded[k] = (old[0] + w, _with_history(o, o.steps, o.lookups, o.pins, o.paths + st.paths), r)
+    return list(folded.values())
 
 
 def _nat_done(hook: str, st: _State) -> bool:
     if hook in ("prerouting", "output"):
         return st.dnat is not None
     return st.masq
-
-
-def _component(value: Any, key: Const | Prefix | Range) -> bool:
-    if isinstance(value, frozenset):  # flags: any of them
-        return isinstance(key, Const) and key.value in value
-    if isinstance(key, Const):
-        return value == key.value
-    if isinstance(key, Prefix):
-        return isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) and value in key.network
-    try:
-        return key.low <= value <= key.high  # type: ignore[operator]
-    except TypeError:
-        return False
-
-
-def _find(elements: tuple[Element, ...], value: Any) -> Element | None:
-    if value is None:
-        return None
-    if isinstance(value, frozenset):
-        for el in elements:
-            if len(el.key) == 1 and _component(value, el.key[0]):
-                return el
-        return None
-    parts = value if isinstance(value, tuple) else (value,)
-    for el in elements:
-        if len(el.key) == len(parts) and all(_component(v, k) for v, k in zip(parts, el.key)):
-            return el
-    return None
 
 
 def _state(packet: Packet) -> _State:
@@ -566,7 +728,7 @@ def _outcome(st: _State, verdict: str) -> Outcome:
 
 def _paths(results: list[tuple[Weight, _State, str]]) -> list[Path]:
     return [
-        Path(_outcome(st, verdict), w.fraction(), st.steps, tuple(dict.fromkeys(st.lookups)), st.pins)
+        Path(_outcome(st, verdict), w.fraction(), st.steps, tuple(dict.fromkeys(st.lookups)), st.pins, st.paths)
         for w, st, verdict in results
     ]
 
@@ -632,8 +794,12 @@ def walk_chain(
     node_ips: Sequence[str] = (),
     mode: Mode = "kernel",
     tracing: bool = False,
+    entered: set[str] | None = None,
 ) -> list[Path]:
+    """`entered`, when given, receives the name of every chain the walk enters with a
+    probability above 0 (paths merged into one keep only the first one's steps)."""
     interp = _Interpreter(ruleset, node_ips, mode, tracing=tracing)
+    interp.entered = entered
     start = table.chains.get(chain)
     if start is None:
         raise InterpretError(f"{table.family} {table.name}: no chain {chain!r}")

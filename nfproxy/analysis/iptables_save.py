@@ -17,6 +17,7 @@ import ipaddress
 import re
 from collections.abc import Iterator
 
+from nfproxy.analysis import quantize
 from nfproxy.analysis.ir import (
     AnonSet,
     Bitwise,
@@ -89,7 +90,13 @@ _CT_STATES = {"new", "established", "related", "invalid", "untracked", "snat", "
 
 
 class ParseError(ValueError):
-    """The text is not iptables-save/restore syntax; the message names the line."""
+    """The text is not iptables-save/restore syntax; the message names the line, which is also
+    kept in `line` (so a caller can say FILE:LINE)."""
+
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(f"line {line}: {message}" if line is not None else message)
+        self.line = line
+        self.reason = message
 
 
 def _family(family: object) -> str:
@@ -130,63 +137,86 @@ class _TableBuilder:
 
 
 def parse(text: str, family: object = IPFamily.V4) -> Ruleset:
+    """A table must end with COMMIT: a dump cut short (a truncated file, a killed save) is an
+    error, not a smaller ruleset that looks clean."""
     fam = _family(family)
     tables: dict[str, _TableBuilder] = {}
     current: _TableBuilder | None = None
+    opened = 0
+    number = 0
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         if line.startswith("*"):
+            if current is not None:
+                raise ParseError(f"*{line[1:].strip()} starts before *{current.name} (line {opened}) has its COMMIT", number)
             name = line[1:].strip()
+            if not name:
+                raise ParseError("a table line names no table", number)
             current = tables.setdefault(name, _TableBuilder(name))
+            opened = number
             continue
         if line == "COMMIT":
+            if current is None:
+                raise ParseError("COMMIT outside a *table ... COMMIT block", number)
             current = None
             continue
         if current is None:
-            raise ParseError(f"line {number}: {line!r} outside a *table ... COMMIT block")
-        if line.startswith(":"):
-            parts = line[1:].split()
-            if len(parts) < 2:
-                raise ParseError(f"line {number}: bad chain declaration {line!r}")
-            current.declare(parts[0], parts[1])
-            continue
-        tokens = _split(line, number)
-        if tokens and tokens[0].startswith("[") and tokens[0].endswith("]"):
-            tokens = tokens[1:]  # iptables-save -c packet:byte counters
-        if not tokens:
-            continue
-        op = tokens[0]
-        if op in ("-X", "--delete-chain"):
-            for chain in tokens[1:2]:
-                current.rules.pop(chain, None)
-            continue
-        if op in ("-F", "--flush"):
-            for chain in tokens[1:2] or list(current.rules):
-                current.rules[chain] = []
-            continue
-        if op in ("-N", "--new-chain"):
-            current.declare(tokens[1], "-")
-            continue
-        if op in ("-A", "--append", "-I", "--insert") and len(tokens) >= 2:
-            chain = tokens[1]
-            rest = tokens[2:]
-            position: int | None = None
-            if op in ("-I", "--insert"):
-                position = 0
-                if rest and rest[0].isdigit():
-                    position = int(rest[0]) - 1
-                    rest = rest[1:]
-            rule = _rule(rest, line, current, fam, number)
-            rules = current.rules.setdefault(chain, [])
-            if position is None:
-                rules.append(rule)
-            else:
-                rules.insert(position, rule)
-            continue
-        raise ParseError(f"line {number}: unknown command {op!r} in {line!r}")
+            raise ParseError(f"{line[:80]!r} outside a *table ... COMMIT block", number)
+        try:
+            _line(current, line, number, fam)
+        except (IndexError, ValueError) as exc:
+            if isinstance(exc, ParseError):
+                raise
+            raise ParseError(f"{exc}: {line[:200]!r}", number) from None
+    if current is not None:
+        raise ParseError(f"*{current.name} (line {opened}) has no COMMIT: the dump ends mid-table", number)
     return Ruleset(tuple(t.build(fam) for t in tables.values()))
+
+
+def _line(current: _TableBuilder, line: str, number: int, fam: str) -> None:
+    """One line inside a table: a chain declaration or a command."""
+    if line.startswith(":"):
+        parts = line[1:].split()
+        if len(parts) < 2:
+            raise ParseError(f"bad chain declaration {line[:200]!r}", number)
+        current.declare(parts[0], parts[1])
+        return
+    tokens = _split(line, number)
+    if tokens and tokens[0].startswith("[") and tokens[0].endswith("]"):
+        tokens = tokens[1:]  # iptables-save -c packet:byte counters
+    if not tokens:
+        return
+    op = tokens[0]
+    if op in ("-X", "--delete-chain"):
+        for chain in tokens[1:2]:
+            current.rules.pop(chain, None)
+        return
+    if op in ("-F", "--flush"):
+        for chain in tokens[1:2] or list(current.rules):
+            current.rules[chain] = []
+        return
+    if op in ("-N", "--new-chain"):
+        current.declare(tokens[1], "-")
+        return
+    if op in ("-A", "--append", "-I", "--insert") and len(tokens) >= 2:
+        chain = tokens[1]
+        rest = tokens[2:]
+        position: int | None = None
+        if op in ("-I", "--insert"):
+            position = 0
+            if rest and rest[0].isdigit():
+                position = int(rest[0]) - 1
+                rest = rest[1:]
+        rule = _rule(rest, line, current, fam, number)
+        rules = current.rules.setdefault(chain, [])
+        if position is None:
+            rules.append(rule)
+        else:
+            rules.insert(position, rule)
+        return
+    raise ParseError(f"unknown command {op!r} in {line[:200]!r}", number)
 
 
 # A token is a double-quoted string (iptables-save escapes `"` and `\\` inside) or a run of
@@ -202,7 +232,7 @@ def _split(line: str, number: int) -> list[str]:
     for quoted, bare in _TOKEN.findall(line):
         if bare:
             if '"' in bare:
-                raise ParseError(f"line {number}: unbalanced quote in {line!r}")
+                raise ParseError(f"unbalanced quote in {line[:200]!r}", number)
             tokens.append(bare)
         else:
             tokens.append(_UNESCAPE.sub(r"\1", quoted))
@@ -261,12 +291,12 @@ class _Tokens:
 
 def _rule(tokens: list[str], line: str, table: _TableBuilder, family: str, number: int) -> Rule:
     try:
-        return _rule_unchecked(tokens, line, table, family)
+        return _rule_unchecked(tokens, line, table, family, number)
     except (IndexError, ValueError) as exc:
-        raise ParseError(f"line {number}: {exc}: {line!r}") from None
+        raise ParseError(f"{exc}: {line[:200]!r}", number) from None
 
 
-def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: str) -> Rule:
+def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: str, number: int) -> Rule:
     ts = _Tokens(tokens)
     matches: list[Statement] = []
     tail: list[Statement] = []
@@ -316,7 +346,9 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
             if mode != "random":
                 matches.append(Unknown(f"-m statistic --mode {mode}"))
         elif module == "statistic" and tok == "--probability":
-            matches.append(Statistic(ts.next(), negate))
+            value = ts.next()
+            quantize.iptables_threshold(value)  # a ValueError unless a number in [0, 1]
+            matches.append(Statistic(value, negate))
         elif module == "nfacct" and tok == "--nfacct-name":
             ts.next()  # counts the packet, decides nothing
         elif module in ("conntrack", "state") and tok in ("--ctstate", "--state", "--ctstatus"):
@@ -356,7 +388,7 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
         else:
             statements.append(st)
     statements.extend(tail)
-    return Rule(tuple(statements), comment, line)
+    return Rule(tuple(statements), comment, line, number)
 
 
 class _RecentPlaceholder:

@@ -224,6 +224,7 @@ class Rule:
     statements: tuple[Statement, ...]
     comment: str = ""
     text: str = ""
+    line: int = field(default=0, compare=False)  # where the text format read it; 0: no lines
 
     def verdicts(self) -> Iterator[Verdict]:
         """Every verdict this rule can take, including those inside verdict maps it uses
@@ -278,7 +279,7 @@ class Table:
     sets: Mapping[str, SetDef] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Ruleset:
     tables: tuple[Table, ...] = ()
 

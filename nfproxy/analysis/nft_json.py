@@ -67,62 +67,122 @@ _BITWISE = ("&", "|", "^")
 
 
 class ParseError(ValueError):
-    """The document is not `nft -j` output we can read; the message names the object."""
+    """The document is not `nft -j` output we can read; the message names the object (its
+    index in the "nftables" list, its kind and name)."""
+
+
+# What a malformed document makes the readers below raise: a wrong type, a missing key, a
+# nesting too deep. Each is turned into a ParseError naming the item.
+_MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, RecursionError)
+_FAMILIES = ("ip", "ip6", "inet", "arp", "bridge", "netdev")
 
 
 def parse(doc: dict[str, Any] | str) -> Ruleset:
     if isinstance(doc, str):
-        doc = json.loads(doc)
+        try:
+            doc = json.loads(doc)
+        except (ValueError, RecursionError) as exc:
+            raise ParseError(f"not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("nftables"), list):
         raise ParseError("not an `nft -j` document: no top-level \"nftables\" list")
     tables: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def table_of(obj: dict[str, Any]) -> dict[str, Any]:
-        key = (obj["family"], obj["table"] if "table" in obj else obj["name"])
-        return tables.setdefault(key, {"chains": {}, "rules": {}, "sets": {}})
-
     items = doc["nftables"]
     # Sets first: rules are read against their declared types.
-    for item in items:
-        if not isinstance(item, dict) or len(item) != 1:
-            raise ParseError(f"unexpected item {item!r:.80}")
-        ((kind, obj),) = item.items()
-        if kind == "table":
-            table_of(obj)
-        elif kind in ("set", "map"):
-            try:
-                table_of(obj)["sets"][obj["name"]] = _set(kind, obj)
-            except (KeyError, ValueError, TypeError) as exc:
-                raise ParseError(f"{kind} {obj.get('name')!r}: {exc}") from None
-    for item in items:
-        ((kind, obj),) = item.items()
-        if kind == "chain":
-            t = table_of(obj)
-            t["chains"][obj["name"]] = obj
-            t["rules"].setdefault(obj["name"], [])
-        elif kind == "rule":
-            t = table_of(obj)
-            try:
+    for number, item in enumerate(items):
+        with _Item(number, item) as (kind, obj):
+            if kind == "table":
+                _table_of(tables, obj)
+            elif kind in ("set", "map"):
+                _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj)
+    for number, item in enumerate(items):
+        with _Item(number, item) as (kind, obj):
+            if kind == "chain":
+                t = _table_of(tables, obj)
+                t["chains"][_name(obj, "name")] = obj
+                t["rules"].setdefault(obj["name"], [])
+            elif kind == "rule":
+                t = _table_of(tables, obj)
                 rule = _rule(obj, t["sets"])
-            except (KeyError, ValueError, TypeError) as exc:
-                raise ParseError(f"rule in chain {obj.get('chain')!r}: {exc}") from None
-            t["rules"].setdefault(obj["chain"], []).append(rule)
-
+                t["rules"].setdefault(_name(obj, "chain"), []).append(rule)
     out: list[Table] = []
     for (family, name), t in tables.items():
         chains: dict[str, Chain] = {}
         for cname, rules in t["rules"].items():
             c = t["chains"].get(cname, {})
-            chains[cname] = Chain(
-                cname,
-                tuple(rules),
-                hook=c.get("hook"),
-                type=c.get("type"),
-                priority=_priority(c.get("prio", 0)),
-                policy=c.get("policy", "accept"),
-            )
+            try:
+                chains[cname] = Chain(
+                    cname,
+                    tuple(rules),
+                    hook=_optional_name(c.get("hook")),
+                    type=_optional_name(c.get("type")),
+                    priority=_priority(c.get("prio", 0)),
+                    policy=str(c.get("policy", "accept")),
+                )
+            except _MALFORMED as exc:
+                raise ParseError(f"{family} {name}: chain {cname!r}: {_reason(exc)}") from None
         out.append(Table(family, name, "nft", chains, t["sets"]))
     return Ruleset(tuple(out))
+
+
+class _Item:
+    """Context for reading item `number`: yields (kind, body) and names the item on failure."""
+
+    def __init__(self, number: int, item: Any) -> None:
+        self.number = number
+        self.item = item
+        self.label = f"nftables[{number}]"
+
+    def __enter__(self) -> tuple[str, dict[str, Any]]:
+        item = self.item
+        if not isinstance(item, dict) or len(item) != 1:
+            raise ParseError(f"{self.label}: expected one {{kind: object}}, got {_short(item)}")
+        ((kind, obj),) = item.items()
+        if not isinstance(obj, dict):
+            raise ParseError(f"{self.label}: {kind}: expected an object, got {_short(obj)}")
+        name = obj.get("name", obj.get("chain"))
+        self.label = f"{self.label} ({kind}{f' {name!r:.60}' if isinstance(name, str) else ''})"
+        return kind, obj
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, ParseError) and str(exc).startswith("nftables["):
+            return False
+        if isinstance(exc, _MALFORMED):
+            raise ParseError(f"{self.label}: {_reason(exc)}") from None
+        return False
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing key {exc.args[0]!r}" if exc.args else "missing key"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc)[:300] or type(exc).__name__
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _name(obj: dict[str, Any], key: str) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string, not {_short(value)}")
+    return value
+
+
+def _optional_name(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"expected a name, not {_short(value)}")
+
+
+def _table_of(tables: dict[tuple[str, str], dict[str, Any]], obj: dict[str, Any]) -> dict[str, Any]:
+    family = _name(obj, "family")
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}")
+    key = (family, _name(obj, "table") if "table" in obj else _name(obj, "name"))
+    return tables.setdefault(key, {"chains": {}, "rules": {}, "sets": {}})
 
 
 _NAMED_PRIORITIES = {"raw": -300, "mangle": -150, "dstnat": -100, "filter": 0, "security": 50, "srcnat": 100}
@@ -215,7 +275,10 @@ def _verdict(raw: Any) -> Verdict:
     if isinstance(raw, dict) and len(raw) == 1:
         ((kind, body),) = raw.items()
         if kind in ("jump", "goto"):
-            return Verdict(kind, body["target"])
+            target = body["target"]
+            if not isinstance(target, str):
+                raise ValueError(f"{kind} target must be a chain name, not {_short(target)}")
+            return Verdict(kind, target)
         if kind in _VERDICTS:
             return Verdict(kind)  # type: ignore[arg-type]
     raise ValueError(f"not a verdict: {raw!r}")
@@ -227,11 +290,15 @@ def _verdict(raw: Any) -> Verdict:
 
 def _rule(obj: dict[str, Any], sets: dict[str, SetDef]) -> Rule:
     statements: list[Statement] = []
-    for raw in obj.get("expr", []):
+    exprs = obj.get("expr", [])
+    if not isinstance(exprs, list):
+        raise ValueError(f"expr must be a list, not {_short(exprs)}")
+    for raw in exprs:
         st = _statement(raw, sets)
         if st is not None:
             statements.append(st)
-    return Rule(tuple(statements), obj.get("comment", ""), json.dumps(obj.get("expr", [])))
+    comment = obj.get("comment", "")
+    return Rule(tuple(statements), comment if isinstance(comment, str) else str(comment), json.dumps(exprs))
 
 
 def _statement(raw: Any, sets: dict[str, SetDef]) -> Statement | None:
@@ -266,7 +333,7 @@ def _statement(raw: Any, sets: dict[str, SetDef]) -> Statement | None:
             if isinstance(body, dict) and "port" in body:
                 return Unknown(json.dumps(raw))
             return Masquerade()
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return Unknown(f"{json.dumps(raw)} ({exc})")
     return Unknown(json.dumps(raw))
 
@@ -290,7 +357,10 @@ def _expr(raw: Any) -> Expr:
         if kind == "ct" and body.get("key") in ("state", "status") and "dir" not in body:
             return Ct(body["key"])
         if kind == "numgen" and body.get("mode") == "random":
-            return Numgen(int(body["mod"]), int(body.get("offset", 0)))
+            mod, offset = body["mod"], body.get("offset", 0)
+            if type(mod) is not int or type(offset) is not int or mod <= 0 or offset < 0:
+                raise ValueError(f"numgen: mod must be a positive and offset a non-negative integer: {_short(body)}")
+            return Numgen(mod, offset)
         if kind == "concat":
             return Concat(tuple(_expr(x) for x in body))
         if kind in _BITWISE:

@@ -14,6 +14,7 @@ below. Comparing two backends "exactly" means comparing these ratios, not the id
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
@@ -22,6 +23,7 @@ STATISTIC_SCALE = 1 << 31
 NUMGEN_SCALE = 1 << 32
 
 
+@functools.lru_cache(maxsize=4096)
 def iptables_threshold(p_text: str) -> int:
     """The 31-bit threshold iptables stores for `--probability p_text`.
 
@@ -68,6 +70,7 @@ def simplest_between(low: Fraction, high: Fraction) -> Fraction:
     return floor + 1 / rest
 
 
+@functools.lru_cache(maxsize=4096)
 def ideal_probability(p_text: str) -> Fraction:
     """The probability a cascade rule was written to have: the simplest rational that, printed
     as kube-proxy prints it (%0.10f) and stored by iptables, gives the same kernel threshold.
@@ -123,3 +126,15 @@ def cascade(probabilities: Sequence[Fraction]) -> list[Fraction]:
         rest *= 1 - q
     out.append(rest)
     return out
+
+
+def numgen_slot_count(first: int, last: int, n: int) -> int:
+    """How many of the 2^32 random values land in slots first..last of `numgen random mod n`
+    (0 <= first <= last < n): ceil((last+1) 2^32/n) - ceil(first 2^32/n), by the edges of
+    `numgen_buckets`. Constant time, so a modulus of 2^32 (or more) costs what 2 costs: the
+    slots' sizes come in at most two values, and a lookup only needs the slots it names."""
+    if n <= 0:
+        raise ValueError(f"numgen modulus must be positive, not {n}")
+    if not 0 <= first <= last < n:
+        raise ValueError(f"numgen slots {first}..{last} outside 0..{n - 1}")
+    return -((-(last + 1) * NUMGEN_SCALE) // n) + ((-first * NUMGEN_SCALE) // n)

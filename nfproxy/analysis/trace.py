@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 
+from nfproxy.analysis.index import indexes
 from nfproxy.analysis.interpret import Origin, Path
 from nfproxy.analysis.ir import Field, Match, Prefix, Ruleset, SetRef
 
@@ -40,7 +41,8 @@ def guess_origin(ruleset: Ruleset, src: str, node_ips: Sequence[str]) -> Origin:
     addr = ipaddress.ip_address(src)
     if any(addr == ipaddress.ip_address(ip) for ip in node_ips) or addr.is_loopback:
         return "node"
-    if any(addr in net for net in pod_cidrs(ruleset) if net.version == addr.version):
+    cidrs = indexes(ruleset).cached(("pod_cidrs",), lambda: pod_cidrs(ruleset))
+    if any(addr in net for net in cidrs if net.version == addr.version):
         return "pod"
     return "outside"
 
@@ -73,7 +75,8 @@ def format_trace(paths: Sequence[Path], limit: int = 20) -> str:
     lines = []
     for outcome, ps in order[:limit]:
         total = sum(p.probability for p in ps)
-        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({len(ps)} path{'s' if len(ps) > 1 else ''})")
+        count = sum(p.count for p in ps)
+        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({count} path{'s' if count > 1 else ''})")
         first = ps[0]
         last = None
         for step in first.steps:

@@ -7,14 +7,24 @@ import json
 import sys
 
 from nfproxy.cli.commands import BACKENDS
-from nfproxy.cli.commands.trace import add_source_flags, load_source
+from nfproxy.cli.commands.trace import SourceError, add_source_flags, fail, load_source
 
 
 def run(args: argparse.Namespace) -> int:
     from nfproxy.analysis.check import check
+    from nfproxy.analysis.interpret import InterpretError
 
-    source = load_source(args)
-    report = check(source.ruleset, node_ips=args.node_ip, mode=args.mode)
+    try:
+        source = load_source(args)
+    except SourceError as exc:
+        return fail(str(exc))
+    where = args.from_file or source.description
+    if not source.ruleset.tables:
+        return fail(f"{where}: no tables: nothing to check")
+    try:
+        report = check(source.ruleset, node_ips=args.node_ip, mode=args.mode)
+    except (InterpretError, ValueError) as exc:
+        return fail(f"{where}: {exc}")
     if args.json:
         json.dump(
             {

@@ -16,10 +16,15 @@ def _dist(d: dict) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nfproxy.analysis.interpret import InterpretError
     from nfproxy.verify.compare import compare
 
     state = load_manifests(args)
-    result = compare(state)
+    try:
+        result = compare(state)
+    except InterpretError as exc:  # a rendering the interpreter cannot read: name the rule
+        print(f"nfproxy: error: {args.manifests}: rendered rules: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         json.dump(
             {

@@ -1,10 +1,17 @@
-"""`nfproxy trace`: follow one first packet through live rules or a dump."""
+"""`nfproxy trace`: follow first packets through live rules or a dump.
+
+One packet from the command line, or many (`--packets FILE`, `-` for stdin: one
+`SRC DST:PORT/PROTO [ORIGIN]` per line), all answered from one reading of the rules.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 from nfproxy.cli.commands import BACKENDS
 
@@ -13,71 +20,158 @@ def add_source_flags(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--netns", metavar="NAME", help="read the live rules of this network namespace")
     src.add_argument("--from-file", metavar="DUMP", help="read a dump: nft -j JSON, or iptables-save/restore text")
+    p.add_argument("--max-dump-bytes", type=int, default=None, metavar="BYTES",
+                   help="refuse a --from-file dump larger than this (default 268435456, 256 MiB)")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="a node IP: `fib … type local` / `--src-type LOCAL` are true for these and loopback")
     p.add_argument("--mode", choices=("kernel", "ideal"), default="kernel",
                    help="kernel: the kernel's integer arithmetic (default); ideal: probabilities as written")
 
 
+class SourceError(ValueError):
+    """The rules cannot be read or the request does not fit them; printed as it is, exit 2."""
+
+
+def fail(message: str) -> int:
+    print(f"nfproxy: error: {message}", file=sys.stderr)
+    return 2
+
+
 def load_source(args: argparse.Namespace):  # noqa: ANN201
+    """The rules, from --from-file or live; a bad dump or flag is a SourceError naming it."""
     from nfproxy.analysis import dump
 
+    for ip in args.node_ip:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise SourceError(f"--node-ip {ip!r}: not an IP address") from None
     if args.from_file:
-        source = dump.read_file(args.from_file)
+        limit = args.max_dump_bytes if args.max_dump_bytes is not None else dump.MAX_DUMP_BYTES
+        if limit <= 0:
+            raise SourceError(f"--max-dump-bytes {limit}: must be positive")
+        try:
+            source = dump.read_file(args.from_file, limit)
+        except dump.DumpError as exc:
+            raise SourceError(str(exc)) from None
         if getattr(args, "backend", None) and source.backend != args.backend:
             print(f"nfproxy: note: {args.from_file} reads as {source.backend} rules", file=sys.stderr)
         return source
-    return dump.read_live(args.backend or "nft", args.netns)
+    try:
+        return dump.read_live(args.backend or "nft", args.netns)
+    except (dump.DumpError, ValueError) as exc:
+        raise SourceError(f"{args.netns or 'current namespace'}: {exc}") from None
+
+
+def _requests(args: argparse.Namespace) -> Iterator[tuple[str, str, str, str | None, str | None]]:
+    """(where, source IP, DST:PORT/PROTO, origin or None, error or None) per packet asked about."""
+    if args.packets is None:
+        if args.source is None or args.destination is None:
+            raise SourceError("trace: give SRC and DST:PORT/PROTO, or --packets FILE")
+        yield "command line", args.source, args.destination, args.origin, None
+        return
+    if args.source is not None:
+        raise SourceError("trace: give either SRC DST:PORT/PROTO or --packets, not both")
+    name = "<stdin>" if args.packets == "-" else args.packets
+    try:
+        stream = sys.stdin if args.packets == "-" else open(args.packets, encoding="utf-8")  # noqa: SIM115
+    except OSError as exc:
+        raise SourceError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    with stream:
+        for number, line in enumerate(stream, 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) not in (2, 3):
+                yield f"{name}:{number}", "", "", None, f"expected SRC DST:PORT/PROTO [ORIGIN], got {line.strip()[:80]!r}"
+                continue
+            yield f"{name}:{number}", fields[0], fields[1], fields[2] if len(fields) == 3 else args.origin, None
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        source = load_source(args)
+        requests = list(_requests(args))
+    except SourceError as exc:
+        return fail(str(exc))
+    status = 0
+    first = True
+    for where, src, destination, origin, error in requests:
+        try:
+            if error is not None:
+                raise SourceError(error)
+            answer = _answer(args, source, src, destination, origin)
+        except SourceError as exc:
+            status = 2
+            print(f"nfproxy: error: {where + ': ' if args.packets else ''}{exc}", file=sys.stderr)
+            continue
+        if args.json:
+            json.dump(answer, sys.stdout, indent=None if args.packets else 2)
+            print()
+        else:
+            if not first:
+                print()
+            print(answer["text"])
+            first = False
+    return status
+
+
+def _answer(args: argparse.Namespace, source: Any, src: str, destination: str, origin: str | None) -> dict:
     from nfproxy.analysis.interpret import InterpretError, Packet, trace
     from nfproxy.analysis.trace import format_trace, guess_origin, parse_destination
-    from nfproxy.cli.config import FlagError
 
+    if origin is not None and origin not in ("node", "pod", "outside"):
+        raise SourceError(f"origin {origin!r}: node, pod or outside")
     try:
-        dst, port, proto = parse_destination(args.destination)
-        source = load_source(args)
-        origin = args.origin or guess_origin(source.ruleset, args.source, args.node_ip)
-        packet = Packet(args.source, dst, port, proto, origin)
+        dst, port, proto = parse_destination(destination)
+        version = ipaddress.ip_address(src).version
+    except ValueError as exc:
+        raise SourceError(str(exc)) from None
+    if ipaddress.ip_address(dst).version != version:
+        raise SourceError(f"{src} and {dst} are of different families")
+    dump = args.from_file or source.description
+    families = ("ip" if version == 4 else "ip6", "inet")
+    if not any(t.family in families for t in source.ruleset.tables):
+        held = sorted({t.family for t in source.ruleset.tables}) or ["none"]
+        raise SourceError(f"{dump}: holds no IPv{version} rules (tables of family {', '.join(held)}), so {src} cannot be traced")
+    origin = origin or guess_origin(source.ruleset, src, args.node_ip)
+    packet = Packet(src, dst, port, proto, origin)
+    try:
         paths = trace(source.ruleset, packet, node_ips=args.node_ip, mode=args.mode)
-    except (ValueError, OSError) as exc:
-        if isinstance(exc, InterpretError):
-            print(f"nfproxy trace: {exc}", file=sys.stderr)
-            return 2
-        raise FlagError(str(exc)) from None
-    if args.json:
-        out = {
-            "packet": {"src": args.source, "dst": dst, "port": port, "proto": proto, "origin": origin},
-            "source": source.description,
-            "mode": args.mode,
-            "paths": [
-                {
-                    "outcome": {"verdict": p.outcome.verdict, "endpoint": p.outcome.endpoint, "masquerade": p.outcome.masquerade},
-                    "probability": str(p.probability),
-                    "decimal": float(p.probability),
-                    "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": s.text} for s in p.steps],
-                    "affinity_lookups": list(p.lookups),
-                    "pins": list(p.pins),
-                }
-                for p in paths
-            ],
-        }
-        json.dump(out, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"{args.source} -> {dst}:{port}/{proto} from {origin}, {source.description}, {args.mode} mode")
-    print(format_trace(paths))
-    return 0
+    except InterpretError as exc:
+        raise SourceError(f"{dump}:{exc.line}: {exc}" if exc.line else f"{dump}: {exc}") from None
+    if not args.json:
+        shown = f"[{dst}]" if version == 6 else dst
+        head = f"{src} -> {shown}:{port}/{proto} from {origin}, {source.description}, {args.mode} mode"
+        return {"text": f"{head}\n{format_trace(paths)}"}
+    return {
+        "packet": {"src": src, "dst": dst, "port": port, "proto": proto, "origin": origin},
+        "source": source.description,
+        "mode": args.mode,
+        "paths": [
+            {
+                "outcome": {"verdict": p.outcome.verdict, "endpoint": p.outcome.endpoint, "masquerade": p.outcome.masquerade},
+                "probability": str(p.probability),
+                "decimal": float(p.probability),
+                "count": p.count,
+                "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": s.text} for s in p.steps],
+                "affinity_lookups": list(p.lookups),
+                "pins": list(p.pins),
+            }
+            for p in paths
+        ],
+    }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trace", help="the chains a first packet walks and the probability of each outcome")
+    p = sub.add_parser("trace", help="the chains first packets walk and the probability of each outcome")
     p.add_argument("--backend", choices=BACKENDS, help="which rules to read live (default nft; a file says what it is)")
     add_source_flags(p)
     p.add_argument("--from", dest="origin", choices=("node", "pod", "outside"),
                    help="where the packet enters (default: node for a node IP, pod inside a pod CIDR the rules show, else outside)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("source", metavar="SRC", help="source IP")
-    p.add_argument("destination", metavar="DST:PORT/PROTO", help="e.g. 10.96.0.10:53/udp or [fd00::10]:80/tcp")
+    p.add_argument("--packets", metavar="FILE",
+                   help="trace many packets: one `SRC DST:PORT/PROTO [ORIGIN]` per line ('-': stdin)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (one JSON object per line with --packets)")
+    p.add_argument("source", metavar="SRC", nargs="?", help="source IP")
+    p.add_argument("destination", metavar="DST:PORT/PROTO", nargs="?", help="e.g. 10.96.0.10:53/udp or [fd00::10]:80/tcp")
     p.set_defaults(func=run)
