@@ -128,7 +128,7 @@ class Daemon:
             )
             internal, external = self._no_local.counts(family)
             self.metrics.set_no_local_endpoints(internal, external, family=family)
-        for family, counts in self.proxier.backend.rule_counts().items():
+        for family, counts in self.proxier.backend.counts().items():
             self.metrics.set_rule_counts(self.config.backend, counts, family=family)  # type: ignore[arg-type]
         # Walking every service for health-check ports only when one can have changed, or when a
         # port could not be bound last time (it is retried).

@@ -7,9 +7,11 @@ the xtables lock, leaving every chain nfproxy does not own untouched.
 from __future__ import annotations
 
 import enum
+import shlex
 
 from nfproxy.kernel.process import KernelError, find_tool, run
 from nfproxy.core.model import IPFamily
+from nfproxy.core.owned import Owned
 
 
 class Flavour(enum.Enum):
@@ -114,3 +116,32 @@ class IptablesRunner:
                 deleted = True
             except KernelError:
                 return deleted
+
+
+class IptablesKernel:
+    """The iptables Kernel (kernel/base.py) of one family in one namespace.
+
+    Applies a restore payload: anything with `text` (an `iptables-restore --noflush` input, one
+    atomic restore) and `jumps` (rules in built-in chains, with `table`, `chain` and `spec`,
+    ensured one by one after the restore).
+    """
+
+    def __init__(self, family: IPFamily, *, netns: str | None = None, flavour: Flavour | None = None, **_: object) -> None:
+        self.runner = IptablesRunner(family, netns, flavour)
+        self.last: object = None
+
+    def owned(self) -> Owned:
+        chains = self.runner.chains()
+        return Owned(frozenset(chains.get("nat", ())) | frozenset(chains.get("filter", ())))
+
+    def apply(self, payload: object) -> None:
+        text = getattr(payload, "text", None)
+        if not isinstance(text, str):
+            raise TypeError(f"an iptables kernel applies restore payloads, not {type(payload).__name__}")
+        self.last = payload
+        self.runner.restore(text)
+        for jump in getattr(payload, "jumps", ()):
+            self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
+
+    def dump(self) -> str:
+        return self.runner.save("nat") + self.runner.save("filter")

@@ -1,0 +1,29 @@
+"""The Kernel protocol: one backend's kernel side, in one namespace, for one family.
+
+Real kernels (kernel/registry.py) and the in-memory ones (kernel/memory/) share it, so the
+proxier and the verification tools never know which one they talk to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from nfproxy.core.model import IPFamily
+from nfproxy.core.owned import Owned
+
+
+class Kernel(Protocol):
+    def owned(self) -> Owned:
+        """Names of the backend's objects the kernel holds now."""
+
+    def apply(self, payload: object) -> None:
+        """Atomic: all or nothing. Raises KernelError; on failure the kernel keeps what it had."""
+
+    def dump(self) -> str:
+        """Canonical text: nft: sorted `nft list table` style; iptables: iptables-save of nat
+        and filter."""
+
+
+# One family's kernel, for a proxier: how tests hand it the in-memory kernels.
+KernelFactory = Callable[[IPFamily], Kernel]
