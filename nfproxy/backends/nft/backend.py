@@ -37,6 +37,17 @@ def _objects_of(svc: ServiceRules) -> tuple[int, int, int]:
     return len(svc.chains), sum(len(r) for r in svc.chains.values()), len(svc.affinity_sets)
 
 
+def _held(b: _Belief) -> Owned:
+    """What the kernel holds of ours when it holds what we believe."""
+    rs = b.ruleset
+    chains = set(rs.chains) | set(b.stale_chains)
+    sets = set(rs.sets) | set(rs.shard_users) | set(b.stale_sets)
+    for svc in rs.services.values():
+        chains.update(svc.chains)
+        sets.update(svc.affinity_sets)
+    return Owned(frozenset(chains), frozenset(sets))
+
+
 def strays(new: NftRuleset, found: Owned) -> tuple[list[str], list[str]]:
     """Chains and per-service sets the kernel holds in our table that `new` does not render:
     left by services that vanished while nobody was watching (a restart, a failed sync)."""
@@ -68,6 +79,7 @@ class NftBackend:
                 return self._partial(belief, state, changes.of(family), family)
             except nft_render.NeedsFullSync as exc:
                 log.info("IPv%d: partial sync impossible (%s): full sync", family.value, exc)
+                found = _held(belief)  # accurate: it is what the kernel accepted
         return self._full(state, family, found)
 
     def _partial(
