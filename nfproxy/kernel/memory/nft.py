@@ -114,6 +114,25 @@ class MemoryNft:
                 out.append(nft_text.command(Verb.ADD, t.sets[name].elements[key], where))
         return "\n".join(out) + "\n"
 
+    def json(self) -> dict[str, object]:
+        """The table as `nft -j list table` prints it (nftables/json.py), for analysis/."""
+        from nfproxy.nftables import json as nft_json
+
+        fam, name = self.nft_family, self.table_name
+        out: list[object] = [{"metainfo": {"version": "1.0.6", "json_schema_version": 1}}]
+        if self.table is None:
+            return {"nftables": out}
+        handle = iter(range(1, 1 << 30))
+        out.append({"table": {"family": fam, "name": name, "handle": next(handle)}})
+        for s in self.table.sets.values():
+            out.append(nft_json.set_(fam, name, s.decl, list(s.elements.values()), next(handle)))
+        for c in self.table.chains.values():
+            out.append(nft_json.chain(fam, name, c.decl, next(handle)))
+        for c in self.table.chains.values():
+            for body in c.rules:
+                out.append(nft_json.rule(fam, name, c.decl.name, body, next(handle)))
+        return {"nftables": out}
+
     # -- reading back --------------------------------------------------------------------------
     def rules(self, chain: str) -> list[str]:
         assert self.table is not None
