@@ -8,15 +8,16 @@ change; regenerate only after reading the diff (NFPROXY_UPDATE_GOLDEN=1).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from nfproxy.cli.commands.render import render_text
+from nfproxy.cli.main import main
 from nfproxy.testing import random_cluster
 from tests.scenarios import load_all
 
@@ -49,8 +50,7 @@ def test_random_cluster_render_unchanged(seed: int, backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_examples_render_unchanged_through_the_cli(backend: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "nfproxy", "render", "--backend", backend, "examples/"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )
-    _check(f"examples.{backend}.txt", out.stdout)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["render", "--backend", backend, str(ROOT / "examples")]) == 0
+    _check(f"examples.{backend}.txt", out.getvalue())
