@@ -113,6 +113,30 @@ class Element:
     comment: str = ""
 
 
+# A full sync builds 200 000 elements. The generated __init__ of a frozen dataclass sets each
+# field through object.__setattr__ by name; setting the slot descriptors directly is a third
+# faster. Still frozen: assigning after construction raises FrozenInstanceError as before.
+_rule_chain, _rule_body = Rule.chain.__set__, Rule.body.__set__  # type: ignore[attr-defined]
+_el_set, _el_key = Element.set.__set__, Element.key.__set__  # type: ignore[attr-defined]
+_el_value, _el_comment = Element.value.__set__, Element.comment.__set__  # type: ignore[attr-defined]
+
+
+def _rule_init(self: Rule, chain: str, body: str) -> None:
+    _rule_chain(self, chain)
+    _rule_body(self, body)
+
+
+def _element_init(self: Element, set: str, key: str, value: str = "", comment: str = "") -> None:  # noqa: A002
+    _el_set(self, set)
+    _el_key(self, key)
+    _el_value(self, value)
+    _el_comment(self, comment)
+
+
+Rule.__init__ = _rule_init  # type: ignore[method-assign]
+Element.__init__ = _element_init  # type: ignore[method-assign]
+
+
 @dataclass(frozen=True, slots=True)
 class Note:
     """A `# ...` line in the script: for a reader of `nfproxy render`, never sent to a kernel."""

@@ -71,14 +71,7 @@ def script(tx: Transaction) -> str:
         if kind is Rule:
             out.append(f"add rule {where} {obj.chain} {obj.body}\n")  # type: ignore[union-attr]
         elif kind is Element and verb is add:
-            name = obj.set  # type: ignore[union-attr]
-            j = i
-            items = []
-            while j < n and ops[j][0] is add and type(e := ops[j][1]) is Element and e.set == name:  # type: ignore[union-attr]
-                items.append(f"\t{element_text(e)}")  # type: ignore[arg-type]
-                j += 1
-            out.append(f"\nadd element {where} {name} {{\n" + ",\n".join(items) + "\n}\n")
-            i = j
+            i = _element_block(ops, i, where, out)
             continue
         elif kind is Note:
             out.append(f"\n# {obj.text}\n")  # type: ignore[union-attr]
@@ -86,6 +79,29 @@ def script(tx: Transaction) -> str:
             out.append(command(verb, obj, where) + "\n")  # type: ignore[arg-type]
         i += 1
     return "".join(out)
+
+
+def _element_block(ops: list, i: int, where: str, out: list[str]) -> int:
+    """Write the run of `add element` ops on one set starting at ops[i]; return where it ends.
+    (The hot loop of a full sync's text: 200 000 elements at 10 000 services.)"""
+    add = Verb.ADD
+    name = ops[i][1].set
+    items: list[str] = []
+    append = items.append
+    n = len(ops)
+    while i < n:
+        verb, el = ops[i]
+        if verb is not add or el.__class__ is not Element or el.set != name:
+            break
+        if el.comment:
+            append(f"\t{element_text(el)}")
+        elif el.value:
+            append(f"\t{el.key} : {el.value}")
+        else:
+            append(f"\t{el.key}")
+        i += 1
+    out.append(f"\nadd element {where} {name} {{\n" + ",\n".join(items) + "\n}\n")
+    return i
 
 
 def commands(tx: Transaction) -> list[str]:
