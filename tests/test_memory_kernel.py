@@ -100,3 +100,50 @@ def test_partial_syncs_agree(seed: int) -> None:
         for kernel in proxier.kernels.values():
             kernel.close()  # type: ignore[attr-defined]
     assert "partial" in kinds
+
+
+# --------------------------------------------------------------------------------------------
+# nfproxy's own render output read back (no root): the script parser and --from-file.
+
+
+def test_render_output_parses_back_to_the_same_transactions() -> None:
+    from nfproxy.backends.registry import render_text
+    from nfproxy.nftables import script, text
+
+    for state in [sc.state for sc in load_all()] + [random_cluster(random.Random(s), 30, 8) for s in range(3)]:
+        rendered = render_text("nft", state)
+        assert "".join(text.script(tx) for tx in script.parse(rendered)) == rendered
+
+
+def test_a_script_outside_the_subset_is_refused_with_its_line() -> None:
+    from nfproxy.nftables import script
+
+    with pytest.raises(script.ScriptError, match=r"x.nft:2: not an nft command"):
+        script.parse("add table ip nfproxy\ninsert rule ip nfproxy services drop\n", "x.nft")
+
+
+def test_check_and_trace_read_render_output(tmp_path, capsys) -> None:  # noqa: ANN001
+    from pathlib import Path
+
+    from nfproxy.backends.registry import render_text
+    from nfproxy.cli.main import main
+    from nfproxy.sources import manifests
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    path = tmp_path / "render.nft"
+    path.write_text(render_text("nft", manifests.load(str(examples)).state))
+    assert main(["check", "--from-file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "nft script (nfproxy render)" in out and "no problems found" in out
+    assert main(["trace", "--from-file", str(path), "--node-ip", "192.168.0.2", "10.244.0.5", "10.96.10.10:80/tcp"]) == 0
+    out = capsys.readouterr().out
+    assert "10.244.0.11:8080" in out  # shop/catalog's local endpoint is reachable
+
+
+def test_a_render_with_a_dangling_jump_is_refused_by_check(tmp_path, capsys) -> None:  # noqa: ANN001
+    from nfproxy.cli.main import main
+
+    path = tmp_path / "broken.nft"
+    path.write_text("add table ip nfproxy\nadd chain ip nfproxy services\nadd rule ip nfproxy services jump nowhere\n")
+    assert main(["check", "--from-file", str(path)]) == 2
+    assert "nowhere" in capsys.readouterr().err

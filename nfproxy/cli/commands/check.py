@@ -13,7 +13,11 @@ from nfproxy.cli.commands.trace import add_source_flags, load_source
 def run(args: argparse.Namespace) -> int:
     from nfproxy.analysis.check import check
 
-    source = load_source(args)
+    try:
+        source = load_source(args)
+    except (ValueError, OSError) as exc:  # a dump that does not parse: named, exit 2
+        print(f"nfproxy check: {exc}", file=sys.stderr)
+        return 2
     report = check(source.ruleset, node_ips=args.node_ip, mode=args.mode)
     if args.json:
         json.dump(

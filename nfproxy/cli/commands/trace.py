@@ -12,7 +12,7 @@ from nfproxy.cli.commands import BACKENDS
 def add_source_flags(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--netns", metavar="NAME", help="read the live rules of this network namespace")
-    src.add_argument("--from-file", metavar="DUMP", help="read a dump: nft -j JSON, or iptables-save/restore text")
+    src.add_argument("--from-file", metavar="DUMP", help="read a dump: nft -j JSON, `nfproxy render --backend nft` output, or iptables-save/restore text")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="a node IP: `fib … type local` / `--src-type LOCAL` are true for these and loopback")
     p.add_argument("--mode", choices=("kernel", "ideal"), default="kernel",
