@@ -102,7 +102,7 @@ def problem(verb: Verb, obj: Object, names: set[str] | None = None) -> str | Non
 class Transaction:
     """One atomic change to one table (`family`, `table`)."""
 
-    __slots__ = ("family", "table", "ops", "error", "_names")
+    __slots__ = ("family", "table", "ops", "error", "_names", "_operations")
 
     def __init__(self, family: str, table: str) -> None:
         if family not in ("ip", "ip6"):
@@ -112,6 +112,7 @@ class Transaction:
         self.ops: list[tuple[Verb, Object | Note]] = []
         self.error: str | None = check_name(table)
         self._names: set[str] = set()
+        self._operations = 0  # ops that are not notes
 
     def _queue(self, verb: Verb, obj: Object) -> None:
         if self.error is not None:
@@ -125,6 +126,7 @@ class Transaction:
             self.error = why
             return
         self.ops.append((verb, obj))
+        self._operations += 1
 
     def add(self, obj: Object) -> None:
         self._queue(Verb.ADD, obj)
@@ -143,6 +145,7 @@ class Transaction:
                     self.error = why
                     return
             ops.append((add, el))
+            self._operations += 1
 
     def create(self, obj: Object) -> None:
         self._queue(Verb.CREATE, obj)
@@ -172,7 +175,7 @@ class Transaction:
 
     def __len__(self) -> int:
         """Kernel operations (what the sync log and metrics count): notes are not."""
-        return sum(1 for verb, _ in self.ops if verb is not Verb.NOTE)
+        return self._operations
 
     def __bool__(self) -> bool:
-        return any(verb is not Verb.NOTE for verb, _ in self.ops)
+        return self._operations > 0
