@@ -54,7 +54,8 @@ def one_service_changes(
     with netns.throwaway("nfp-bench") as ns:
         proxier = Proxier("nft", netns=ns)
         if not netlink:
-            proxier.backend.fast = None  # type: ignore[attr-defined]
+            for kernel in proxier.kernels.values():
+                kernel.fast = None  # type: ignore[attr-defined]
         proxier.sync(state)
         proxier.sync(state)
         current = state

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from nfproxy.backends.registry import backend_names
 from nfproxy.verify import stats
 from nfproxy.kernel.iptables import Flavour, detect_flavour
 from nfproxy.core.model import ClusterState, Protocol, ServicePort
@@ -38,7 +39,7 @@ from nfproxy.verify.sandbox import NODE, Outcome, Sandbox, SandboxSpec, endpoint
 from nfproxy.verify.validate import apply_iptables, apply_nft
 from tests.scenarios import Scenario
 
-BACKENDS = ("iptables", "nft")
+BACKENDS = backend_names()
 
 CONNECTIONS_PER_ENDPOINT = 40
 MIN_CONNECTIONS = 60

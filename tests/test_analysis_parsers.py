@@ -37,6 +37,7 @@ PACKETS = [
 ]
 
 
+@pytest.mark.kernel
 def test_save_and_restore_formats_mean_the_same(netns: str) -> None:
     restore = iptables_save.parse(iptables_backend.render(STATE, IPFamily.V4).restore_text(with_jumps=True), 4)
     apply_iptables(STATE, netns, Flavour.LEGACY)

@@ -16,6 +16,7 @@ from nfproxy.analysis import iptables_save, nft_json, quantize
 from nfproxy.analysis.interpret import Packet, interpret, walk_chain
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
+from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.kernel.nft import NftSession
 from nfproxy.core.model import IPFamily
 from nfproxy.testing import uniform_cluster
@@ -159,14 +160,26 @@ def test_iptables_rules_read_back_match_closed_form() -> None:
 NFT_SIZES = list(range(1, 65)) + [100, 255, 256, 333, 999, 1000]
 
 
+@pytest.mark.kernel
 def test_nft_rules_read_back_match_closed_form(netns: str) -> None:
     """numgen through the kernel: applied, listed with -j, parsed, walked (a spread of sizes:
     every n up to 1000 would mean half a million slots)."""
     state = sized_cluster(NFT_SIZES)
-    services, endpoints = state.services, state.endpoints
     session = NftSession(netns)
     session.apply(nft_backend.render(state, IPFamily.V4).script())
-    rs = nft_json.parse(session.list_table("ip", "nfproxy"))
+    _assert_closed_form(state, nft_json.parse(session.list_table("ip", "nfproxy")))
+
+
+def test_nft_rules_in_memory_match_closed_form() -> None:
+    """The same through the in-memory kernel's JSON (no root)."""
+    state = sized_cluster(NFT_SIZES)
+    kernel = MemoryNft(IPFamily.V4)
+    kernel.apply(nft_backend.render(state, IPFamily.V4).transaction())
+    _assert_closed_form(state, nft_json.parse(kernel.json()))
+
+
+def _assert_closed_form(state, rs) -> None:  # noqa: ANN001
+    services, endpoints = state.services, state.endpoints
     for key, svc in services.items():
         n = len(endpoints[key])
         dist = interpret(rs, Packet("10.0.0.5", svc.cluster_ip, 80, "tcp", "pod"), node_ips=state.node.ips)

@@ -1,6 +1,6 @@
 """`check` on live rules: a clean node is clean, and each injected defect is found.
 
-Each test applies a rendering of examples/ in a throwaway namespace, breaks one thing with the
+Each kernel test applies a rendering of examples/ in a throwaway namespace, breaks one thing with the
 real `iptables` / `nft` tools inside that namespace, reads the rules back as `check` does
 (dump.read_live) and asserts the defect's kind. Upstream kube-proxy dumps are checked too.
 """
@@ -61,6 +61,7 @@ def nft_rule_handle(ns: str, chain_prefix: str, needle: str) -> tuple[str, int]:
 # ---- clean
 
 
+@pytest.mark.kernel
 def test_clean_iptables(ipt: str) -> None:
     report = check(dump.read_live("iptables", ipt).ruleset)
     assert report.clean, report.problems
@@ -71,6 +72,7 @@ def test_clean_iptables(ipt: str) -> None:
     assert cart.affinity_timeout == 600
 
 
+@pytest.mark.kernel
 def test_clean_nft(nft: str) -> None:
     report = check(dump.read_live("nft", nft).ruleset)
     assert report.clean, report.problems
@@ -78,6 +80,7 @@ def test_clean_nft(nft: str) -> None:
     assert [str(p) for _, p in catalog.endpoints] == ["715827883/2147483648", "1431655765/4294967296", "1431655765/4294967296"]
 
 
+@pytest.mark.kernel
 def test_cli_exit_status(ipt: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--backend", "iptables", "--netns", ipt, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -90,28 +93,33 @@ def test_cli_exit_status(ipt: str, capsys: pytest.CaptureFixture[str]) -> None:
 # ---- iptables defects
 
 
+@pytest.mark.kernel
 def test_iptables_cascade_probability(ipt: str) -> None:
     iptables(ipt, "-t", "nat", "-R", CATALOG_SVC, "3", "-m", "statistic", "--mode", "random", "--probability", "0.3", "-j", CATALOG_SEPS[1])
     assert "cascade-probability" in kinds(ipt, "iptables")
 
 
+@pytest.mark.kernel
 def test_iptables_last_rule_probability(ipt: str) -> None:
     iptables(ipt, "-t", "nat", "-R", CATALOG_SVC, "4", "-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", CATALOG_SEPS[2])
     assert "last-rule-probability" in kinds(ipt, "iptables")
 
 
+@pytest.mark.kernel
 def test_iptables_unreachable_endpoint(ipt: str) -> None:
     # An unconditional jump first: the cascade after it is dead.
     iptables(ipt, "-t", "nat", "-I", CATALOG_SVC, "2", "-j", CATALOG_SEPS[0])
     assert "unreachable-endpoint" in kinds(ipt, "iptables")
 
 
+@pytest.mark.kernel
 def test_iptables_orphaned_endpoint_chain(ipt: str) -> None:
     iptables(ipt, "-t", "nat", "-D", CATALOG_SVC, "3")
     found = kinds(ipt, "iptables")
     assert "unreachable-endpoint" in found and "cascade-probability" in found
 
 
+@pytest.mark.kernel
 def test_iptables_ungated_filter_jump(ipt: str) -> None:
     iptables(ipt, "-t", "filter", "-I", "OUTPUT", "1", "-j", "KUBE-SERVICES")
     assert "ungated-filter-jump" in kinds(ipt, "iptables")
@@ -130,6 +138,7 @@ def test_iptables_missing_chain_in_a_dump() -> None:
 # ---- nft defects
 
 
+@pytest.mark.kernel
 def test_nft_numgen_slot_missing(nft: str) -> None:
     chain, _ = nft_rule_handle(nft, "service-N3ITGKYC-shop/catalog", "numgen")
     doc = NftSession(nft).list_table("ip", "nfproxy")
@@ -145,6 +154,7 @@ def test_nft_numgen_slot_missing(nft: str) -> None:
     assert "numgen-slots" in kinds(nft, "nft")
 
 
+@pytest.mark.kernel
 def test_nft_numgen_modulus_too_small(nft: str) -> None:
     chain, handle = nft_rule_handle(nft, "service-N3ITGKYC-shop/catalog", "numgen")
     doc = NftSession(nft).list_table("ip", "nfproxy")
@@ -159,6 +169,7 @@ def test_nft_numgen_modulus_too_small(nft: str) -> None:
     assert {p.kind for p in report.problems} & {"numgen-slots", "unreachable-endpoint"}
 
 
+@pytest.mark.kernel
 def test_nft_unreachable_endpoint(nft: str) -> None:
     # shop/cart keeps per-endpoint chains (affinity); make its random choice pick only one.
     chain, handle = nft_rule_handle(nft, "service-242WI43H-shop/cart", "numgen")
@@ -167,6 +178,7 @@ def test_nft_unreachable_endpoint(nft: str) -> None:
     assert "unreachable-endpoint" in kinds(nft, "nft")
 
 
+@pytest.mark.kernel
 def test_nft_ungated_filter_jump(nft: str) -> None:
     chain, handle = nft_rule_handle(nft, "filter-output", "service-endpoints-check")
     run(["nft", "replace", "rule", "ip", "nfproxy", chain, "handle", str(handle), "jump service-endpoints-check"], netns=nft)

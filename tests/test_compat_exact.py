@@ -9,7 +9,6 @@ import pytest
 
 from nfproxy.analysis.interpret import Outcome, interpret
 from nfproxy.verify.compare import compare, iptables_ruleset, nft_ruleset
-from nfproxy.kernel.nft import NftSession
 from nfproxy.core.model import IPFamily
 from tests.scenarios import load_all
 
@@ -37,8 +36,7 @@ def _check(dist: dict[Outcome, Fraction], expect, exact: bool, where: str) -> No
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_scenario_exact(scenario, netns: str) -> None:  # noqa: ANN001
-    session = NftSession(netns)
+def test_scenario_exact(scenario) -> None:  # noqa: ANN001
     rendered: dict[tuple[str, IPFamily], object] = {}
     for probe in scenario.probes:
         packet, family = probe.packet(scenario.state.node.ips), probe.family
@@ -47,7 +45,7 @@ def test_scenario_exact(scenario, netns: str) -> None:  # noqa: ANN001
                 rendered[(backend, family)] = (
                     iptables_ruleset(scenario.state, family)
                     if backend == "iptables"
-                    else nft_ruleset(scenario.state, family, session)
+                    else nft_ruleset(scenario.state, family)
                 )
             rs = rendered[(backend, family)]
             node_ips = scenario.state.node.ips_of(family)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
 from nfproxy.core.model import IPFamily, Protocol, ServicePort, ServicePortName, ServiceType
@@ -108,7 +109,21 @@ def hostile_documents() -> list[dict]:
     return docs
 
 
-def test_hostile_manifests_never_reach_rule_text(tmp_path: Path, netns: str) -> None:
+def _hostile_state(tmp_path: Path):  # noqa: ANN202
+    path = tmp_path / "hostile.yaml"
+    path.write_text(yaml.safe_dump_all(hostile_documents(), allow_unicode=True))
+    return manifests.load(path).state
+
+
+@pytest.mark.kernel
+def test_hostile_manifests_rendering_is_accepted_by_the_kernel(tmp_path: Path, netns: str) -> None:
+    """What is rendered is accepted by the kernel, in a namespace of our own."""
+    state = _hostile_state(tmp_path)
+    apply_iptables(state, netns)
+    apply_nft(state, netns)
+
+
+def test_hostile_manifests_never_reach_rule_text(tmp_path: Path) -> None:
     path = tmp_path / "hostile.yaml"
     path.write_text(yaml.safe_dump_all(hostile_documents(), allow_unicode=True))
     result = manifests.load(path)
@@ -127,13 +142,14 @@ def test_hostile_manifests_never_reach_rule_text(tmp_path: Path, netns: str) -> 
     for backend, text in texts.items():
         assert not re.search("evil", text, re.IGNORECASE), f"{backend}: hostile text reached the rules"
         assert text.isascii() and "\x00" not in text and "\r" not in text, backend
-    # And what is rendered is accepted by the kernel, in a namespace of our own.
-    apply_iptables(result.state, netns)
-    apply_nft(result.state, netns)
+    # And the nft transaction passes the in-memory kernel's checks (every reference exists);
+    # the real kernel's acceptance is the kernel test above.
+    for f in IPFamily:
+        MemoryNft(f).apply(nft_backend.render(result.state, f).transaction())
 
 
 @pytest.mark.parametrize("value", ['web"x', "web\nx", "web;x", "we{b}", "wéb", "web\\x"])
-def test_renderers_refuse_or_quote_unvalidated_names(value: str, netns: str) -> None:
+def test_renderers_refuse_or_quote_unvalidated_names(value: str) -> None:
     """Model values built without the source's validation are refused or safely quoted.
 
     nft puts names into chain names, so it refuses anything outside its name alphabet.
@@ -161,4 +177,20 @@ def test_renderers_refuse_or_quote_unvalidated_names(value: str, netns: str) -> 
     for line in text.splitlines():
         if value in line:
             assert re.search(r'--comment "[^"]*' + re.escape(value) + r'[^"]*"', line), line
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("value", ["web;x", "we{b}"])
+def test_quoted_unvalidated_names_are_accepted_by_the_kernel(value: str, netns: str) -> None:
+    """The names iptables keeps quoted (see above) must then be accepted by the kernel."""
+    from nfproxy.core.model import ClusterState, Endpoint
+
+    svc = ServicePort(
+        name=ServicePortName("shop", value, "http", Protocol.TCP),
+        family=IPFamily.V4,
+        type=ServiceType.CLUSTER_IP,
+        cluster_ip="10.96.0.10",
+        port=80,
+    )
+    state = ClusterState(services={svc.key: svc}, endpoints={svc.key: (Endpoint("10.244.0.5", 8080),)})
     apply_iptables(state, netns)

@@ -22,6 +22,8 @@ from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import KernelError
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
 from nfproxy.daemon.proxier import Proxier
+from nfproxy.kernel.nft import NftKernel
+from nfproxy.nftables import Rule, Transaction
 from nfproxy.testing import random_cluster, uniform_cluster
 
 pytestmark = pytest.mark.kernel
@@ -277,12 +279,13 @@ def test_failed_apply_keeps_previous_rules_and_forces_full_sync(
         before = snapshot(backend, ns)
         # A real kernel refusal: the transaction gains one command the kernel rejects.
         if backend == "nft":
-            real = nft_backend.NftDelta.script
+            real = NftKernel.apply
 
-            def broken(self: nft_backend.NftDelta) -> str:
-                return real(self) + "add rule ip nfproxy no-such-chain accept\n"
+            def broken(self: NftKernel, tx: Transaction) -> None:
+                tx.add(Rule("no-such-chain", "accept"))
+                real(self, tx)
 
-            monkeypatch.setattr(nft_backend.NftDelta, "script", broken)
+            monkeypatch.setattr(NftKernel, "apply", broken)
         else:
             real_restore = IptablesRunner.restore
 

@@ -49,6 +49,7 @@ def test_trace_affinity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert p["pins"] == ["recent:" + p["steps"][-1]["chain"]] or len(p["pins"]) == 1
 
 
+@pytest.mark.kernel
 def test_trace_live_nft(netns: str, capsys: pytest.CaptureFixture[str]) -> None:
     apply_nft(manifests.load(str(ROOT / "examples"), NodeConfig()).state, netns)
     code = main(["trace", "--backend", "nft", "--netns", netns, "--node-ip", "192.168.0.2", "--from", "outside",

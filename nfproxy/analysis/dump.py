@@ -81,12 +81,45 @@ _ADDR6 = re.compile(r"\s(?:-s|-d|--to-destination)\s+\[?[0-9a-fA-F]*:[0-9a-fA-F:
 _MARKER = re.compile(r"#\s*IPv([46])\b")
 
 
+def _is_nft_script(text: str) -> bool:
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line.startswith(("add table ip ", "add table ip6 "))
+    return False
+
+
+def read_nft_script(text: str, name: str = "input") -> Source:
+    """`nfproxy render --backend nft` output: parsed into transactions, applied to the in-memory
+    kernel (which refuses what the real one would: dangling jumps, missing sets) and read back
+    as the kernel's JSON would be."""
+    from nfproxy.kernel.memory.nft import MemoryNft
+    from nfproxy.kernel.process import KernelError
+    from nfproxy.nftables import script
+
+    try:
+        txs = script.parse(text, name)
+    except script.ScriptError as exc:
+        raise DumpError(str(exc)) from None
+    objects: list[object] = []
+    for tx in txs:
+        kernel = MemoryNft(IPFamily.V4 if tx.family == "ip" else IPFamily.V6, table=tx.table)
+        try:
+            kernel.apply(tx)
+        except KernelError as exc:
+            raise DumpError(f"{name}: {tx.family} {tx.table}: {exc}") from None
+        objects.extend(kernel.json()["nftables"])  # type: ignore[arg-type]
+    return Source(nft_json.parse({"nftables": objects}), "nft", f"nft script (nfproxy render) from {name}")
+
+
 def read_text(text: str, name: str = "input") -> Source:
-    """JSON is `nft -j` output; anything else is iptables-save/restore text, of one family or
-    of both (see the module's docstring)."""
+    """JSON is `nft -j` output; an nft script is `nfproxy render --backend nft` output; anything
+    else is iptables-save/restore text, of one family or of both (see the module's docstring)."""
     if "\x00" in text:
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise DumpError(f"{name}:{line}: a NUL byte: binary data, not a dump")
+    if _is_nft_script(text):
+        return read_nft_script(text, name)
     if text.lstrip().startswith(("{", "[")):
         return _read_json(text, name)
     if not text.strip():

@@ -173,7 +173,7 @@ class Daemon:
         changes = result.changes
         self._no_local.update(state, state.services if changes.node else changes.keys)
         self._observe(result)
-        for family, counts in self.proxier.backend.rule_counts().items():
+        for family, counts in self.proxier.backend.counts().items():
             self.metrics.set_rule_counts(self.config.backend, counts, family=family)  # type: ignore[arg-type]
         # Walking every service for health-check ports only when one can have changed, or when a
         # port could not be bound last time (it is retried).

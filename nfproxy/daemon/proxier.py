@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shlex
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-from nfproxy.backends.iptables import render as iptables_backend
-from nfproxy.backends.nft import render as nft_backend
+from nfproxy.backends import registry as backend_registry
+from nfproxy.backends.base import Backend, Plan
 from nfproxy.core.changes import Changes, diff
-from nfproxy.kernel.iptables import Flavour, IptablesRunner
-from nfproxy.kernel.nft import NftSession
-from nfproxy.kernel.nft_netlink import NetlinkNft, Unsupported
 from nfproxy.core.model import ClusterState, IPFamily
 from nfproxy.daemon import logs
+from nfproxy.kernel.base import Kernel, KernelFactory
+from nfproxy.kernel.iptables import Flavour
+from nfproxy.kernel.registry import KERNELS
 
 if TYPE_CHECKING:
     from nfproxy.sources import Source
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("nfproxy.proxier")
 
 SyncKind = Literal["full", "partial", "noop"]
-BACKENDS = ("iptables", "nft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,257 +121,6 @@ def failing(family: IPFamily, *, partial: bool) -> Iterator[None]:
         raise
 
 
-class BackendSync(Protocol):
-    """What a backend's kernel side must do; `sync` returns (kind, kernel operations)."""
-
-    name: str
-
-    def sync(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]: ...
-
-    def forget(self) -> None:
-        """Drop what is believed to be in the kernel: the next sync will be full."""
-
-    def pending(self) -> bool:
-        """True when work is left over from the last sync (stale objects to delete)."""
-
-    def rule_counts(self) -> dict[IPFamily, dict[str, int]]: ...
-
-
-# --------------------------------------------------------------------------------------------
-# nftables
-
-
-class NftSync:
-    """Per family: the ruleset the kernel holds, and stale objects waiting to be deleted."""
-
-    name = "nft"
-
-    def __init__(self, netns: str | None, families: Sequence[IPFamily], *, fast: bool = True) -> None:
-        self.session = NftSession(netns)
-        # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
-        # None sends everything through libnftables.
-        self.fast: NetlinkNft | None = NetlinkNft(netns) if fast else None
-        self.families = tuple(families)
-        self.applied: dict[IPFamily, nft_backend.NftRuleset] = {}
-        self.stale: dict[IPFamily, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-        # Per family: chains, rules and affinity sets of all service ports, kept up to date by
-        # partial syncs so that counting them for metrics never walks 10 000 services.
-        self._owned: dict[IPFamily, tuple[int, int, int]] = {}
-
-    def forget(self) -> None:
-        self.applied.clear()
-        self.stale.clear()
-        self._owned.clear()
-
-    def pending(self) -> bool:
-        return any(chains or sets for chains, sets in self.stale.values())
-
-    def sync(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
-        done: dict[IPFamily, FamilySync] = {}
-        for family in self.families:
-            start = time.perf_counter()
-            previous = self.applied.get(family)
-            if not full and previous is not None:
-                try:
-                    with failing(family, partial=True):
-                        n, cleanup_failed = self._partial(family, previous, state, changes)
-                    seconds = time.perf_counter() - start
-                    done[family] = FamilySync("partial" if n else "noop", n, seconds, cleanup_failed)
-                    continue
-                except nft_backend.NeedsFullSync as exc:
-                    logs.info(log, "Partial sync impossible: full sync", ipFamily=f"IPv{family.value}", reason=str(exc))
-            with failing(family, partial=False):
-                n = self._full(family, state)
-            done[family] = FamilySync("full", n, time.perf_counter() - start)
-        return done
-
-    def _partial(
-        self, family: IPFamily, previous: nft_backend.NftRuleset, state: ClusterState, changes: Changes
-    ) -> tuple[int, bool]:
-        """Kernel operations, and whether deleting stale objects failed."""
-        keys = changes.of(family)
-        stale_chains, stale_sets = self.stale.get(family, ((), ()))
-        if not keys and not stale_chains and not stale_sets:
-            return 0, False
-        new = nft_backend.render_update(previous, state, keys)
-        d = nft_backend.delta(previous, new, keys, delete_chains=stale_chains, delete_sets=stale_sets)
-        cleanup_failed = False
-        if d.commands:
-            _dump_rules("nftables", family, d.script)
-            try:
-                self._apply_delta(new, d)
-            except Exception as exc:
-                if not (stale_chains or stale_sets):
-                    raise
-                # As kube-proxy: a stale object that cannot go (someone else jumps to it) is a
-                # cleanup failure, not a failed sync. The changes go through without the
-                # deletions, which wait for the next sync.
-                logs.error(log, "Failed to delete stale nftables objects", exc,
-                           ipFamily=f"IPv{family.value}", chains=len(stale_chains), sets=len(stale_sets))
-                d = nft_backend.delta(previous, new, keys)
-                if d.commands:
-                    self._apply_delta(new, d)
-                live_chains = {c for svc in new.services.values() for c in svc.chains}
-                live_sets = {a for svc in new.services.values() for a in svc.affinity_sets}
-                d = replace(
-                    d,
-                    stale_chains=tuple(sorted({*stale_chains, *d.stale_chains} - live_chains)),
-                    stale_sets=tuple(sorted({*stale_sets, *d.stale_sets} - live_sets - set(new.shard_users))),
-                )
-                cleanup_failed = True
-        self.applied[family] = new
-        self.stale[family] = (d.stale_chains, d.stale_sets)
-        chains, rules, sets = self._owned[family]
-        for key in keys:
-            if (old := previous.services.get(key)) is not None:
-                c, r, a = _objects_of(old)
-                chains, rules, sets = chains - c, rules - r, sets - a
-            if (cur := new.services.get(key)) is not None:
-                c, r, a = _objects_of(cur)
-                chains, rules, sets = chains + c, rules + r, sets + a
-        self._owned[family] = (chains, rules, sets)
-        return len(d.commands), cleanup_failed
-
-    def _apply_delta(self, new: nft_backend.NftRuleset, d: nft_backend.NftDelta) -> None:
-        if self.fast is not None:
-            try:
-                # The script's lines, not d.commands: one text is what either path sends.
-                self.fast.apply(new.nft_family, new.table, d.script().splitlines())
-                return
-            except Unsupported as exc:
-                logs.info(log, "Partial sync through libnftables", level=4, reason=str(exc))
-        self.session.apply(d.script())
-
-    def _full(self, family: IPFamily, state: ClusterState) -> int:
-        new = nft_backend.render(state, family)
-        script = new.script()
-        # Objects of services that vanished while nobody was watching (a restart, a failed
-        # sync, someone else's edits): emptied now, deleted by the next sync, like the
-        # stale chains of a partial sync.
-        stray_chains: list[str] = []
-        stray_sets: list[str] = []
-        found = self.session.object_names(new.nft_family, new.table)
-        if found is not None:
-            chains, sets = found
-            wanted_chains = {name for svc in new.services.values() for name in svc.chains}
-            wanted_sets = {name for svc in new.services.values() for name in svc.affinity_sets}
-            stray_chains = sorted(c for c in chains if "/" in c and c not in wanted_chains)
-            wanted_sets |= set(new.shard_users)
-            stray_sets = sorted(
-                s
-                for s in sets
-                if s.startswith((nft_backend.AFFINITY_PREFIX, nft_backend.SHARD_PREFIX)) and s not in wanted_sets
-            )
-        t = f"{new.nft_family} {new.table}"
-        if stray_chains:
-            script += "".join(f"flush chain {t} {name}\n" for name in stray_chains)
-        _dump_rules("nftables", family, lambda: script)
-        self.session.apply(script)
-        if self.fast is not None:
-            self.fast.forget()  # set declarations may have changed with the table
-        self.applied[family] = new
-        self.stale[family] = (tuple(stray_chains), tuple(stray_sets))
-        owned = [_objects_of(svc) for svc in new.services.values()]
-        self._owned[family] = (sum(o[0] for o in owned), sum(o[1] for o in owned), sum(o[2] for o in owned))
-        return script.count("\n")
-
-    def rule_counts(self) -> dict[IPFamily, dict[str, int]]:
-        """What the kernel holds after the last sync, per family (metrics' nft object kinds)."""
-        counts: dict[IPFamily, dict[str, int]] = {}
-        for family, rs in self.applied.items():
-            chains, rules, affinity_sets = self._owned[family]
-            counts[family] = {
-                "chains": len(rs.chains) + chains,
-                "rules": sum(len(r) for r in rs.chains.values()) + rules,
-                "sets": sum(1 for d in rs.sets.values() if d.kind == "set") + affinity_sets,
-                "maps": sum(1 for d in rs.sets.values() if d.kind == "map") + len(rs.shard_users),
-                "elements": sum(len(e) for e in rs.elements.values()) + len(rs.hairpin_refs),
-            }
-        return counts
-
-
-def _objects_of(svc: nft_backend.ServiceRules) -> tuple[int, int, int]:
-    """Chains, rules and affinity sets one service port owns."""
-    return len(svc.chains), sum(len(r) for r in svc.chains.values()), len(svc.affinity_sets)
-
-
-# --------------------------------------------------------------------------------------------
-# iptables
-
-
-class IptablesSync:
-    """kube-proxy's iptables sync: every sync re-renders, but only changed chains are restored."""
-
-    name = "iptables"
-
-    def __init__(
-        self, netns: str | None, families: Sequence[IPFamily], flavour: Flavour | None = None
-    ) -> None:
-        self.families = tuple(families)
-        self.runners = {f: IptablesRunner(f, netns, flavour) for f in self.families}
-        self.applied: dict[IPFamily, iptables_backend.IptablesRules] = {}
-
-    def forget(self) -> None:
-        self.applied.clear()
-
-    def pending(self) -> bool:
-        return False
-
-    def sync(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
-        done: dict[IPFamily, FamilySync] = {}
-        for family in self.families:
-            start = time.perf_counter()
-            kind: SyncKind = "noop"
-            previous = self.applied.get(family)
-            runner = self.runners[family]
-            if not full and previous is not None and not changes.of(family):
-                done[family] = FamilySync("noop", 0, time.perf_counter() - start)
-                continue
-            new = iptables_backend.render(state, family)
-            if full or previous is None:
-                existing = runner.chains("nat").get("nat", [])
-                wanted = set(new.nat) | {c for g in new.service_chains.values() for c in g.chains}
-                stale = sorted(
-                    c for c in existing if c.startswith(iptables_backend.SERVICE_CHAIN_PREFIXES) and c not in wanted
-                )
-                payload = new.restore_text(with_jumps=False, delete_chains=stale)
-                _dump_rules("iptables", family, lambda: payload)
-                with failing(family, partial=False):
-                    runner.restore(payload)
-                    for jump in new.jumps:
-                        runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
-                kind = "full"
-            else:
-                changed = [
-                    k for k, g in new.service_chains.items() if previous.service_chains.get(k) != g
-                ]
-                old_chains = {c for g in previous.service_chains.values() for c in g.chains}
-                new_chains = {c for g in new.service_chains.values() for c in g.chains}
-                gone = sorted(old_chains - new_chains)
-                if not changed and not gone and previous.nat == new.nat and previous.filter == new.filter:
-                    self.applied[family] = new
-                    done[family] = FamilySync("noop", 0, time.perf_counter() - start)
-                    continue
-                payload = new.restore_text(with_jumps=False, services=changed, delete_chains=gone)
-                _dump_rules("iptables", family, lambda: payload)
-                with failing(family, partial=True):
-                    runner.restore(payload)
-                kind = "partial"
-            self.applied[family] = new
-            done[family] = FamilySync(kind, payload.count("\n"), time.perf_counter() - start)
-        return done
-
-    def rule_counts(self) -> dict[IPFamily, dict[str, int]]:
-        """Rules per table after the last sync, per family (metrics' iptables tables)."""
-        counts: dict[IPFamily, dict[str, int]] = {}
-        for family, rules in self.applied.items():
-            nat = sum(len(r) for r in rules.nat.values()) + sum(
-                len(g.rules) for g in rules.service_chains.values()
-            )
-            counts[family] = {"nat": nat, "filter": sum(len(r) for r in rules.filter.values())}
-        return counts
-
-
 # --------------------------------------------------------------------------------------------
 # The proxier
 
@@ -389,6 +136,13 @@ class Hooks:
 
 
 class Proxier:
+    """Generic over backends: per family, plan -> kernel.apply -> backend.accepted.
+
+    A family is planned in full on the first sync, after a failure, when the node changed and
+    when asked; otherwise the backend plans a partial sync from the changes. On a refused apply
+    the backend forgets everything, so the next sync is full, as kube-proxy does.
+    """
+
     def __init__(
         self,
         backend: str,
@@ -396,17 +150,23 @@ class Proxier:
         netns: str | None = None,
         families: Sequence[IPFamily] = tuple(IPFamily),
         flavour: Flavour | None = None,
+        kernels: KernelFactory | None = None,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
         self.backend_name = backend
+        self.backend: Backend = backend_registry.backend(backend)  # ValueError names the choices
         self.netns = netns
-        self.backend: BackendSync = (
-            NftSync(netns, families) if backend == "nft" else IptablesSync(netns, families, flavour)
-        )
+        self.families = tuple(families)
+        if kernels is None:
+            make = KERNELS[backend]
+
+            def kernels(family: IPFamily) -> Kernel:
+                return make(family, netns=netns, flavour=flavour)
+
+        self.kernels: dict[IPFamily, Kernel] = {f: kernels(f) for f in self.families}
         self.hooks = Hooks()
         self._last: ClusterState | None = None
         self._needs_full = True
+        self._synced: set[IPFamily] = set()  # families the backend holds a belief for
         self._lock = threading.Lock()
         self.last_result: SyncResult | None = None
 
@@ -414,9 +174,6 @@ class Proxier:
     def state(self) -> ClusterState | None:
         """The state of the last successful sync."""
         return self._last
-
-    def force_full(self) -> None:
-        self._needs_full = True
 
     def sync(self, state: ClusterState, *, full: bool = False) -> SyncResult:
         """One sync; raises (KernelError, ValueError) when the kernel refused the transaction."""
@@ -432,11 +189,12 @@ class Proxier:
                     hook(self._last, state, result)
                 return result
             try:
-                families = self.backend.sync(state, changes, do_full)
+                families = self._apply(state, changes, do_full)
             except BaseException as exc:
                 # The transaction was atomic: the kernel still holds what it held. Our belief
                 # about it may not (a partial family may have gone through): start over.
                 self._needs_full = True
+                self._synced.clear()
                 self.backend.forget()
                 logs.error(log, "Sync failed; the next sync will be full", exc, backend=self.backend_name)
                 for hook in self.hooks.on_failed:
@@ -459,6 +217,55 @@ class Proxier:
             for hook in self.hooks.on_synced:
                 hook(previous, state, result)
             return result
+
+    def _apply(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
+        done: dict[IPFamily, FamilySync] = {}
+        for family in self.families:
+            started = time.perf_counter()
+            kernel = self.kernels[family]
+            family_full = full or family not in self._synced
+            found = kernel.owned() if family_full else None
+            plan = self.backend.plan(state, changes, family, full=family_full, found=found)
+            if plan is None:
+                done[family] = FamilySync("noop", 0, time.perf_counter() - started)
+                continue
+            with failing(family, partial=not plan.full):
+                plan, cleanup_failed = self._write(kernel, plan)
+            self.backend.accepted(plan)
+            self._synced.add(family)
+            kind: SyncKind = "full" if plan.full else ("partial" if plan.operations else "noop")
+            done[family] = FamilySync(kind, plan.operations, time.perf_counter() - started, cleanup_failed)
+        return done
+
+    def _write(self, kernel: Kernel, plan: Plan) -> tuple[Plan, bool]:
+        """Apply `plan`; when only its stale-object deletions are refused, apply it without them
+        (a cleanup failure, counted; the deletions wait for the next sync)."""
+        if not plan.operations:
+            return plan, False
+        mode = "nftables" if self.backend_name == "nft" else self.backend_name
+        _dump_rules(mode, plan.family, lambda: _payload_text(plan.payload))
+        try:
+            kernel.apply(plan.payload)
+            return plan, False
+        except Exception as exc:
+            fallback = plan.without_cleanup
+            if fallback is None:
+                raise
+            logs.error(log, f"Failed to delete stale {mode} objects", exc,
+                       ipFamily=f"IPv{plan.family.value}")
+        if fallback.operations:
+            kernel.apply(fallback.payload)
+        return fallback, True
+
+
+def _payload_text(payload: object) -> str:
+    """What a payload writes, as text (only built for --v=9)."""
+    from nfproxy.nftables import Transaction
+    from nfproxy.nftables.text import script
+
+    if isinstance(payload, Transaction):
+        return script(payload)
+    return str(getattr(payload, "text", payload))
 
 
 def _dump_rules(mode: str, family: IPFamily, text: Callable[[], str]) -> None:

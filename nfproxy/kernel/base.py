@@ -1,32 +1,29 @@
-"""The kernel side of a backend: one namespace, one family; the only place with side effects.
+"""The Kernel protocol: one backend's kernel side, in one namespace, for one family.
 
-`Owned` is declared here as well as in nfproxy/backends/base.py because the kernel may not import
-backends and backends may not import the kernel; the two are the same shape (chains, sets), and a
-backend reads a kernel's answer by those two fields only.
+Real kernels (kernel/registry.py) and the in-memory ones (kernel/memory/) share it, so the
+proxier and the verification tools never know which one they talk to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
-
-@dataclass(frozen=True, slots=True)
-class Owned:
-    """Names of the objects the kernel holds that a backend may own (it decides which it does)."""
-
-    chains: frozenset[str]
-    sets: frozenset[str]
+from nfproxy.core.model import IPFamily
+from nfproxy.core.owned import Owned
 
 
 class Kernel(Protocol):
-    def owned(self) -> Owned: ...
+    def owned(self) -> Owned:
+        """Names of the backend's objects the kernel holds now."""
 
     def apply(self, payload: object) -> None:
-        """Atomic: all or nothing; raises KernelError; on failure the kernel keeps what it had."""
-        ...
+        """Atomic: all or nothing. Raises KernelError; on failure the kernel keeps what it had."""
 
     def dump(self) -> str:
         """Canonical text: nft: sorted `nft list table` style; iptables: iptables-save of nat
         and filter."""
-        ...
+
+
+# One family's kernel, for a proxier: how tests hand it the in-memory kernels.
+KernelFactory = Callable[[IPFamily], Kernel]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from nfproxy.core.model import IPFamily
-from nfproxy.kernel.base import Owned
+from nfproxy.core.owned import Owned
 from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
 

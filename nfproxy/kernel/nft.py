@@ -12,8 +12,12 @@ import json
 import logging
 from typing import Any
 
+from nfproxy.core.model import IPFamily
+from nfproxy.core.owned import Owned
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.process import KernelError, run
+from nfproxy.nftables import TABLE, Transaction
+from nfproxy.nftables import text as nft_text
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +118,102 @@ class NftSession:
             return False
         self._cmd(f"delete table {family} {table}")
         return True
+
+
+class NftKernel:
+    """The nft Kernel (kernel/base.py) of one family in one namespace: applies Transactions.
+
+    Small transactions the netlink encoder can say (`nft_netlink.unencodable`) go as one
+    nfnetlink batch, without libnftables' cache dump; everything else as text (nftables/text.py)
+    through libnftables. Either way one atomic batch.
+    """
+
+    def __init__(
+        self, family: IPFamily, *, netns: str | None = None, table: str = TABLE, netlink: bool = True, **_: object
+    ) -> None:
+        from nfproxy.kernel.nft_netlink import NetlinkNft
+
+        self.family = family
+        self.nft_family = "ip" if family is IPFamily.V4 else "ip6"
+        self.table = table
+        self.session = NftSession(netns)
+        # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
+        # None sends everything through libnftables.
+        self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
+        self.last: Transaction | None = None
+
+    def owned(self) -> Owned:
+        found = self.session.object_names(self.nft_family, self.table)
+        if found is None:
+            return Owned()
+        return Owned(frozenset(found[0]), frozenset(found[1]))
+
+    def apply(self, payload: object) -> None:
+        from nfproxy.kernel.nft_netlink import Unsupported, unencodable
+
+        if not isinstance(payload, Transaction):
+            raise TypeError(f"an nft kernel applies Transactions, not {type(payload).__name__}")
+        payload.check()
+        self.last = payload
+        if not payload:
+            return
+        if self.fast is not None:
+            why = unencodable(payload)
+            if why is None:
+                try:
+                    self.fast.apply(payload)
+                    return
+                except Unsupported as exc:  # a rule body outside the compiler's vocabulary
+                    log.debug("transaction through libnftables: %s", exc)
+            else:
+                log.debug("transaction through libnftables: %s", why)
+        self.session.apply(nft_text.script(payload))
+        if self.fast is not None:
+            self.fast.forget()  # set declarations may have changed with the table
+
+    def dump(self) -> str:
+        """The table as nft lists it, chains and sets in name order, elements sorted."""
+        return canonical_listing(self.session._cmd(f"list table {self.nft_family} {self.table}"))
+
+    def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
+
+
+def canonical_listing(text: str) -> str:
+    """`nft list table` text with its blocks (chains, sets, maps) in name order and set
+    elements one per line, sorted: two kernels holding the same table list the same."""
+    head, blocks, current = "", {}, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("table "):
+            head = stripped
+        elif stripped.startswith(("chain ", "set ", "map ")) and stripped.endswith("{"):
+            current = stripped
+            blocks[current] = []
+        elif stripped == "}":
+            current = None
+        elif current is not None and stripped:
+            blocks[current].append(stripped)
+    out = [head]
+    for name in sorted(blocks):
+        body = blocks[name]
+        if name.startswith(("set ", "map ")):
+            body = _sorted_elements(body)
+        out.append(name)
+        out.extend(f"\t{b}" for b in body)
+        out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def _sorted_elements(body: list[str]) -> list[str]:
+    decl = [b for b in body if not b.startswith("elements = ") and not body_is_element(b)]
+    joined = " ".join(b for b in body if b.startswith("elements = ") or body_is_element(b))
+    joined = joined.removeprefix("elements = {").removesuffix("}").strip()
+    items = sorted(x.strip() for x in joined.split(",") if x.strip())
+    return decl + [f"element {x}" for x in items]
+
+
+def body_is_element(line: str) -> bool:
+    """A continuation line of an `elements = { ... }` list (nft wraps long lists)."""
+    return not line.startswith(("type ", "typeof ", "flags ", "timeout ", "comment ", "size ", "policy ", "elements = "))

@@ -3,14 +3,17 @@
 libnftables dumps every table, chain and set of the ruleset before it runs an `add rule` or an
 `add element` (docs/nft-layouts.md): at 10 000 services that costs more than the change itself.
 A partial sync only ever says a few things (chains added,
-flushed and deleted, the rules of one service, elements of a few maps), so this module compiles
-exactly that vocabulary of nft text into the netlink messages libnftables would send, and sends
-them as one batch: all of it takes effect or none of it does.
+flushed and deleted, the rules of one service, elements of a few maps), so this module encodes
+exactly those operations of a Transaction (nfproxy.nftables) into the netlink messages
+libnftables would send, and sends them as one batch: all of it takes effect or none of it does.
 
-The compiler is deliberately generic: a rule is read as nft reads it (selectors, relations,
-statements), not matched against the shapes nfproxy happens to render today, and element keys
-are typed by the set's own declaration as the kernel holds it. Anything outside the vocabulary
-raises `Unsupported` before a byte is sent, and the caller hands the whole transaction to
+Verbs, names, element keys, values and comments are encoded from the objects' fields; only rule
+bodies are compiled from nft syntax, and the rule compiler is deliberately generic: a body is
+read as nft reads it (selectors, relations, statements), not matched against the shapes nfproxy
+happens to render today. Element keys are typed by the set's own declaration as the kernel
+holds it. What the encoder cannot say is known from the objects before anything is compiled
+(`unencodable`: declarations, base chains); a rule body outside the vocabulary raises
+`Unsupported` too, before a byte is sent, and the caller hands the whole transaction to
 libnftables instead: correctness never depends on the vocabulary being complete.
 
 The encodings follow `nft --debug=netlink` / `--debug=mnl` of nft 1.0.6 (payload loads shrunk to
@@ -35,7 +38,7 @@ import re
 import struct
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +73,9 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
 from pyroute2.netlink.nlsocket import NetlinkRequest
 
 from nfproxy.kernel import netns as netns_mod
+from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
+from nfproxy.nftables import text as nft_text
+from nfproxy.nftables.objects import quote_comment
 from nfproxy.kernel.process import KernelError
 
 NFNL_MSG_BATCH_BEGIN = 0x10
@@ -856,151 +862,145 @@ class Message:
     command: str
 
 
-def _elements(body: list[str], st: SetType, command: str, *, with_values: bool) -> list[dict[str, Any]]:
+def _element(el: Element, st: SetType, command: str, *, with_values: bool) -> dict[str, Any]:
+    """One element's attributes, from its fields: the key and value are ` . `-joined values
+    typed by the set's declaration, the comment is libnftnl user data."""
     if st.interval:
         raise Unsupported(f"interval set {st.name}: {command}")
-    out: list[dict[str, Any]] = []
-    for item in _split_commas(body):
-        key: list[str] = []
-        value: list[str] | None = None
-        comment: str | None = None
-        j = 0
-        while j < len(item):
-            tok = item[j]
-            if tok == "comment":
-                if j + 1 >= len(item) or not item[j + 1].startswith('"'):
-                    raise Unsupported(f"element comment: {command}")
-                comment = item[j + 1][1:-1]
-                j += 2
-            elif tok == ":":
-                value = item[j + 1 :]
-                break
-            else:
-                key.append(tok)
-                j += 1
-        key_texts = _concat_texts(key, command)
-        attrs: list[Any] = [("NFTA_SET_ELEM_KEY", _data(_encode_concat(key_texts, st.key, command)), NLA_F_NESTED)]
-        if with_values:
-            if (value is None) != (st.data is None):
-                raise Unsupported(f"element value does not fit set {st.name}: {command}")
-            if value is not None:
-                if st.verdict:
-                    code, chain = _verdict(value, command)
-                    attrs.append(("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED))
-                else:
-                    assert st.data is not None
-                    data = _encode_concat(_concat_texts(value, command), st.data, command)
-                    attrs.append(("NFTA_SET_ELEM_DATA", _data(data), NLA_F_NESTED))
-            if comment is not None:
-                text = comment.encode() + b"\0"
-                if len(text) > 255:
-                    raise Unsupported(f"element comment too long: {command}")
-                attrs.append(("NFTA_SET_ELEM_USERDATA", bytes((0, len(text))) + text))
-        elif value is not None or comment is not None:
-            raise Unsupported(f"delete element with a value or comment: {command}")
-        out.append({"attrs": attrs})
-    if not out:
-        raise Unsupported(f"no elements: {command}")
-    return out
+    key = _encode_concat(el.key.split(" . "), st.key, command)
+    attrs: list[Any] = [("NFTA_SET_ELEM_KEY", _data(key), NLA_F_NESTED)]
+    if not with_values:
+        return {"attrs": attrs}
+    if bool(el.value) != (st.data is not None):
+        raise Unsupported(f"element value does not fit set {st.name}: {command}")
+    if el.value:
+        if st.verdict:
+            code, chain = _verdict(el.value.split(" "), command)
+            attrs.append(("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED))
+        else:
+            assert st.data is not None
+            data = _encode_concat(el.value.split(" . "), st.data, command)
+            attrs.append(("NFTA_SET_ELEM_DATA", _data(data), NLA_F_NESTED))
+    if el.comment:
+        # Cut as the text writer cuts it: both paths must leave the same element.
+        text = quote_comment(el.comment)[1:-1].encode() + b"\0"
+        attrs.append(("NFTA_SET_ELEM_USERDATA", bytes((0, len(text))) + text))
+    return {"attrs": attrs}
 
 
-def _concat_texts(toks: list[str], command: str) -> list[str]:
-    """`a . b . c` -> [a, b, c]."""
-    if not toks or len(toks) % 2 == 0 or any(t != "." for t in toks[1::2]):
-        raise Unsupported(f"element {' '.join(toks)!r}: {command}")
-    return toks[0::2]
+def unencodable(tx: Transaction) -> str | None:
+    """Why `tx` cannot go as a netlink batch, known from its objects alone; None if it can.
 
-
-def compile_commands(
-    family: str, table: str, commands: Sequence[str], set_type: Callable[[str], SetType]
-) -> list[Message]:
-    """nft commands -> the messages of one batch (without BEGIN/END). Pure except `set_type`.
-
-    Raises Unsupported for anything outside the vocabulary, before any message is built.
+    The vocabulary is what partial syncs say: plain chains added, flushed and deleted, rules
+    added, elements added and deleted. Tables, set and map declarations, base chains and chain
+    comments are a full sync's business, which goes through libnftables anyway.
     """
-    if family not in _FAMILIES:
-        raise Unsupported(f"family {family!r}")
+    if tx.family not in _FAMILIES:
+        return f"family {tx.family!r}"
+    n = 0
+    for verb, obj in tx.operations():
+        kind = type(obj)
+        if kind in (Table, Set, Map, Counter):
+            return f"{verb.value} {kind.__name__.lower()} {getattr(obj, 'name', '')}: declarations go to libnftables"
+        if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
+            return f"{verb.value} chain {obj.name}: base chains and chain comments go to libnftables"  # type: ignore[union-attr]
+        if verb is Verb.CREATE:
+            return f"create {kind.__name__.lower()}: not in the netlink vocabulary"
+        n += 1
+    if n > MAX_MESSAGES:
+        return f"{n} operations: large transactions go to libnftables"
+    return None
+
+
+def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> list[Message]:
+    """A Transaction -> the messages of one batch (without BEGIN/END). Pure except `set_type`.
+
+    Verbs and fields are encoded directly; only rule bodies are compiled from nft syntax.
+    Raises Unsupported (see `unencodable`, and rule bodies outside the vocabulary) before any
+    message is built.
+    """
+    why = unencodable(tx)
+    if why is not None:
+        raise Unsupported(why)
+    family, table = tx.family, tx.table
     out: list[Message] = []
     set_ids = iter(range(1, 1 << 30))
-    for command in commands:
-        command = command.strip()
-        if not command or command.startswith("#"):
-            continue
-        toks = _tokens(command)
-        if len(toks) < 5 or toks[2] != family or toks[3] != table:
-            raise Unsupported(f"not a command on {family} {table}: {command}")
-        verb = f"{toks[0]} {toks[1]}"
-        name = _name(toks[4], command)
-        rest = toks[5:]
-        if verb in ("add chain", "flush chain", "delete chain"):
-            if rest:
-                raise Unsupported(f"chain with a body: {command}")
-            if verb == "add chain":
+    where = f"{family} {table}"
+    for verb, obj in tx.operations():
+        command = nft_text.command(verb, obj, where)
+        kind = type(obj)
+        if kind is Chain:
+            if verb is Verb.ADD:
                 out.append(Message(nft_chain_msg, NFT_MSG_NEWCHAIN, NLM_F_CREATE,
-                                   (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", name)), command))
-            elif verb == "flush chain":
+                                   (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", obj.name)), command))
+            elif verb is Verb.FLUSH:
                 out.append(Message(nft_rule_msg, NFT_MSG_DELRULE, 0,
-                                   (("NFTA_RULE_TABLE", table), ("NFTA_RULE_CHAIN", name)), command))
+                                   (("NFTA_RULE_TABLE", table), ("NFTA_RULE_CHAIN", obj.name)), command))
             else:
                 out.append(Message(nft_chain_msg, NFT_MSG_DELCHAIN, 0,
-                                   (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", name)), command))
-        elif verb == "add rule":
-            rc = _RuleCompiler(family, table, set_type, command, next_set_id=lambda: next(set_ids))
-            rc.compile(rest)
-            for set_attrs, set_name, set_id, elements in rc.set_messages:
-                out.append(Message(nft_set_msg, NFT_MSG_NEWSET, NLM_F_CREATE, set_attrs, command))
-                out.append(Message(_ElemListMsg, NFT_MSG_NEWSETELEM, NLM_F_CREATE, (
-                    ("NFTA_SET_ELEM_LIST_TABLE", table),
-                    ("NFTA_SET_ELEM_LIST_SET", set_name),
-                    ("NFTA_SET_ELEM_LIST_SET_ID", set_id),
-                    ("NFTA_SET_ELEM_LIST_ELEMENTS", elements, NLA_F_NESTED),
-                ), command))
-            attrs: list[Any] = [
-                ("NFTA_RULE_TABLE", table),
-                ("NFTA_RULE_CHAIN", name),
-                ("NFTA_RULE_EXPRESSIONS", rc.exprs, NLA_F_NESTED),
-            ]
-            if rc.comment is not None:
-                if len(rc.comment.encode()) + 1 > 255:
-                    raise Unsupported(f"rule comment too long: {command}")
-                attrs.append(("NFTA_RULE_USERDATA", rc.comment))
-            out.append(Message(_RuleMsg, NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, tuple(attrs), command))
-        elif verb in ("add element", "delete element"):
-            if len(rest) < 2 or rest[0] != "{" or rest[-1] != "}":
-                raise Unsupported(f"element list: {command}")
-            st = set_type(name)
-            adding = verb == "add element"
-            elems = _elements(rest[1:-1], st, command, with_values=adding)
-            msg_type = NFT_MSG_NEWSETELEM if adding else NFT_MSG_DELSETELEM
-            # Consecutive commands on the same set and verb share messages (a delta lists one
-            # element per command): fewer messages to encode, the same transaction.
-            prev = out[-1] if out else None
-            if prev is not None and prev.msg_type == msg_type and prev.attrs[1] == ("NFTA_SET_ELEM_LIST_SET", name):
-                held = prev.attrs[2][1]
-                if len(held) + len(elems) <= _ELEMENTS_PER_MESSAGE:
-                    out[-1] = dataclasses.replace(
-                        prev,
-                        attrs=(*prev.attrs[:2], ("NFTA_SET_ELEM_LIST_ELEMENTS", held + elems, NLA_F_NESTED)),
-                        command=f"{prev.command}\n{command}",
-                    )
-                    continue
-            for k in range(0, len(elems), _ELEMENTS_PER_MESSAGE):
-                out.append(Message(
-                    _ElemListMsg,
-                    msg_type,
-                    NLM_F_CREATE if adding else 0,
-                    (
-                        ("NFTA_SET_ELEM_LIST_TABLE", table),
-                        ("NFTA_SET_ELEM_LIST_SET", name),
-                        ("NFTA_SET_ELEM_LIST_ELEMENTS", elems[k : k + _ELEMENTS_PER_MESSAGE], NLA_F_NESTED),
-                    ),
-                    command,
-                ))
+                                   (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", obj.name)), command))
+        elif kind is Rule:
+            out.extend(_rule_messages(obj, family, table, set_type, command, set_ids))
         else:
-            raise Unsupported(f"{verb!r} is outside the netlink vocabulary: {command}")
+            _queue_element(out, verb, obj, table, set_type(obj.set), command)
     if len(out) > MAX_MESSAGES:
         raise Unsupported(f"{len(out)} messages: large transactions go to libnftables")
     return out
+
+
+def _rule_messages(
+    rule: Rule, family: str, table: str, set_type: Callable[[str], SetType], command: str, set_ids: Any
+) -> list[Message]:
+    rc = _RuleCompiler(family, table, set_type, command, next_set_id=lambda: next(set_ids))
+    rc.compile(_tokens(rule.body))
+    out: list[Message] = []
+    for set_attrs, set_name, set_id, elements in rc.set_messages:
+        out.append(Message(nft_set_msg, NFT_MSG_NEWSET, NLM_F_CREATE, set_attrs, command))
+        out.append(Message(_ElemListMsg, NFT_MSG_NEWSETELEM, NLM_F_CREATE, (
+            ("NFTA_SET_ELEM_LIST_TABLE", table),
+            ("NFTA_SET_ELEM_LIST_SET", set_name),
+            ("NFTA_SET_ELEM_LIST_SET_ID", set_id),
+            ("NFTA_SET_ELEM_LIST_ELEMENTS", elements, NLA_F_NESTED),
+        ), command))
+    attrs: list[Any] = [
+        ("NFTA_RULE_TABLE", table),
+        ("NFTA_RULE_CHAIN", rule.chain),
+        ("NFTA_RULE_EXPRESSIONS", rc.exprs, NLA_F_NESTED),
+    ]
+    if rc.comment is not None:
+        if len(rc.comment.encode()) + 1 > 255:
+            raise Unsupported(f"rule comment too long: {command}")
+        attrs.append(("NFTA_RULE_USERDATA", rc.comment))
+    out.append(Message(_RuleMsg, NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, tuple(attrs), command))
+    return out
+
+
+def _queue_element(out: list[Message], verb: Verb, el: Element, table: str, st: SetType, command: str) -> None:
+    """Consecutive elements of one set and verb share a message (up to 256 elements)."""
+    adding = verb is Verb.ADD
+    attrs = _element(el, st, command, with_values=adding)
+    msg_type = NFT_MSG_NEWSETELEM if adding else NFT_MSG_DELSETELEM
+    prev = out[-1] if out else None
+    if prev is not None and prev.msg_type == msg_type and prev.attrs[1] == ("NFTA_SET_ELEM_LIST_SET", el.set):
+        held = prev.attrs[2][1]
+        if len(held) < _ELEMENTS_PER_MESSAGE:
+            out[-1] = dataclasses.replace(
+                prev,
+                attrs=(*prev.attrs[:2], ("NFTA_SET_ELEM_LIST_ELEMENTS", [*held, attrs], NLA_F_NESTED)),
+                command=f"{prev.command}\n{command}",
+            )
+            return
+    out.append(Message(
+        _ElemListMsg,
+        msg_type,
+        NLM_F_CREATE if adding else 0,
+        (
+            ("NFTA_SET_ELEM_LIST_TABLE", table),
+            ("NFTA_SET_ELEM_LIST_SET", el.set),
+            ("NFTA_SET_ELEM_LIST_ELEMENTS", [attrs], NLA_F_NESTED),
+        ),
+        command,
+    ))
 
 
 def build(message: Message, family: int, seq: int) -> Any:
@@ -1090,20 +1090,21 @@ class NetlinkNft:
         return f" in netns {self.netns}" if self.netns else ""
 
     # -- the batch ---------------------------------------------------------------------------
-    def compile(self, family: str, table: str, commands: Sequence[str]) -> list[Message]:
-        return compile_commands(family, table, commands, lambda name: self.set_type(family, table, name))
+    def compile(self, tx: Transaction) -> list[Message]:
+        return compile_transaction(tx, lambda name: self.set_type(tx.family, tx.table, name))
 
-    def apply(self, family: str, table: str, commands: Sequence[str]) -> None:
-        """Send `commands` as one nfnetlink batch: all of them take effect, or none does.
+    def apply(self, tx: Transaction) -> None:
+        """Send `tx` as one nfnetlink batch: all of it takes effect, or none does.
 
-        Raises Unsupported (nothing sent) for a command outside the vocabulary, and
+        Raises Unsupported (nothing sent) for a transaction outside the vocabulary, and
         NetlinkKernelError (a KernelError) naming the kernel's errno and the first refused
         command when the kernel refuses the batch.
         """
-        messages = self.compile(family, table, commands)
+        tx.check()
+        messages = self.compile(tx)
         if not messages:
             return
-        nfproto = _FAMILIES[family]
+        nfproto = _FAMILIES[tx.family]
         sock = self._socket(nfproto)
         try:
             errors = sock._run_with_cleanup(self._send, sock.asyncore, messages, nfproto)

@@ -1,8 +1,9 @@
 """`compare`: do the two backends do the same thing with every service? Proved on the rules.
 
 Both backends are rendered from one ClusterState, each rendering is read back through the
-analysis parsers (iptables: the restore text as written; nft: the script applied in a throwaway
-network namespace and listed back with `nft -j`, so the JSON is the kernel's own), and the exact
+analysis parsers (iptables: the restore text as written; nft: the transaction applied to the
+in-memory kernel and listed back as the JSON `nft -j` prints, which a kernel test holds equal to
+the real kernel's; no root needed), and the exact
 interpreter walks both for every service port and traffic class: cluster IP, node port,
 LoadBalancer IP and external IP, from a pod, from the node and from outside, plus hairpin and,
 for source ranges, an allowed and a blocked source.
@@ -35,9 +36,8 @@ from nfproxy.analysis.ir import Ruleset
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
 from nfproxy.core.categorize import categorize
-from nfproxy.kernel import netns
-from nfproxy.kernel.nft import NftSession
-from nfproxy.core.model import ClusterState, IPFamily
+from nfproxy.kernel.memory.nft import MemoryNft
+from nfproxy.core.model import ClusterState, IPFamily, ServicePort
 from nfproxy.verify.probe import Probe, of_family
 
 KERNEL_TOLERANCE = Fraction(1, 10**9)
@@ -209,12 +209,12 @@ def iptables_ruleset(state: ClusterState, family: IPFamily) -> Ruleset:
     return iptables_save.parse(text, family)
 
 
-def nft_ruleset(state: ClusterState, family: IPFamily, session: NftSession) -> Ruleset:
-    """Apply the script in the session's (throwaway) namespace and read the kernel's JSON."""
-    ruleset = nft_backend.render(state, family)
-    session.apply(ruleset.script())
-    doc = session.list_table(ruleset.nft_family, ruleset.table) or {"nftables": []}
-    return nft_json.parse(doc)
+def nft_ruleset(state: ClusterState, family: IPFamily) -> Ruleset:
+    """Apply the full transaction to the in-memory kernel and read its JSON: what the kernel
+    would print (tests/test_memory_kernel.py checks that they agree), without root."""
+    kernel = MemoryNft(family)
+    kernel.apply(nft_backend.render(state, family).transaction())
+    return nft_json.parse(kernel.json())
 
 
 def families(state: ClusterState) -> list[IPFamily]:
@@ -223,21 +223,19 @@ def families(state: ClusterState) -> list[IPFamily]:
 
 def compare(state: ClusterState) -> Comparison:
     results: list[Agreement] = []
-    with netns.throwaway("nfp-compare") as ns:
-        session = NftSession(ns)
-        for family in families(state):
-            ipt = iptables_ruleset(state, family)
-            nft = nft_ruleset(state, family, session)
-            node_ips = state.node.ips_of(family)
-            for probe in (*probes(state, family), *documented_probes(state, family)):
-                packet = probe.packet()
-                results.append(
-                    Agreement(
-                        probe,
-                        interpret(ipt, packet, node_ips=node_ips),
-                        interpret(nft, packet, node_ips=node_ips),
-                        interpret(ipt, packet, node_ips=node_ips, mode="ideal"),
-                        interpret(nft, packet, node_ips=node_ips, mode="ideal"),
-                    )
+    for family in families(state):
+        ipt = iptables_ruleset(state, family)
+        nft = nft_ruleset(state, family)
+        node_ips = state.node.ips_of(family)
+        for probe in (*probes(state, family), *documented_probes(state, family)):
+            packet = probe.packet()
+            results.append(
+                Agreement(
+                    probe,
+                    interpret(ipt, packet, node_ips=node_ips),
+                    interpret(nft, packet, node_ips=node_ips),
+                    interpret(ipt, packet, node_ips=node_ips, mode="ideal"),
+                    interpret(nft, packet, node_ips=node_ips, mode="ideal"),
                 )
+            )
     return Comparison(tuple(results))

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from nfproxy.backends.registry import backend_names
 from nfproxy.core.categorize import NoEndpoints, Routing, categorize
 from nfproxy.kernel import netns
+from nfproxy.nftables import TABLE
 from nfproxy.kernel.iptables import IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import KernelError
@@ -34,7 +36,7 @@ from nfproxy.core.model import ClusterState, Endpoint, IPFamily, Protocol, Servi
 from nfproxy.verify.probe import Check, Measured, Probe, ProbeResult, Seen, Test, observed, of_family
 from nfproxy.verify.sandbox import NODE, Outcome, Sandbox, SandboxSpec
 
-BACKENDS = ("iptables", "nft")
+BACKENDS = backend_names()
 ALPHA = 0.001
 """Below this p-value a distribution counts as not matching (a correct ruleset trips it in
 about 0.1 % of the tests it runs)."""
@@ -472,13 +474,11 @@ def preflight(backends: Sequence[str], features: Sequence[Feature] = FEATURES) -
 
 def apply(backend: str, state: ClusterState, ns: str) -> float:
     """Apply a backend's full ruleset for both families into `ns`; return the seconds taken."""
-    from nfproxy.verify.validate import apply_iptables, apply_nft
+    from nfproxy.verify.validate import APPLY
 
     start = time.perf_counter()
-    if backend == "iptables":
-        apply_iptables(state, ns)
-    elif backend == "nft":
-        apply_nft(state, ns)
+    if backend in APPLY:
+        APPLY[backend](state, ns)
     else:
         raise LabError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     return time.perf_counter() - start
@@ -492,9 +492,9 @@ def read_back(backend: str, ns: str, family: IPFamily) -> Any:
         if backend == "iptables":
             return iptables_save.parse(IptablesRunner(family, ns).save(), family)
         name = "ip" if family is IPFamily.V4 else "ip6"
-        doc = NftSession(ns).list_table(name, "nfproxy")
+        doc = NftSession(ns).list_table(name, TABLE)
         if doc is None:
-            raise LabError(f"the nft backend left no table {name} nfproxy in the node namespace")
+            raise LabError(f"the nft backend left no table {name} {TABLE} in the node namespace")
         return nft_json.parse(doc)
     except (iptables_save.ParseError, nft_json.ParseError) as exc:
         raise LabError(f"cannot parse the {backend} rules read back (IPv{family.value}): {exc}") from None

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from nfproxy.analysis.inventory import Inventory, from_iptables_save, from_nft_json
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
+from nfproxy.backends.registry import backend_names
 from nfproxy.kernel import netns
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.core.model import ClusterState, IPFamily
 
-BACKENDS = ("iptables", "nft")
+BACKENDS = backend_names()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +53,21 @@ def apply_nft(state: ClusterState, ns: str) -> list[Applied]:
         start = time.perf_counter()
         session.apply(script)
         elapsed = time.perf_counter() - start
-        doc = session.list_table("ip" if family is IPFamily.V4 else "ip6", "nfproxy") or {}
+        doc = session.list_table("ip" if family is IPFamily.V4 else "ip6", nft_backend.TABLE) or {}
         how = "libnftables" if session.uses_bindings else "nft -f"
         out.append(Applied("nft", family, elapsed, from_nft_json(doc), how))
     return out
+
+
+# How each registered backend's full rendering is applied as is (iptables: with its jumps in the
+# restore, in a fresh namespace) and read back.
+APPLY = {"iptables": apply_iptables, "nft": apply_nft}
+assert set(APPLY) == set(BACKENDS), "every registered backend needs a way to be validated"
 
 
 def validate(state: ClusterState, backends: tuple[str, ...] = BACKENDS) -> list[Applied]:
     results: list[Applied] = []
     for backend in backends:
         with netns.throwaway(f"nfp-validate-{backend[:3]}") as ns:
-            if backend == "iptables":
-                results.extend(apply_iptables(state, ns))
-            else:
-                results.extend(apply_nft(state, ns))
+            results.extend(APPLY[backend](state, ns))
     return results

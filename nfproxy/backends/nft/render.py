@@ -24,7 +24,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from nfproxy import nftables as nft
 from nfproxy.backends import gc_paused
+from nfproxy.nftables import text as nft_text
+from nfproxy.nftables.objects import check_comment, check_name, quote_comment
 from nfproxy.core.categorize import (
     NoEndpoints,
     PodMatch,
@@ -45,7 +48,7 @@ from nfproxy.core.model import (
     ServicePortName,
 )
 
-TABLE = "nfproxy"
+TABLE = nft.TABLE
 
 # Top-level chains and maps. Service and endpoint chain names always contain a "/", these
 # never do: that is how a sync tells its own per-service chains apart from the fixed ones.
@@ -92,16 +95,13 @@ FIREWALL_PREFIX = "firewall-"
 ENDPOINT_PREFIX = "endpoint-"
 AFFINITY_PREFIX = "affinity-"
 
-NAME_LENGTH_MAX = 256
+NAME_LENGTH_MAX = nft.objects.NAME_LENGTH_MAX
 _NAME_BASE_LENGTH_MAX = NAME_LENGTH_MAX - 16
-COMMENT_LENGTH_MAX = 128  # nft refuses longer comments ("comment too long")
 
 
 # --------------------------------------------------------------------------------------------
 # Quoting: every string that reaches the script from the model goes through one of these two.
 
-_NAME_RE = re.compile(r"[A-Za-z_.][A-Za-z0-9_./-]*")
-_COMMENT_RE = re.compile(r"[A-Za-z0-9 _./:@,()+=-]*")
 _ADDRESS_RE = re.compile(r"[0-9A-Fa-f.:/]+")
 _IP_CHARS = "0123456789abcdefABCDEF.:"
 
@@ -112,8 +112,8 @@ def nft_name(text: str) -> str:
     Names are written unquoted (as kube-proxy writes them), so anything else could change the
     meaning of the statement it sits in; refuse it rather than guess an escape.
     """
-    if len(text) > NAME_LENGTH_MAX or _NAME_RE.fullmatch(text) is None:
-        raise ValueError(f"not a safe nftables name: {text!r}")
+    if (why := check_name(text)) is not None:
+        raise ValueError(why)
     return text
 
 
@@ -124,11 +124,9 @@ def nft_comment(text: str) -> str:
     texts are cut instead of refused: a service port name can legally be 143 characters, and a
     comment is only a label, never worth failing a sync for.
     """
-    if _COMMENT_RE.fullmatch(text) is None:
-        raise ValueError(f"not safe in an nftables comment: {text!r}")
-    if len(text) > COMMENT_LENGTH_MAX:
-        text = text[: COMMENT_LENGTH_MAX - 3] + "..."
-    return f'"{text}"'
+    if (why := check_comment(text)) is not None:
+        raise ValueError(why)
+    return quote_comment(text)
 
 
 def _address(text: str) -> str:
@@ -179,36 +177,11 @@ def endpoint_chain_base(spn: ServicePortName, ep: Endpoint) -> str:
 # The structure.
 
 
-@dataclass(frozen=True, slots=True)
-class BaseChain:
-    name: str
-    type: str
-    hook: str
-    priority: str
-
-    @property
-    def spec(self) -> str:
-        return f"type {self.type} hook {self.hook} priority {self.priority} ;"
+Declaration = nft.Set | nft.Map
 
 
-@dataclass(frozen=True, slots=True)
-class SetDecl:
-    """A named set or map; `spec` is what goes between the braces of `add set|map`."""
-
-    kind: str  # "set" or "map"
-    spec: str
-
-
-@dataclass(frozen=True, slots=True)
-class Element:
-    """One set or map element, keyed elsewhere by its key text.
-
-    The comment is kept apart from the key because nft identifies (and deletes) an element by
-    key alone; `value` is "" for set elements.
-    """
-
-    value: str = ""
-    comment: str = ""
+# Elements are nft objects from the start: a full sync queues the very objects a render made.
+Element = nft.Element
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,12 +189,12 @@ class ServiceRules:
     """Everything one service port owns, so a sync can rewrite just the ports that changed.
 
     `chains` is ordered (policy chains, external, firewall, then endpoint chains) and maps a
-    chain name to its rules; `affinity_sets` maps set name to declaration spec; `elements` are
+    chain name to its rules; `affinity_sets` maps set name to its declaration; `elements` are
     the (map or set name, key, element) triples this port adds to the shared maps.
     """
 
     chains: Mapping[str, tuple[str, ...]]
-    affinity_sets: Mapping[str, str]
+    affinity_sets: Mapping[str, nft.Set]
     elements: tuple[tuple[str, str, Element], ...]
     # Slot blocks (chain name -> (first slot, size)) and the endpoint IPs this port adds to the
     # shared hairpin set; both empty for ports that keep per-endpoint chains (affinity).
@@ -290,10 +263,10 @@ class NftRuleset:
 
     family: IPFamily
     table: str
-    base_chains: tuple[BaseChain, ...]
+    base_chains: tuple[nft.Chain, ...]
     chains: Mapping[str, tuple[str, ...]]
-    sets: Mapping[str, SetDecl]
-    unused_sets: Mapping[str, SetDecl]
+    sets: Mapping[str, Declaration]
+    unused_sets: Mapping[str, Declaration]
     elements: Mapping[str, Mapping[str, Element]]
     services: Mapping[ServicePortKey, ServiceRules]
     # (map, key) pairs that more than one service port claims: the first one in name order
@@ -313,14 +286,22 @@ class NftRuleset:
     def nft_family(self) -> str:
         return "ip" if self.family is IPFamily.V4 else "ip6"
 
-    def shard_spec(self, name: str) -> str:
+    def shard_map(self, name: str) -> nft.Map:
         """Key: the numgen slot (a 32-bit integer: `type mark` is refused for a numgen key);
         data: address . port of the shard's protocol."""
         proto = _shard_order(name)[0]
-        return f"typeof numgen random mod 1 : {self.nft_family} daddr . {proto} dport ;"
+        return nft.Map(name, typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport")
+
+    def text(self) -> str:
+        """This family's `nfproxy render` output (backends.base.Rendered)."""
+        return self.script()
 
     def script(self) -> str:
-        """A complete `nft -f` script: one atomic transaction.
+        """The full `nft -f` script (`nfproxy render`): the transaction, as text."""
+        return nft_text.script(self.transaction())
+
+    def transaction(self) -> nft.Transaction:
+        """A complete sync as one atomic transaction.
 
         Valid on a fresh namespace and over an existing `nfproxy` table alike: everything it owns
         is added (a no-op when present) and then flushed before being refilled. Base chains are
@@ -329,62 +310,57 @@ class NftRuleset:
         Chains of services that no longer exist are not known here and are left alone (unused,
         unreferenced); removing them needs the kernel's chain list and belongs to the sync.
         """
-        t = f"{self.nft_family} {self.table}"
-        add_chain = f"add chain {t} "
-        flush_chain = f"flush chain {t} "
-        add_rule = f"add rule {t} "
-        out: list[str] = [f"add table {t} {{ comment {nft_comment('rules for nfproxy')} ; }}\n"]
-        out.extend(f"add counter {t} {name}\n" for name in self.counters)
+        with gc_paused():  # 250 000 objects at 10 000 services: no reason to scan them
+            return self._transaction()
+
+    def _transaction(self) -> nft.Transaction:
+        tx = nft.Transaction(self.nft_family, self.table)
+        tx.add(nft.Table(self.nft_family, self.table, comment="rules for nfproxy"))
+        for name in self.counters:
+            tx.add(nft.Counter(name))
         for bc in self.base_chains:
-            out.append(f"{add_chain}{bc.name}\ndelete chain {t} {bc.name}\n")
+            tx.add(nft.Chain(bc.name))
+            tx.delete(nft.Chain(bc.name))
         for bc in self.base_chains:
-            out.append(f"{add_chain}{bc.name} {{ {bc.spec} }}\n")
+            tx.add(bc)
         base_names = {bc.name for bc in self.base_chains}
         for name in self.chains:
             if name in base_names:
                 continue
-            if name == REJECT_CHAIN:
-                helper = nft_comment("helper for @no-endpoint-services / @no-endpoint-nodeports")
-                out.append(f"{add_chain}{name} {{ comment {helper} ; }}\n")
-            else:
-                out.append(f"{add_chain}{name}\n")
-            out.append(f"{flush_chain}{name}\n")
-        for name, decl in self.sets.items():
-            out.append(f"add {decl.kind} {t} {name} {{ {decl.spec} }}\nflush {decl.kind} {t} {name}\n")
-        for name, decl in self.unused_sets.items():
-            out.append(f"add {decl.kind} {t} {name} {{ {decl.spec} }}\ndelete {decl.kind} {t} {name}\n")
+            tx.add(_REJECT_CHAIN if name == REJECT_CHAIN else nft.Chain(name))
+            tx.flush(nft.Chain(name))
+        for decl in self.sets.values():
+            tx.add(decl)
+            tx.flush(decl)
+        for decl in self.unused_sets.values():
+            tx.add(decl)
+            tx.delete(decl)
         for name in sorted(self.shard_users, key=_shard_order):
-            out.append(f"add map {t} {name} {{ {self.shard_spec(name)} }}\nflush map {t} {name}\n")
+            shard = self.shard_map(name)
+            tx.add(shard)
+            tx.flush(shard)
         for name, rules in self.chains.items():
-            for rule in rules:
-                out.append(f"{add_rule}{name} {rule}\n")
+            for body in rules:
+                tx.add(nft.Rule(name, body))
 
         for (spn, _family), svc in self.services.items():
-            out.append(f"\n# {spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}\n")
-            for name, spec in svc.affinity_sets.items():
-                out.append(f"add set {t} {name} {{ {spec} }}\n")
+            tx.note(f"{spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}")
+            for aset in svc.affinity_sets.values():
+                tx.add(aset)
             for name in svc.chains:
-                out.append(f"{add_chain}{name}\n{flush_chain}{name}\n")
+                chain = nft.Chain(name)
+                tx.add(chain)
+                tx.flush(chain)
             for name, rules in svc.chains.items():
-                for rule in rules:
-                    out.append(f"{add_rule}{name} {rule}\n")
+                for body in rules:
+                    tx.add(nft.Rule(name, body))
 
-        if self.hairpin_refs:
-            pairs = ",\n".join(f"\t{ip} . {ip}" for ip in self.hairpin_refs)
-            out.append(f"\nadd element {t} {HAIRPIN_SET} {{\n{pairs}\n}}\n")
-        if self.cluster_ip_refs:
-            ips = ",\n".join(f"\t{ip}" for ip in self.cluster_ip_refs)
-            out.append(f"\nadd element {t} {CLUSTER_IPS_SET} {{\n{ips}\n}}\n")
+        tx.add_elements([Element(HAIRPIN_SET, f"{ip} . {ip}") for ip in self.hairpin_refs])
+        tx.add_elements([Element(CLUSTER_IPS_SET, ip) for ip in self.cluster_ip_refs])
         for name, elements in self.elements.items():
-            if not elements:
-                continue
-            items: list[str] = []
-            for key, el in elements.items():
-                comment = f" comment {nft_comment(el.comment)}" if el.comment else ""
-                value = f" : {el.value}" if el.value else ""
-                items.append(f"\t{key}{comment}{value}")
-            out.append(f"\nadd element {t} {name} {{\n" + ",\n".join(items) + "\n}\n")
-        return "".join(out)
+            tx.add_elements(elements.values())
+        tx.check()
+        return tx
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,16 +370,17 @@ class NftRuleset:
 # and postrouting hooks. For the ip and ip6 families dstnat is -100 and srcnat 100.
 BASE_CHAINS = (
     # Filtering runs before DNAT (dstnat - 10) so that it sees the address the client used.
-    BaseChain("filter-prerouting", "filter", "prerouting", "-110"),
-    BaseChain("filter-input", "filter", "input", "-110"),
-    BaseChain("filter-forward", "filter", "forward", "-110"),
-    BaseChain("filter-output", "filter", "output", "-110"),
+    nft.Chain("filter-prerouting", "filter", "prerouting", "-110"),
+    nft.Chain("filter-input", "filter", "input", "-110"),
+    nft.Chain("filter-forward", "filter", "forward", "-110"),
+    nft.Chain("filter-output", "filter", "output", "-110"),
     # After the node's own DNAT: what is still addressed to a cluster IP matched no service.
-    BaseChain("filter-output-post-dnat", "filter", "output", "-90"),
-    BaseChain("nat-prerouting", "nat", "prerouting", "-100"),
-    BaseChain("nat-output", "nat", "output", "-100"),
-    BaseChain("nat-postrouting", "nat", "postrouting", "100"),
+    nft.Chain("filter-output-post-dnat", "filter", "output", "-90"),
+    nft.Chain("nat-prerouting", "nat", "prerouting", "-100"),
+    nft.Chain("nat-output", "nat", "output", "-100"),
+    nft.Chain("nat-postrouting", "nat", "postrouting", "100"),
 )
+_REJECT_CHAIN = nft.Chain(REJECT_CHAIN, comment="helper for @no-endpoint-services / @no-endpoint-nodeports")
 
 # (target, from base chain, gate): kube-proxy's nftablesJumpChains without the cluster-ips-check
 # entries. Reject only works from input/forward/output, hence no endpoint checks in prerouting;
@@ -481,7 +458,7 @@ def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, .
 
 def _static(
     ctx: _Context, service_cidrs: tuple[str, ...]
-) -> tuple[dict[str, tuple[str, ...]], dict[str, SetDecl], dict[str, SetDecl], dict[str, dict[str, Element]]]:
+) -> tuple[dict[str, tuple[str, ...]], dict[str, Declaration], dict[str, Declaration], dict[str, dict[str, Element]]]:
     ipx, addr = ctx.ipx, ctx.addr_type
     loopback = "127.0.0.0/8" if ctx.family is IPFamily.V4 else "::1"
     nodeports = _collapse(nodeport_cidrs(ctx.node, ctx.family, primary_by_default=True))
@@ -539,38 +516,33 @@ def _static(
 
     ip_key = f"{addr} . inet_proto . inet_service : verdict"
     port_key = "inet_proto . inet_service : verdict"
-    sets = {
-        FIREWALL_IPS_MAP: SetDecl(
-            "map", f"type {ip_key} ; comment {nft_comment('destinations that are subject to LoadBalancerSourceRanges')} ;"
+    ip_map = nft.Map
+    sets: dict[str, Declaration] = {
+        FIREWALL_IPS_MAP: ip_map(FIREWALL_IPS_MAP, ip_key, comment="destinations that are subject to LoadBalancerSourceRanges"),
+        NO_ENDPOINT_NODEPORTS_MAP: ip_map(
+            NO_ENDPOINT_NODEPORTS_MAP, port_key, comment="vmap to drop or reject packets to service nodeports with no endpoints"
         ),
-        NO_ENDPOINT_NODEPORTS_MAP: SetDecl(
-            "map", f"type {port_key} ; comment {nft_comment('vmap to drop or reject packets to service nodeports with no endpoints')} ;"
+        NO_ENDPOINT_SERVICES_MAP: ip_map(
+            NO_ENDPOINT_SERVICES_MAP, ip_key, comment="vmap to drop or reject packets to services with no endpoints"
         ),
-        NO_ENDPOINT_SERVICES_MAP: SetDecl(
-            "map", f"type {ip_key} ; comment {nft_comment('vmap to drop or reject packets to services with no endpoints')} ;"
+        NO_ENDPOINT_EXTERNAL_MAP: ip_map(
+            NO_ENDPOINT_EXTERNAL_MAP, ip_key, comment="vmap to drop or reject packets to external IPs with no endpoints"
         ),
-        NO_ENDPOINT_EXTERNAL_MAP: SetDecl(
-            "map", f"type {ip_key} ; comment {nft_comment('vmap to drop or reject packets to external IPs with no endpoints')} ;"
-        ),
-        SERVICE_IPS_MAP: SetDecl(
-            "map", f"type {ip_key} ; comment {nft_comment('ClusterIP, ExternalIP and LoadBalancer IP traffic')} ;"
-        ),
-        SERVICE_NODEPORTS_MAP: SetDecl("map", f"type {port_key} ; comment {nft_comment('NodePort traffic')} ;"),
-        HAIRPIN_SET: SetDecl(
-            "set", f"type {addr} . {addr} ; comment {nft_comment('endpoint E . E: a pod reaching itself through a service')} ;"
-        ),
-        CLUSTER_IPS_SET: SetDecl("set", f"type {addr} ; comment {nft_comment('Active ClusterIPs')} ;"),
+        SERVICE_IPS_MAP: ip_map(SERVICE_IPS_MAP, ip_key, comment="ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+        SERVICE_NODEPORTS_MAP: ip_map(SERVICE_NODEPORTS_MAP, port_key, comment="NodePort traffic"),
+        HAIRPIN_SET: nft.Set(HAIRPIN_SET, f"{addr} . {addr}", comment="endpoint E . E: a pod reaching itself through a service"),
+        CLUSTER_IPS_SET: nft.Set(CLUSTER_IPS_SET, addr, comment="Active ClusterIPs"),
     }
-    nodeport_decl = SetDecl(
-        "set", f"type {addr} ; flags interval ; comment {nft_comment('CIDRs whose local IPs accept NodePort traffic')} ;"
+    nodeport_decl = nft.Set(
+        NODEPORT_IPS_SET, addr, flags=("interval",), comment="CIDRs whose local IPs accept NodePort traffic"
     )
     elements: dict[str, dict[str, Element]] = {
         name: {} for name in sets if name not in (HAIRPIN_SET, CLUSTER_IPS_SET)
     }
-    unused: dict[str, SetDecl] = {}
+    unused: dict[str, Declaration] = {}
     if nodeports:
         sets[NODEPORT_IPS_SET] = nodeport_decl
-        elements[NODEPORT_IPS_SET] = {c: Element() for c in nodeports}
+        elements[NODEPORT_IPS_SET] = {c: Element(NODEPORT_IPS_SET, c) for c in nodeports}
     else:
         unused[NODEPORT_IPS_SET] = nodeport_decl
     return {k: tuple(v) for k, v in chains.items()}, sets, unused, elements
@@ -707,7 +679,7 @@ def _render_service(
         values = [f"{ep.ip} . {ep.port}" for ep in subset]
         if not kept_before and chain in slots.kept:
             values = slots.arrange(shard, first, values)
-        slot_elements.extend((shard, str(first + i), Element(v)) for i, v in enumerate(values))
+        slot_elements.extend((shard, k, Element(shard, k, v)) for k, v in zip(map(str, range(first, first + len(values))), values))
         return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
@@ -715,12 +687,12 @@ def _render_service(
     ep_chain_names: list[str] = []
     ep_set_names: list[str] = []
     ep_chains: dict[str, tuple[str, ...]] = {}
-    affinity_sets: dict[str, str] = {}
+    affinity_sets: dict[str, nft.Set] = {}
     svc_part = f"{spn.namespace}/{spn.name}/{proto}/{spn.port}__"
     hairpin_tail = f" jump {MARK_MASQ_CHAIN}"
     dnat_head = f"meta l4proto {proto} dnat to "
     update = f" {{ {ipx} saddr }}"
-    timeout = f"type {ctx.addr_type} ; flags dynamic,timeout ; timeout {svc.affinity_timeout}s ;"
+    addr_type, timeout = ctx.addr_type, svc.affinity_timeout
     sha256 = hashlib.sha256
     pairs = _B32_PAIRS
     unpack = _FIRST_8_BYTES
@@ -742,7 +714,7 @@ def _render_service(
         if affinity:
             aset = AFFINITY_PREFIX + ep_base
             ep_set_names.append(aset)
-            affinity_sets[aset] = timeout
+            affinity_sets[aset] = nft.Set(aset, addr_type, flags=("dynamic", "timeout"), timeout=timeout)
             ep_chains[chain] = (f"{ipx} saddr {ip}{hairpin_tail}", f"update @{aset}{update}", dnat_head + dest)
         else:
             ep_chains[chain] = (f"{ipx} saddr {ip}{hairpin_tail}", dnat_head + dest)
@@ -796,39 +768,39 @@ def _render_service(
 
     # Map elements, in kube-proxy's order.
     elements: list[tuple[str, str, Element]] = []
+
+    def element(map_name: str, key: str, value: str, note: str = "") -> None:
+        elements.append((map_name, key, Element(map_name, key, value, note)))
+
     suffix = f" . {proto} . {port}"
     internal_no_endpoints = r.internal_no_endpoints
     if internal_no_endpoints is None:
         target = local_chain if internal_local else cluster_chain
-        elements.append((SERVICE_IPS_MAP, cluster_ip + suffix, Element(f"goto {target}")))
+        element(SERVICE_IPS_MAP, cluster_ip + suffix, f"goto {target}")
     else:
-        elements.append(
-            (NO_ENDPOINT_SERVICES_MAP, cluster_ip + suffix, Element(_NO_ENDPOINT_VERDICT[internal_no_endpoints], comment))
-        )
-    to_external = Element(f"goto {external_chain}")
-    no_external = (
-        Element(_NO_ENDPOINT_VERDICT[external_no_endpoints], comment) if external_no_endpoints else None
-    )
+        element(NO_ENDPOINT_SERVICES_MAP, cluster_ip + suffix, _NO_ENDPOINT_VERDICT[internal_no_endpoints], comment)
+    to_external = f"goto {external_chain}"
+    no_external = _NO_ENDPOINT_VERDICT[external_no_endpoints] if external_no_endpoints else None
     for ip in svc.external_ips:
         key = _address(ip) + suffix
         if r.has_endpoints:
-            elements.append((SERVICE_IPS_MAP, key, to_external))
+            element(SERVICE_IPS_MAP, key, to_external)
         if no_external is not None:
-            elements.append((NO_ENDPOINT_EXTERNAL_MAP, key, no_external))
+            element(NO_ENDPOINT_EXTERNAL_MAP, key, no_external, comment)
     for ip in svc.load_balancer_ips:
         key = _address(ip) + suffix
         if r.has_endpoints:
-            elements.append((SERVICE_IPS_MAP, key, to_external))
+            element(SERVICE_IPS_MAP, key, to_external)
         if r.uses_firewall:
-            elements.append((FIREWALL_IPS_MAP, key, Element(f"goto {firewall_chain}", comment)))
+            element(FIREWALL_IPS_MAP, key, f"goto {firewall_chain}", comment)
         if no_external is not None:
-            elements.append((NO_ENDPOINT_EXTERNAL_MAP, key, no_external))
+            element(NO_ENDPOINT_EXTERNAL_MAP, key, no_external, comment)
     if svc.node_port:
         key = f"{proto} . {svc.node_port}"
         if r.has_endpoints:
-            elements.append((SERVICE_NODEPORTS_MAP, key, to_external))
+            element(SERVICE_NODEPORTS_MAP, key, to_external)
         if no_external is not None:
-            elements.append((NO_ENDPOINT_NODEPORTS_MAP, key, no_external))
+            element(NO_ENDPOINT_NODEPORTS_MAP, key, no_external, comment)
 
     elements.extend(slot_elements)
     return ServiceRules(
@@ -1026,26 +998,19 @@ def _unref(refs: dict[str, int], key: str) -> None:
 class NftDelta:
     """One partial sync's transaction, and what it leaves for a later one.
 
-    `commands` are nft commands (one per line, no trailing newline) forming one atomic
-    transaction; an empty tuple means there is nothing to send. `stale_chains` and
-    `stale_sets` were emptied by this transaction but are still named by the previous
-    transaction's elements or rules in flight: they are deleted by the next sync (kube-proxy's
-    nftables mode does the same, because deleting a chain in the transaction that deletes the
-    last element jumping to it can fail with EBUSY).
+    `transaction` is one atomic change; an empty one means there is nothing to send.
+    `stale_chains` and `stale_sets` were emptied by this transaction but are still named by the
+    previous transaction's elements or rules in flight: they are deleted by the next sync
+    (kube-proxy's nftables mode does the same, because deleting a chain in the transaction that
+    deletes the last element jumping to it can fail with EBUSY).
     """
 
-    commands: tuple[str, ...]
+    transaction: nft.Transaction
     stale_chains: tuple[str, ...]
     stale_sets: tuple[str, ...]
 
     def script(self) -> str:
-        return "\n".join(self.commands) + "\n" if self.commands else ""
-
-
-def _element_text(key: str, el: Element) -> str:
-    comment = f" comment {nft_comment(el.comment)}" if el.comment else ""
-    value = f" : {el.value}" if el.value else ""
-    return f"{key}{comment}{value}"
+        return nft_text.script(self.transaction)
 
 
 def delta(
@@ -1061,8 +1026,7 @@ def delta(
     `delete_chains`/`delete_sets` are the stale objects an earlier delta left behind; they are
     deleted first unless `new` uses those names again.
     """
-    t = f"{new.nft_family} {new.table}"
-    cmds: list[str] = []
+    tx = nft.Transaction(new.nft_family, new.table)
     live_sets = (
         {name for svc in new.services.values() for name in svc.affinity_sets} | set(new.shard_users)
         if delete_sets
@@ -1071,19 +1035,18 @@ def delta(
     live_chains = {name for svc in new.services.values() for name in svc.chains} if delete_chains else set()
     for name in delete_chains:
         if name not in live_chains:
-            cmds.append(f"delete chain {t} {nft_name(name)}")
+            tx.delete(nft.Chain(name))
     for name in delete_sets:
         if name not in live_sets:
-            cmds.append(f"delete set {t} {nft_name(name)}")
+            # Shard maps and affinity sets alike: nft deletes a map by `delete set` too.
+            tx.delete(nft.Set(name))
 
     stale_chains: list[str] = []
     stale_sets: list[str] = [n for n in previous.shard_users if n not in new.shard_users]
-    adds: list[str] = [
-        f"add map {t} {n} {{ {new.shard_spec(n)} }}" for n in new.shard_users if n not in previous.shard_users
-    ]
+    adds: list[nft.Object] = [new.shard_map(n) for n in new.shard_users if n not in previous.shard_users]
     hairpin_ips: set[str] = set()
     cluster_ips: set[str] = set()
-    rules_out: list[str] = []
+    rules_out: list[tuple[bool, nft.Object]] = []  # (flush?, object)
     old_elements: dict[tuple[str, str], Element] = {}
     new_elements: dict[tuple[str, str], Element] = {}
     empty = ServiceRules(MappingProxyType({}), MappingProxyType({}), ())
@@ -1094,22 +1057,22 @@ def delta(
         cur = new.services.get(key, empty)
         if old is cur:
             continue
-        for name, spec in cur.affinity_sets.items():
+        for name, aset in cur.affinity_sets.items():
             if name not in old.affinity_sets:
-                adds.append(f"add set {t} {name} {{ {spec} }}")
+                adds.append(aset)
         stale_sets.extend(name for name in old.affinity_sets if name not in cur.affinity_sets)
         for name, rules in cur.chains.items():
             before = old.chains.get(name)
             if before == rules:
                 continue
             if before is None:
-                adds.append(f"add chain {t} {name}")
+                adds.append(nft.Chain(name))
             else:
-                rules_out.append(f"flush chain {t} {name}")
-            rules_out.extend([f"add rule {t} {name} {rule}" for rule in rules])
+                rules_out.append((True, nft.Chain(name)))
+            rules_out.extend([(False, nft.Rule(name, body)) for body in rules])
         for name in old.chains:
             if name not in cur.chains:
-                rules_out.append(f"flush chain {t} {name}")
+                rules_out.append((True, nft.Chain(name)))
                 stale_chains.append(name)
         hairpin_ips.update(old.hairpin)
         hairpin_ips.update(cur.hairpin)
@@ -1118,27 +1081,30 @@ def delta(
             old_elements[(map_name, elem_key)] = el
         for map_name, elem_key, el in cur.elements:
             new_elements[(map_name, elem_key)] = el
-    cmds.extend(adds)
-    cmds.extend(rules_out)
+    for obj in adds:
+        tx.add(obj)
+    for flush, obj in rules_out:
+        tx.flush(obj) if flush else tx.add(obj)
     # Elements: deletes before adds, so that a changed element (same key, other verdict or
     # comment) is replaced inside the one transaction. Only elements the maps actually hold
     # are deleted: a contested key never reaches here (render_update refused it).
     for (map_name, elem_key), el in old_elements.items():
         if new_elements.get((map_name, elem_key)) != el:
-            cmds.append(f"delete element {t} {map_name} {{ {elem_key} }}")
+            tx.delete(nft.Element(map_name, elem_key))
     for (map_name, elem_key), el in new_elements.items():
         if old_elements.get((map_name, elem_key)) != el:
-            cmds.append(f"add element {t} {map_name} {{ {_element_text(elem_key, el)} }}")
+            tx.add(el)
     for ip in sorted(hairpin_ips):
         was, now = ip in previous.hairpin_refs, ip in new.hairpin_refs
         if was and not now:
-            cmds.append(f"delete element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
+            tx.delete(nft.Element(HAIRPIN_SET, f"{ip} . {ip}"))
         elif now and not was:
-            cmds.append(f"add element {t} {HAIRPIN_SET} {{ {ip} . {ip} }}")
+            tx.add(nft.Element(HAIRPIN_SET, f"{ip} . {ip}"))
     for ip in sorted(cluster_ips):
         was, now = ip in previous.cluster_ip_refs, ip in new.cluster_ip_refs
         if was and not now:
-            cmds.append(f"delete element {t} {CLUSTER_IPS_SET} {{ {ip} }}")
+            tx.delete(nft.Element(CLUSTER_IPS_SET, ip))
         elif now and not was:
-            cmds.append(f"add element {t} {CLUSTER_IPS_SET} {{ {ip} }}")
-    return NftDelta(tuple(cmds), tuple(stale_chains), tuple(stale_sets))
+            tx.add(nft.Element(CLUSTER_IPS_SET, ip))
+    tx.check()
+    return NftDelta(tx, tuple(stale_chains), tuple(stale_sets))

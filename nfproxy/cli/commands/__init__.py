@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nfproxy.backends.registry import backend_names
 from nfproxy.cli.config import node_config_from_args
 from nfproxy.core.model import ClusterState
 
-BACKENDS = ("iptables", "nft")
+BACKENDS = backend_names()
 
 
 def load_manifests(args: argparse.Namespace, path: str | None = None) -> ClusterState:

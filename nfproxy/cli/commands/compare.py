@@ -1,4 +1,4 @@
-"""`nfproxy compare`: prove both backends treat every service and traffic class alike (root)."""
+"""`nfproxy compare`: prove both backends treat every service and traffic class alike (no root)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="interpret both backends' renderings exactly and compare them (root)")
+    p = sub.add_parser("compare", help="interpret both backends' renderings exactly and compare them")
     add_node_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("manifests", metavar="MANIFESTS", help="a YAML file or a directory of them")

@@ -5,24 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nfproxy.backends.registry import render_text
 from nfproxy.cli.commands import BACKENDS, load_manifests
 from nfproxy.cli.config import add_node_flags
-from nfproxy.core.model import ClusterState, IPFamily
 
-
-def render_text(backend: str, state: ClusterState) -> str:
-    if backend == "iptables":
-        from nfproxy.backends.iptables import render as iptables
-
-        parts = []
-        for family in IPFamily:
-            tool = "iptables-restore" if family is IPFamily.V4 else "ip6tables-restore"
-            parts.append(f"# IPv{family.value}: {tool} --noflush\n")
-            parts.append(iptables.render(state, family).restore_text(with_jumps=True))
-        return "".join(parts)
-    from nfproxy.backends.nft import render as nft
-
-    return "".join(nft.render(state, family).script() for family in IPFamily)
+__all__ = ["render_text", "register"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from nfproxy.cli.commands import BACKENDS
 def add_source_flags(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--netns", metavar="NAME", help="read the live rules of this network namespace")
-    src.add_argument("--from-file", metavar="DUMP", help="read a dump: nft -j JSON, or iptables-save/restore text")
+    src.add_argument("--from-file", metavar="DUMP", help="read a dump: nft -j JSON, `nfproxy render` output (either backend), or iptables-save/restore text")
     p.add_argument("--max-dump-bytes", type=int, default=None, metavar="BYTES",
                    help="refuse a --from-file dump larger than this (default 268435456, 256 MiB)")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",

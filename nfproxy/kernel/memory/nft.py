@@ -1,0 +1,307 @@
+"""An in-memory nf_tables table with the kernel's existence semantics (knftables' Fake).
+
+`apply` runs a Transaction on a copy and commits only if every operation succeeds: `add` is
+idempotent, `create` fails on an existing object, `flush` and `delete` need the object, a chain
+is deleted only empty and unreferenced, an element key is held once, and at commit every
+`jump`/`goto` and `@set` a rule or element names must exist. `dump` is canonical sorted text:
+the table as the `add` commands that would rebuild it, chains and sets in name order, rules in
+chain order, elements sorted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from nfproxy.core.model import IPFamily
+from nfproxy.core.owned import Owned
+from nfproxy.kernel.process import KernelError
+from nfproxy.nftables import TABLE, Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
+from nfproxy.nftables import text as nft_text
+
+_CHAIN_REF = re.compile(r"\b(?:jump|goto)\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
+_SET_REF = re.compile(r"@([A-Za-z_.][A-Za-z0-9_./-]*)")
+_COUNTER_REF = re.compile(r"\bcounter\s+name\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
+
+
+@dataclass(slots=True)
+class _Chain:
+    decl: Chain
+    rules: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Set:
+    decl: Set | Map
+    elements: dict[str, Element] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Table:
+    decl: Table
+    chains: dict[str, _Chain] = field(default_factory=dict)
+    sets: dict[str, _Set] = field(default_factory=dict)
+    counters: dict[str, Counter] = field(default_factory=dict)
+
+    def copy(self) -> _Table:
+        return _Table(
+            self.decl,
+            {n: _Chain(c.decl, list(c.rules)) for n, c in self.chains.items()},
+            {n: _Set(s.decl, dict(s.elements)) for n, s in self.sets.items()},
+            dict(self.counters),
+        )
+
+
+def _declaration(obj: Set | Map) -> tuple[object, ...]:
+    """What must agree when an existing set is added again (the comment may differ)."""
+    return (type(obj), obj.type, obj.typeof, obj.flags, getattr(obj, "timeout", None))
+
+
+class MemoryNft:
+    """One family's `nfproxy` table (or none) in memory."""
+
+    def __init__(self, family: IPFamily = IPFamily.V4, *, table: str = TABLE, **_: object) -> None:
+        self.family = family
+        self.nft_family = "ip" if family is IPFamily.V4 else "ip6"
+        self.table_name = table
+        self.table: _Table | None = None
+        self.last: Transaction | None = None
+        self.applied = 0  # transactions committed
+
+    # -- Kernel --------------------------------------------------------------------------------
+    def owned(self) -> Owned:
+        if self.table is None:
+            return Owned()
+        return Owned(frozenset(self.table.chains), frozenset(self.table.sets))
+
+    def apply(self, payload: object) -> None:
+        if not isinstance(payload, Transaction):
+            raise TypeError(f"an nft kernel applies Transactions, not {type(payload).__name__}")
+        try:
+            payload.check()
+        except ValueError as exc:
+            raise KernelError(f"nft (memory) rejected the transaction: {exc}") from None
+        if (payload.family, payload.table) != (self.nft_family, self.table_name):
+            raise KernelError(f"nft (memory) holds {self.nft_family} {self.table_name}, not {payload.family} {payload.table}")
+        work = self.table.copy() if self.table is not None else None
+        where = f"{payload.family} {payload.table}"
+        for verb, obj in payload.operations():
+            try:
+                work = _run(work, verb, obj)
+            except _Refused as exc:
+                raise KernelError(
+                    f"nft (memory) rejected the transaction: {exc}: {nft_text.command(verb, obj, where)}"
+                ) from None
+        if work is not None:
+            dangling = _dangling(work)
+            if dangling:
+                raise KernelError(f"nft (memory) rejected the transaction: {dangling}")
+        self.table = work
+        self.last = payload
+        self.applied += 1
+
+    def dump(self) -> str:
+        if self.table is None:
+            return ""
+        t = self.table
+        where = f"{self.nft_family} {self.table_name}"
+        out = [nft_text.command(Verb.ADD, t.decl, where)]
+        for name in sorted(t.counters):
+            out.append(nft_text.command(Verb.ADD, t.counters[name], where))
+        for name in sorted(t.sets):
+            out.append(nft_text.command(Verb.ADD, t.sets[name].decl, where))
+        for name in sorted(t.chains):
+            out.append(nft_text.command(Verb.ADD, t.chains[name].decl, where))
+        for name in sorted(t.chains):
+            out.extend(f"add rule {where} {name} {body}" for body in t.chains[name].rules)
+        for name in sorted(t.sets):
+            for key in sorted(t.sets[name].elements):
+                out.append(nft_text.command(Verb.ADD, t.sets[name].elements[key], where))
+        return "\n".join(out) + "\n"
+
+    def json(self) -> dict[str, object]:
+        """The table as `nft -j list table` prints it (nftables/json.py), for analysis/."""
+        from nfproxy.nftables import json as nft_json
+
+        fam, name = self.nft_family, self.table_name
+        out: list[object] = [{"metainfo": {"version": "1.0.6", "json_schema_version": 1}}]
+        if self.table is None:
+            return {"nftables": out}
+        handle = iter(range(1, 1 << 30))
+        out.append({"table": {"family": fam, "name": name, "handle": next(handle)}})
+        for c in self.table.counters.values():
+            out.append({"counter": {"family": fam, "name": c.name, "table": name,
+                                    "handle": next(handle), "packets": 0, "bytes": 0}})
+        for s in self.table.sets.values():
+            out.append(nft_json.set_(fam, name, s.decl, list(s.elements.values()), next(handle)))
+        for c in self.table.chains.values():
+            out.append(nft_json.chain(fam, name, c.decl, next(handle)))
+        for c in self.table.chains.values():
+            for body in c.rules:
+                out.append(nft_json.rule(fam, name, c.decl.name, body, next(handle)))
+        return {"nftables": out}
+
+    # -- reading back --------------------------------------------------------------------------
+    def rules(self, chain: str) -> list[str]:
+        assert self.table is not None
+        return list(self.table.chains[chain].rules)
+
+    def elements(self, name: str) -> dict[str, Element]:
+        assert self.table is not None
+        return dict(self.table.sets[name].elements)
+
+
+class _Refused(Exception):
+    pass
+
+
+def _run(t: _Table | None, verb: Verb, obj: object) -> _Table | None:
+    """One operation on the working copy; returns the table (None: there is none)."""
+    if isinstance(obj, Table):
+        return _table_op(t, verb, obj)
+    if t is None:
+        raise _Refused("No such file or directory (no table)")
+    if isinstance(obj, Chain):
+        _chain_op(t, verb, obj)
+    elif isinstance(obj, Rule):
+        chain = t.chains.get(obj.chain)
+        if chain is None:
+            raise _Refused(f"No such file or directory (chain {obj.chain})")
+        chain.rules.append(obj.body)
+    elif isinstance(obj, (Set, Map)):
+        _set_op(t, verb, obj)
+    elif isinstance(obj, Element):
+        _element_op(t, verb, obj)
+    elif isinstance(obj, Counter):
+        _counter_op(t, verb, obj)
+    else:
+        raise _Refused(f"not an nft object: {obj!r}")
+    return t
+
+
+def _table_op(t: _Table | None, verb: Verb, obj: Table) -> _Table | None:
+    if verb in (Verb.ADD, Verb.CREATE):
+        if t is not None:
+            if verb is Verb.CREATE:
+                raise _Refused("File exists (table)")
+            return t
+        return _Table(obj)
+    if t is None:
+        raise _Refused("No such file or directory (table)")
+    if verb is Verb.FLUSH:
+        for c in t.chains.values():
+            c.rules.clear()
+        for s in t.sets.values():
+            s.elements.clear()
+        return t
+    return None  # delete
+
+
+def _chain_op(t: _Table, verb: Verb, obj: Chain) -> None:
+    held = t.chains.get(obj.name)
+    if verb in (Verb.ADD, Verb.CREATE):
+        if held is None:
+            t.chains[obj.name] = _Chain(obj)
+        elif verb is Verb.CREATE:
+            raise _Refused(f"File exists (chain {obj.name})")
+        elif obj.hook is not None and (held.decl.type, held.decl.hook, held.decl.priority) != (obj.type, obj.hook, obj.priority):
+            raise _Refused(f"Operation not supported (chain {obj.name} changes its hook)")
+        return
+    if held is None:
+        raise _Refused(f"No such file or directory (chain {obj.name})")
+    if verb is Verb.FLUSH:
+        held.rules.clear()
+        return
+    # The kernel deletes a chain's own rules with it; a jump or goto from elsewhere holds it.
+    rules = held.rules
+    held.rules = []
+    if _chain_referenced(t, obj.name):
+        held.rules = rules
+        raise _Refused(f"Device or resource busy (chain {obj.name} is referenced)")
+    del t.chains[obj.name]
+
+
+def _set_op(t: _Table, verb: Verb, obj: Set | Map) -> None:
+    held = t.sets.get(obj.name)
+    if verb in (Verb.ADD, Verb.CREATE):
+        if held is None:
+            t.sets[obj.name] = _Set(obj)
+        elif verb is Verb.CREATE:
+            raise _Refused(f"File exists (set {obj.name})")
+        elif _declaration(held.decl) != _declaration(obj):
+            raise _Refused(f"File exists (set {obj.name} declared otherwise)")
+        return
+    if held is None:
+        raise _Refused(f"No such file or directory (set {obj.name})")
+    if verb is Verb.FLUSH:
+        held.elements.clear()
+        return
+    if any(obj.name in _SET_REF.findall(body) for c in t.chains.values() for body in c.rules):
+        raise _Refused(f"Device or resource busy (set {obj.name} is referenced)")
+    del t.sets[obj.name]
+
+
+def _counter_op(t: _Table, verb: Verb, obj: Counter) -> None:
+    held = t.counters.get(obj.name)
+    if verb in (Verb.ADD, Verb.CREATE):
+        if held is not None and verb is Verb.CREATE:
+            raise _Refused(f"File exists (counter {obj.name})")
+        t.counters.setdefault(obj.name, obj)
+        return
+    if held is None:
+        raise _Refused(f"No such file or directory (counter {obj.name})")
+    if any(obj.name in _COUNTER_REF.findall(body) for c in t.chains.values() for body in c.rules):
+        raise _Refused(f"Device or resource busy (counter {obj.name} is referenced)")
+    del t.counters[obj.name]
+
+
+def _element_op(t: _Table, verb: Verb, el: Element) -> None:
+    held = t.sets.get(el.set)
+    if held is None:
+        raise _Refused(f"No such file or directory (set {el.set})")
+    if verb is Verb.DELETE:
+        if el.key not in held.elements:
+            raise _Refused(f"No such file or directory (element {el.key} of {el.set})")
+        del held.elements[el.key]
+        return
+    if bool(el.value) != isinstance(held.decl, Map):
+        raise _Refused(f"Invalid argument (element {el.key} does not fit {el.set})")
+    old = held.elements.get(el.key)
+    if old is not None and (verb is Verb.CREATE or old.value != el.value):
+        raise _Refused(f"File exists (element {el.key} of {el.set})")
+    held.elements[el.key] = el
+
+
+def _references(t: _Table) -> tuple[set[str], set[str]]:
+    chains: set[str] = set()
+    sets: set[str] = set()
+    for c in t.chains.values():
+        for body in c.rules:
+            chains.update(_CHAIN_REF.findall(body))
+            sets.update(_SET_REF.findall(body))
+    for s in t.sets.values():
+        if isinstance(s.decl, Map) and s.decl.type is not None and s.decl.type.endswith(": verdict"):
+            for el in s.elements.values():
+                chains.update(_CHAIN_REF.findall(el.value))
+    return chains, sets
+
+
+def _chain_referenced(t: _Table, name: str) -> bool:
+    return name in _references(t)[0]
+
+
+def _dangling(t: _Table) -> str | None:
+    chains, sets = _references(t)
+    missing_chains = sorted(chains - set(t.chains))
+    missing_sets = sorted(sets - set(t.sets))
+    missing_counters = sorted(
+        {n for c in t.chains.values() for body in c.rules for n in _COUNTER_REF.findall(body)}
+        - set(t.counters)
+    )
+    if missing_counters:
+        return f"No such file or directory (counter {missing_counters[0]})"
+    if missing_chains:
+        return f"No such file or directory (jump/goto to chain {missing_chains[0]})"
+    if missing_sets:
+        return f"No such file or directory (set @{missing_sets[0]})"
+    return None

@@ -1,0 +1,15 @@
+"""nftables as data: typed objects, a Transaction of (verb, object), and the one text writer.
+
+The knftables shape (docs/design.md): renderers build objects, a sync queues them in a
+Transaction, and each kernel path consumes the Transaction its own way (libnftables through
+`text.script`, nfnetlink by encoding the objects). Imports nothing but the standard library, so
+backends, kernels and analysis can all share it.
+"""
+
+from nfproxy.nftables.objects import Chain, Counter, Element, Map, Note, Rule, Set, Table
+from nfproxy.nftables.transaction import Transaction, Verb
+
+# The one table nfproxy owns in each family (kube-proxy's is `kube-proxy`).
+TABLE = "nfproxy"
+
+__all__ = ["TABLE", "Chain", "Counter", "Element", "Map", "Note", "Rule", "Set", "Table", "Transaction", "Verb"]

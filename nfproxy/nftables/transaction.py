@@ -1,0 +1,183 @@
+"""A Transaction: an append-only list of (verb, object) that a kernel applies atomically.
+
+Each object is checked as it is queued and the first error is latched, so a sync is a straight
+line of `tx.add(...)` calls checked once (`tx.check()`), as in knftables. The verbs are nft's:
+`add` is idempotent, `create` fails on an existing object, `flush` and `delete` need it to exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from enum import Enum
+
+from nfproxy.nftables.objects import (
+    Chain,
+    Element,
+    Map,
+    Counter,
+    Note,
+    Object,
+    Rule,
+    Set,
+    Table,
+    check_comment,
+    check_name,
+)
+
+
+class Verb(Enum):
+    ADD = "add"
+    CREATE = "create"
+    FLUSH = "flush"
+    DELETE = "delete"
+    NOTE = "note"  # a comment line in the script; no kernel operation
+
+
+# Which verbs each kind of object takes (nft's grammar: no flushing a rule or an element).
+_VERBS: dict[type, frozenset[Verb]] = {
+    Table: frozenset({Verb.ADD, Verb.CREATE, Verb.FLUSH, Verb.DELETE}),
+    Chain: frozenset({Verb.ADD, Verb.CREATE, Verb.FLUSH, Verb.DELETE}),
+    Set: frozenset({Verb.ADD, Verb.CREATE, Verb.FLUSH, Verb.DELETE}),
+    Map: frozenset({Verb.ADD, Verb.CREATE, Verb.FLUSH, Verb.DELETE}),
+    Rule: frozenset({Verb.ADD}),
+    Element: frozenset({Verb.ADD, Verb.CREATE, Verb.DELETE}),
+    Counter: frozenset({Verb.ADD, Verb.CREATE, Verb.DELETE}),
+}
+
+
+def _rule_problem(verb: Verb, obj: Rule, names: set[str]) -> str | None:
+    if obj.chain not in names:
+        if (why := check_name(obj.chain)) is not None:
+            return why
+        names.add(obj.chain)
+    body = obj.body
+    if not body or "\n" in body or ";" in body:
+        return f"rule body must be one statement list: {body!r}"
+    return None
+
+
+def _element_problem(verb: Verb, obj: Element, names: set[str]) -> str | None:
+    if obj.set not in names:
+        if (why := check_name(obj.set)) is not None:
+            return why
+        names.add(obj.set)
+    if not obj.key or "\n" in obj.key or "\n" in obj.value:
+        return f"bad element key {obj.key!r} of {obj.set}"
+    if obj.comment and (why := check_comment(obj.comment)) is not None:
+        return why
+    if verb is Verb.DELETE and (obj.value or obj.comment):
+        return f"delete element {obj.key!r} of {obj.set}: identified by its key alone"
+    return None
+
+
+def _named_problem(verb: Verb, obj: Table | Chain | Set | Map | Counter, names: set[str]) -> str | None:
+    name = obj.name
+    if name not in names:
+        if (why := check_name(name)) is not None:
+            return why
+        names.add(name)
+    if obj.comment and (why := check_comment(obj.comment)) is not None:
+        return why
+    if type(obj) is Chain:
+        parts = (obj.type, obj.hook, obj.priority)
+        if any(p is not None for p in parts) and any(p is None for p in parts):
+            return f"base chain {name} needs type, hook and priority"
+    if type(obj) in (Set, Map) and verb in (Verb.ADD, Verb.CREATE):
+        if (obj.type is None) == (obj.typeof is None):  # type: ignore[union-attr]
+            return f"{type(obj).__name__.lower()} {name} needs exactly one of type and typeof"
+    return None
+
+
+_CHECKS = {Rule: _rule_problem, Element: _element_problem, Table: _named_problem, Chain: _named_problem,
+           Set: _named_problem, Map: _named_problem, Counter: _named_problem}
+
+
+def problem(verb: Verb, obj: Object, names: set[str] | None = None) -> str | None:
+    """What is wrong with queueing `verb obj`, or None. `names` holds names already found
+    safe (a transaction checks each name once, not once per rule)."""
+    kind = type(obj)
+    if verb not in _VERBS.get(kind, frozenset()):
+        return f"{verb.value} {kind.__name__.lower()} is not an nft command"
+    return _CHECKS[kind](verb, obj, set() if names is None else names)  # type: ignore[operator]
+
+
+class Transaction:
+    """One atomic change to one table (`family`, `table`)."""
+
+    __slots__ = ("family", "table", "ops", "error", "_names", "_operations")
+
+    def __init__(self, family: str, table: str) -> None:
+        if family not in ("ip", "ip6"):
+            raise ValueError(f"unknown nft family {family!r}")
+        self.family = family
+        self.table = table
+        self.ops: list[tuple[Verb, Object | Note]] = []
+        self.error: str | None = check_name(table)
+        self._names: set[str] = set()
+        self._operations = 0  # ops that are not notes
+
+    def _queue(self, verb: Verb, obj: Object) -> None:
+        if self.error is not None:
+            return
+        kind = type(obj)
+        if verb not in _VERBS.get(kind, ()):
+            self.error = f"{verb.value} {kind.__name__.lower()} is not an nft command"
+            return
+        why = _CHECKS[kind](verb, obj, self._names)  # type: ignore[operator]
+        if why is not None:
+            self.error = why
+            return
+        self.ops.append((verb, obj))
+        self._operations += 1
+
+    def add(self, obj: Object) -> None:
+        self._queue(Verb.ADD, obj)
+
+    def add_elements(self, elements: Iterable[Element]) -> None:
+        """`add` each element: the same checks, in one loop (a full sync queues 200 000)."""
+        if self.error is not None:
+            return
+        names, ops, add, check = self._names, self.ops, Verb.ADD, _element_problem
+        for el in elements:
+            if type(el) is not Element:
+                self.error = f"not an element: {el!r}"
+                return
+            if el.comment or el.set not in names or not el.key or "\n" in el.key or "\n" in el.value:
+                if (why := check(add, el, names)) is not None:
+                    self.error = why
+                    return
+            ops.append((add, el))
+            self._operations += 1
+
+    def create(self, obj: Object) -> None:
+        self._queue(Verb.CREATE, obj)
+
+    def flush(self, obj: Object) -> None:
+        self._queue(Verb.FLUSH, obj)
+
+    def delete(self, obj: Object) -> None:
+        self._queue(Verb.DELETE, obj)
+
+    def note(self, text: str) -> None:
+        if "\n" in text:
+            self.error = self.error or f"note spans lines: {text!r}"
+            return
+        self.ops.append((Verb.NOTE, Note(text)))
+
+    def check(self) -> None:
+        """Raise the first error queued, if any (ValueError: the objects came from bad input)."""
+        if self.error is not None:
+            raise ValueError(self.error)
+
+    def operations(self) -> Iterator[tuple[Verb, Object]]:
+        """The kernel operations, without notes."""
+        for verb, obj in self.ops:
+            if verb is not Verb.NOTE:
+                yield verb, obj  # type: ignore[misc]
+
+    def __len__(self) -> int:
+        """Kernel operations (what the sync log and metrics count): notes are not."""
+        return self._operations
+
+    def __bool__(self) -> bool:
+        return self._operations > 0
