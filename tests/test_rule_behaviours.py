@@ -9,6 +9,7 @@ import argparse
 
 import pytest
 
+from nfproxy.nftables.text import commands as nft_commands
 from nfproxy.backends.iptables import render as ipt
 from nfproxy.backends.nft import render as nft
 from nfproxy.cli.config import FlagError, add_node_flags, node_config_from_args
@@ -223,16 +224,16 @@ def test_partial_sync_keeps_a_shared_cluster_ip_until_its_last_port_goes() -> No
     one_gone = without(http)
     after = nft.render_update(before, one_gone, [http])
     d = nft.delta(before, after, [http])
-    assert not any("cluster-ips" in c for c in d.commands)
+    assert not any("cluster-ips" in c for c in nft_commands(d.transaction))
     assert dict(after.cluster_ip_refs) == dict(nft.render(one_gone, V4).cluster_ip_refs)
     both_gone = without(http, dns)
     last = nft.render_update(after, both_gone, [dns])
     d = nft.delta(after, last, [dns])
-    assert "delete element ip nfproxy cluster-ips { 172.30.0.42 }" in d.commands
+    assert "delete element ip nfproxy cluster-ips { 172.30.0.42 }" in nft_commands(d.transaction)
     assert dict(last.cluster_ip_refs) == {"172.30.0.41": 1}
     back = nft.render_update(last, state, [http, dns])
     d = nft.delta(last, back, [http, dns])
-    assert d.commands.count("add element ip nfproxy cluster-ips { 172.30.0.42 }") == 1
+    assert nft_commands(d.transaction).count("add element ip nfproxy cluster-ips { 172.30.0.42 }") == 1
 
 
 # --------------------------------------------------------------------------------------------
