@@ -44,9 +44,14 @@ def parsed() -> dict[str, list[Any]]:
     return out
 
 
-def one(kind: str) -> Any:
+def one(kind: str, name: str | None = None) -> Any:
+    """The one object of `kind` (named `name`; for DaemonSets, the node proxy by default)."""
     objects = parsed()[kind]
-    assert len(objects) == 1, f"expected one {kind}, found {len(objects)}"
+    if name is None and kind == "DaemonSet":
+        name = "nfproxy"
+    if name is not None:
+        objects = [o for o in objects if o.metadata.name == name]
+    assert len(objects) == 1, f"expected one {kind} {name or ''}, found {len(objects)}"
     return objects[0]
 
 
@@ -235,3 +240,20 @@ def test_containerfile_builds_debian_slim_with_both_kernel_tools_and_the_package
     assert 'ENTRYPOINT ["nfproxy"]' in text
     [container] = one("DaemonSet").spec.template.spec.containers
     assert container.command == ["nfproxy"]
+
+
+def test_the_canary_touches_nothing_and_cannot_collide_with_kube_proxy():
+    """deploy/canary.yaml: the whole daemon on in-memory kernels, on ports kube-proxy does not use."""
+    canary = one("DaemonSet", "nfproxy-canary")
+    [container] = canary.spec.template.spec.containers
+    argv = [a.replace("/var/lib/kube-proxy/config.conf", str(KUBEADM_CONFIG)) for a in container.args]
+    argv = [a.replace("$(NODE_NAME)", "node-a") for a in argv]
+    _, args = parse(argv)
+    assert args.dry_run is True
+    ports = {args.healthz_bind_address.rsplit(":", 1)[1], args.metrics_bind_address.rsplit(":", 1)[1]}
+    assert ports.isdisjoint({"10256", "10249"}), ports
+    security = container.security_context
+    assert security.capabilities.drop == ["ALL"] and not security.capabilities.add
+    assert security.run_as_non_root is True and security.read_only_root_filesystem is True
+    assert canary.spec.template.spec.service_account_name == one("ServiceAccount").metadata.name
+    assert container.readiness_probe.http_get.port == int(args.healthz_bind_address.rsplit(":", 1)[1])

@@ -36,6 +36,8 @@ class DaemonConfig:
     healthz_bind_address: str = "0.0.0.0:10256"
     metrics_bind_address: str = "127.0.0.1:10249"
     conntrack: bool = True
+    # --dry-run: health-check node ports are a real kernel's sockets, so a canary serves none.
+    health_check_node_ports: bool = True
     # --bind-address-hard-fail: a taken healthz/metrics port is fatal instead of retried.
     bind_address_hard_fail: bool = False
 
@@ -128,7 +130,7 @@ class Daemon:
         self.source = source
         self.proxier = proxier or Proxier(config.backend, netns=config.netns)
         self.metrics = ProxyMetrics()
-        if config.netns is None:
+        if config.netns is None and config.health_check_node_ports:
             # kube-proxy's INVALID-drop counter: the node's own kernel object, read when scraped.
             from nfproxy.daemon.invalid_drops import InvalidDropCollector, reader
 
@@ -177,7 +179,9 @@ class Daemon:
             self.metrics.set_rule_counts(self.config.backend, counts, family=family)  # type: ignore[arg-type]
         # Walking every service for health-check ports only when one can have changed, or when a
         # port could not be bound last time (it is retried).
-        if _touches_health_checks(previous, state, result) or dict(self.health_checks.ports) != self._health_ports:
+        if self.config.health_check_node_ports and (
+            _touches_health_checks(previous, state, result) or dict(self.health_checks.ports) != self._health_ports
+        ):
             sh = service_health(state)
             self._health_ports = dict(sh.ports)
             self.health_checks.sync_services(sh.ports)

@@ -18,7 +18,7 @@ from nfproxy.cli.feature_gates import parse_feature_gates
 from nfproxy.cli.flag_types import go_bool
 
 if TYPE_CHECKING:
-    from nfproxy.daemon.node import Daemon
+    from nfproxy.daemon.node import Daemon, DaemonConfig
     from nfproxy.sources import Source
 
 log = logging.getLogger("nfproxy")
@@ -119,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
         kubeproxy_config.write(args, args.write_config_to)
         return 0
+    if args.dry_run:
+        return _dry_run(args, min_sync, sync_period)
     from nfproxy.kernel import capabilities as caps
 
     lacking = caps.missing(caps.CAP_NET_ADMIN, *((caps.CAP_SYS_ADMIN,) if args.netns else ()))
@@ -144,18 +146,9 @@ def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings
     if args.init_only:
         return 0
     _read_be_liberal(args)
-    from nfproxy.daemon.node import Daemon, DaemonConfig
+    from nfproxy.daemon.node import Daemon
 
-    config = DaemonConfig(
-        backend=args.backend,
-        netns=args.netns,
-        min_sync_period=min_sync,
-        sync_period=sync_period,
-        healthz_bind_address=args.healthz_bind_address,
-        metrics_bind_address=args.metrics_bind_address,
-        conntrack=not args.no_conntrack_cleanup,
-        bind_address_hard_fail=bool(args.bind_address_hard_fail),
-    )
+    config = _daemon_config(args, min_sync, sync_period)
     proxier = None
     if args.iptables_flavour != "auto":
         from nfproxy.daemon.proxier import Proxier
@@ -166,6 +159,43 @@ def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings
     from nfproxy.daemon.localhost import prepare
 
     prepare(args.backend, node_config_from_args(args), args.netns)
+    daemon = Daemon(source, config, proxier)
+    if args.once:
+        return _once(source, daemon)
+    daemon.run_until_signalled()
+    return 0
+
+
+def _daemon_config(args: argparse.Namespace, min_sync: float, sync_period: float, **more: object) -> DaemonConfig:
+    from nfproxy.daemon.node import DaemonConfig
+
+    fields: dict[str, object] = {
+        "backend": args.backend,
+        "netns": args.netns,
+        "min_sync_period": min_sync,
+        "sync_period": sync_period,
+        "healthz_bind_address": args.healthz_bind_address,
+        "metrics_bind_address": args.metrics_bind_address,
+        "conntrack": not args.no_conntrack_cleanup,
+        "bind_address_hard_fail": bool(args.bind_address_hard_fail),
+    }
+    return DaemonConfig(**{**fields, **more})  # type: ignore[arg-type]
+
+
+def _dry_run(args: argparse.Namespace, min_sync: float, sync_period: float) -> int:
+    """The canary: the whole daemon (source, sync loop, servers, metrics, logs) on in-memory
+    kernels. Nothing of the machine is touched: no rules, sysctls, conntrack entries, owner
+    lock or health-check node ports, so it can run beside kube-proxy (on other ports)."""
+    from nfproxy.daemon.node import Daemon
+    from nfproxy.daemon.proxier import Proxier
+    from nfproxy.kernel.memory import kernels
+
+    if args.netns:
+        raise FlagError("--dry-run: programs no namespace; drop --netns")
+    config = _daemon_config(args, min_sync, sync_period, conntrack=False, health_check_node_ports=False)
+    proxier = Proxier(args.backend, kernels=kernels(args.backend))
+    source = _source(args)
+    log.info("Dry run: syncing in-memory kernels only; this machine's rules are never touched")
     daemon = Daemon(source, config, proxier)
     if args.once:
         return _once(source, daemon)
@@ -242,6 +272,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_kube_flags(src)
     p.add_argument("--netns", metavar="NAME", help="program this named network namespace instead of the current one")
     p.add_argument("--once", action="store_true", help="sync once (full) and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the canary: follow the source and sync in-memory kernels only, touching "
+                   "nothing of this machine (run it beside kube-proxy on other ports)")
     p.add_argument("--init-only", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
                    help="set the conntrack sysctls (the steps needing full root) and exit")
     p.add_argument("--cleanup", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
