@@ -473,6 +473,8 @@ def test_be_liberal_is_read_in_the_target_namespace(netns: str, liberal: bool) -
     assert proc.returncode == 0, proc.stderr
     message = "nf_conntrack_tcp_be_liberal set, not installing DROP rules for INVALID packets"
     assert (message in proc.stderr) is liberal
+    # And the daemon behaves as it says: the INVALID drop is written only when not liberal.
+    assert ("ct state invalid" in _rules(netns, "nftables")) is not liberal
 
 
 @pytest.mark.kernel

@@ -122,14 +122,11 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
             name = dns_subdomain(name)
         except FieldError as exc:
             raise FlagError(f"--node-name: {exc}") from None
-    # MERGE(H2): NodeConfig.drop_invalid (H2) is set from nf_conntrack_tcp_be_liberal by the run
-    # command; until the field exists the value has nowhere to go. The lead removes the test.
-    extra = {}
-    if hasattr(args, "drop_invalid") and "drop_invalid" in NodeConfig.__dataclass_fields__:
-        extra["drop_invalid"] = bool(args.drop_invalid)
     return NodeConfig(
-        **extra,  # type: ignore[arg-type]
         name=name,
+        # The run command reads nf_conntrack_tcp_be_liberal in the target namespace and sets
+        # drop_invalid from it, as kube-proxy does; other commands render the drop.
+        drop_invalid=bool(getattr(args, "drop_invalid", True)),
         ips=_one_per_family("--node-ip", _each("--node-ip", args.node_ip, ip_address)),
         cluster_cidrs=_one_per_family(
             "--cluster-cidr", _each("--cluster-cidr", args.cluster_cidr, cidr)

@@ -93,9 +93,7 @@ def _read_be_liberal(args: argparse.Namespace) -> None:
     liberal = value not in (None, "0") or bool(args.conntrack_tcp_be_liberal)
     if liberal:
         log.info("nf_conntrack_tcp_be_liberal set, not installing DROP rules for INVALID packets")
-    # MERGE(H2): NodeConfig.drop_invalid is H2's; node_config_from_args passes it on when the
-    # field exists (see nfproxy/cli/config.py).
-    args.drop_invalid = not liberal
+    args.drop_invalid = not liberal  # node_config_from_args puts it in NodeConfig
 
 
 def _cleanup(args: argparse.Namespace) -> int:
