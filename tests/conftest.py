@@ -25,3 +25,49 @@ def netns() -> Iterator[str]:
 
     with netns_mod.throwaway("nfp-test") as name:
         yield name
+
+
+class _Blocked(ImportError):
+    pass
+
+
+@pytest.fixture
+def imports_of() -> Iterator[object]:
+    """Runs code in this process as if nfproxy were imported afresh, and says which top-level
+    packages it imported. A fresh interpreter would be the obvious way, but the test user of an
+    unprivileged run may not be allowed to start the venv's interpreter again; this is the same
+    check without a subprocess: nfproxy's and the watched packages' modules are set aside (so
+    module-level imports run again), an import hook records what is imported, and everything is
+    put back afterwards."""
+    import contextlib
+    import importlib.abc
+    import sys
+
+    @contextlib.contextmanager
+    def watching(*packages: str) -> Iterator[set[str]]:
+        seen: set[str] = set()
+
+        class Recorder(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN202
+                top = name.split(".")[0]
+                if top in packages:
+                    seen.add(top)
+                return None
+
+        def ours(name: str) -> bool:
+            return name.split(".")[0] in ("nfproxy", *packages)
+
+        saved = {n: m for n, m in sys.modules.items() if ours(n)}
+        for n in saved:
+            del sys.modules[n]
+        recorder = Recorder()
+        sys.meta_path.insert(0, recorder)
+        try:
+            yield seen
+        finally:
+            sys.meta_path.remove(recorder)
+            for n in [n for n in sys.modules if ours(n)]:
+                del sys.modules[n]
+            sys.modules.update(saved)
+
+    yield watching
