@@ -71,3 +71,43 @@ def imports_of() -> Iterator[object]:
             sys.modules.update(saved)
 
     yield watching
+
+
+def run_cli_forked(argv: list[str], timeout: float = 60.0) -> tuple[int, str, str]:
+    """`nfproxy ARGV` in a forked child: (exit status, stdout, stderr).
+
+    A child process, so that a hang (the bug some tests guard against) is ended by the timeout
+    and fails the test instead of blocking it; forked rather than started as a new interpreter,
+    because the test user of an unprivileged run may not be allowed to execute the venv's
+    interpreter again."""
+    import multiprocessing
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        def child() -> None:
+            import sys
+
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            from nfproxy.cli.main import main
+
+            try:
+                code = main(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            pytest.fail(f"nfproxy {' '.join(argv)}: still running after {timeout} s")
+        out.seek(0)
+        err.seek(0)
+        return int(proc.exitcode or 0), out.read(), err.read()

@@ -1399,20 +1399,19 @@ def test_files_that_must_not_be_read_stop_the_load_naming_them(tmp_path: Path, k
 )
 def test_render_refuses_a_fifo_or_dev_zero_with_status_2(tmp_path: Path, backend: str, given: str) -> None:
     import os
-    import subprocess
-    import sys
+
+    from tests.conftest import run_cli_forked
 
     tree = _good_tree(tmp_path)
     os.mkfifo(tree / "pipe.yaml")
     (tree / "zero.yaml").symlink_to("/dev/zero")
     path = tree if given == "directory" else tree / given
-    argv = [sys.executable, "-m", "nfproxy.cli.main", "render", "--backend", backend, str(path)]
     # A hang is the bug this guards against: the timeout fails the test instead of blocking it.
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    code, out, err = run_cli_forked(["render", "--backend", backend, str(path)], timeout=60)
+    assert code == 2, err
+    assert "Traceback" not in err and out == ""
     named = "pipe.yaml" if given == "directory" else "zero.yaml"
-    assert named in proc.stderr and "not a regular file" in proc.stderr, proc.stderr
+    assert named in err and "not a regular file" in err, err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -344,23 +344,25 @@ def test_the_owner_lock_admits_one_holder_per_namespace_and_backend(tmp_path: Pa
 
 
 def test_the_owner_lock_is_held_across_processes_and_freed_by_death(tmp_path: Path) -> None:
-    code = textwrap.dedent(
-        f"""
-        import sys, time
-        from nfproxy.kernel import lock
-        lock.acquire("nft", None, {str(tmp_path)!r})
-        print("held", flush=True)
-        sys.stdin.read()
-        """
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # not a new interpreter: see conftest.run_cli_forked
+    held, stop = ctx.Event(), ctx.Event()
+
+    def hold() -> None:
+        lock.acquire("nft", None, str(tmp_path))
+        held.set()
+        stop.wait(60)
+
+    holder = ctx.Process(target=hold)
+    holder.start()
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert held.wait(30), "the holder never took the lock"
         with pytest.raises(lock.NamespaceTaken, match=f"pid {holder.pid}"):
             lock.acquire("nft", None, str(tmp_path))
     finally:
         holder.kill()
-        holder.wait()
+        holder.join()
     lock.acquire("nft", None, str(tmp_path)).release()
 
 
@@ -689,3 +691,10 @@ def test_rm_rf_of_the_directory_never_removes_a_service(tree: Path) -> None:
     tree.rmdir()
     assert settle(source) is False and source.snapshot().state == before
     assert "vanished" in source.problems()[str(tree)]
+
+
+def test_an_owner_lock_that_cannot_be_taken_is_a_clear_error(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(lock.KernelError, match="cannot take the owner lock .*/file/nft-"):
+        lock.acquire("nft", None, str(blocked))  # a file where the directory should be

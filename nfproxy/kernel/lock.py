@@ -54,12 +54,19 @@ class OwnerLock:
 
 
 def acquire(backend: str, netns: str | None, directory: str = LOCK_DIR) -> OwnerLock:
-    """Take the lock for `backend` on `netns` without waiting; NamespaceTaken if it is held."""
-    os.makedirs(directory, mode=0o755, exist_ok=True)
+    """Take the lock for `backend` on `netns` without waiting; NamespaceTaken if it is held,
+    KernelError naming the path if it cannot be taken at all (e.g. /run not writable)."""
     where = f"network namespace {netns!r}" if netns else "this network namespace"
     path = os.path.join(directory, f"{backend}-{namespace_key(netns)}.lock")
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.makedirs(directory, mode=0o755, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise KernelError(
+                f"cannot take the owner lock {path}: {exc.strerror} (the directory must be "
+                "writable: in a container, mount the host's /run/nfproxy there)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
