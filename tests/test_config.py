@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import run_cli_forked
+
 from nfproxy.cli import conntrack_sysctls, kubeproxy_config
 from nfproxy.cli import duration as go_duration
 from nfproxy.cli.main import main, parse
@@ -23,8 +25,9 @@ HEADER = f"apiVersion: {kubeproxy_config.API_VERSION}\nkind: KubeProxyConfigurat
 
 
 def nfproxy(*argv: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nfproxy.cli.main", *map(str, argv)],
-                          capture_output=True, text=True, check=False, timeout=120)
+    """The command in a child process (forked: see conftest.run_cli_forked)."""
+    code, out, err = run_cli_forked([str(a) for a in argv], timeout=120)
+    return subprocess.CompletedProcess([str(a) for a in argv], code, out, err)
 
 
 def parsed(*argv: object) -> argparse.Namespace:

@@ -202,13 +202,16 @@ def test_nft_rejects_unused_ports_and_drops_unallocated_cluster_ips() -> None:
 def test_nft_leaves_localhost_node_ports_alone_exactly() -> None:
     """The same flow on the nft backend (read back from the kernel): untouched, as upstream's
     nftables mode, whatever --iptables-localhost-nodeports says."""
+    from nfproxy.analysis import nft_json
     from nfproxy.analysis.interpret import Packet, interpret
-    from nfproxy.verify.compare import nft_ruleset
+    from nfproxy.backends.nft import render as nft_render
 
     node = NodeConfig(name="node-a", ips=(NODE_IP,), cluster_cidrs=("10.0.0.0/8",))
     state = _state(node, _nodeport())
     with netns_mod.throwaway("nfp-h2") as ns:
-        rs = nft_ruleset(state, V4, NftSession(ns))
+        session = NftSession(ns)
+        session.apply(nft_render.render(state, V4).script())
+        rs = nft_json.parse(session.list_table("ip", "nfproxy"))
     dist = interpret(rs, Packet("127.0.0.1", "127.0.0.1", 30080, "tcp", "node"), node_ips=node.ips, mode="ideal")
     assert {o.verdict for o in dist} == {"accept"}
     dist = interpret(rs, Packet(NODE_IP, NODE_IP, 30080, "tcp", "node"), node_ips=node.ips, mode="ideal")

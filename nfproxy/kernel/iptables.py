@@ -94,15 +94,17 @@ class IptablesRunner:
         self.cmd = f"{stem}-{self.flavour.value}"
         find_tool(self.restore_cmd)
 
-    def restore(self, payload: str) -> None:
-        """Restore `payload` (--noflush), creating first the nfacct counters its rules name (a
-        rule naming a missing counter fails the whole restore)."""
+    def restore(self, payload: str, *, noflush: bool = True) -> None:
+        """Restore `payload`, creating first the nfacct counters its rules name (a rule naming a
+        missing counter fails the whole restore). Without `noflush` the tables it names are
+        replaced whole (the lab's feature probes in a fresh namespace)."""
         names = _nfacct_names(payload)
         if names:
             counters = Nfacct(self.netns)
             for name in names:
                 counters.ensure(name)
-        run([self.restore_cmd, "-w", "5", "--noflush"], netns=self.netns, stdin=payload)
+        argv = [self.restore_cmd, "-w", "5"] + (["--noflush"] if noflush else [])
+        run(argv, netns=self.netns, stdin=payload)
 
     def save(self, table: str | None = None) -> str:
         argv = [self.save_cmd] + (["-t", table] if table else [])
