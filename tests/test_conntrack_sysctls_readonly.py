@@ -33,3 +33,18 @@ def test_other_write_failures_still_stop_the_start(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(sysctl, "write", broken)
     with pytest.raises(sysctl.KernelError):
         conntrack_sysctls._set("net.netfilter.nf_conntrack_udp_timeout", 30, None)
+
+
+def test_route_localnet_on_a_read_only_proc_sys_is_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from nfproxy.core.model import NodeConfig
+    from nfproxy.daemon import localhost
+
+    def refuse(name: str, value: object, netns: object = None) -> bool:
+        raise sysctl.ReadOnlySysctl(f"sysctl {name}={value}: /proc/sys is read-only here")
+
+    monkeypatch.setattr(sysctl, "ensure", refuse)
+    with caplog.at_level(logging.WARNING):
+        localhost.prepare("iptables", NodeConfig(name="n", ips=("192.168.0.2",)), None)
+    assert "route_localnet" in caplog.text and "will not answer" in caplog.text

@@ -50,8 +50,9 @@ def podman_args(ns: str, *args: str, detach: str | None = None) -> list[str]:
     return [
         "podman", "run", *where, *RUN_OPTS, "--network", f"ns:/run/netns/{ns}",
         "--cap-drop", "ALL", "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW",
-        # /run as the DaemonSet has it: writable for the owner lock (the host's /run/nfproxy there).
-        "--read-only", "--tmpfs", "/run:rw,mode=1777", "-v", f"{EXAMPLES}:/examples:ro", TAG, *args,
+        # The owner lock's directory, writable, as the DaemonSet has it (the host's /run/nfproxy).
+        "--read-only", "--mount", "type=tmpfs,destination=/run/nfproxy,tmpfs-mode=1777",
+        "-v", f"{EXAMPLES}:/examples:ro", TAG, *args,
     ]
 
 

@@ -38,7 +38,12 @@ def prepare(backend: str, node: NodeConfig, netns: str | None) -> None:
             "disable iptables.localhostNodePorts (--iptables-localhost-nodeports) or set "
             "nodePortAddresses (--nodeport-addresses) to filter loopback addresses"
         )
-        sysctl.ensure(ROUTE_LOCALNET, 1, netns)
+        try:
+            sysctl.ensure(ROUTE_LOCALNET, 1, netns)
+        except sysctl.ReadOnlySysctl as exc:
+            # An unprivileged pod: the rules still go in, node ports on 127.0.0.1 just do not
+            # answer until route_localnet is set on the node. Not worth losing every service.
+            log.warning("%s: node ports on localhost will not answer until it is set on the node", exc)
     elif backend == "nft" and node.localhost_nodeports:
         log.info(
             "--iptables-localhost-nodeports is ignored by the nft backend: "
