@@ -55,3 +55,30 @@ def test_a_dry_run_leaves_the_machine_as_it_was(mode: str) -> None:
         assert "kind=full" in done.stdout
         assert ruleset() == before
         assert "KUBE-" not in before and "nfproxy" not in before
+
+
+@pytest.mark.parametrize("verbosity,shown", [("0", False), ("2", True)])
+def test_sync_lines_follow_v_and_are_klog_lines(verbosity: str, shown: bool) -> None:
+    from tests.conftest import run_cli_forked
+
+    code, _, err = run_cli_forked(["--dry-run", "--once", "--proxy-mode", "nftables", "--manifests",
+                                   str(EXAMPLES), "--healthz-bind-address", "127.0.0.1:0",
+                                   "--metrics-bind-address", "", f"--v={verbosity}"])
+    assert code == 0, err
+    syncs = [line for line in err.splitlines() if '"Syncing nftables rules"' in line]
+    assert bool(syncs) is shown, err
+    for line in syncs:  # klog: Lmmdd hh:mm:ss.uuuuuu PID file:line] "message" key="value" ...
+        assert line[0] == "I" and "proxier.py:" in line and 'ipFamily="IPv' in line and "kind=" in line
+
+
+def test_json_logging_is_one_object_per_line() -> None:
+    import json
+
+    from tests.conftest import run_cli_forked
+
+    code, _, err = run_cli_forked(["--dry-run", "--once", "--proxy-mode", "nftables", "--manifests",
+                                   str(EXAMPLES), "--healthz-bind-address", "127.0.0.1:0",
+                                   "--metrics-bind-address", "", "--v=2", "--logging-format", "json"])
+    assert code == 0, err
+    records = [json.loads(line) for line in err.splitlines() if line.strip()]
+    assert any(r.get("msg") == "Syncing nftables rules" and r.get("ipFamily") == "IPv4" for r in records), err
