@@ -91,6 +91,13 @@ def run_cli_forked(argv: list[str], timeout: float = 60.0) -> tuple[int, str, st
             os.dup2(err.fileno(), 2)
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            import logging
+
+            # The parent's handlers (pytest's capture, streams of earlier tests) are not ours:
+            # the command configures its own, as a fresh process would.
+            for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+                if isinstance(logger, logging.Logger):
+                    logger.handlers.clear()
             from nfproxy.cli.main import main
 
             try:
