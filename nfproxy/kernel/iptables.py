@@ -182,19 +182,39 @@ class IptablesKernel:
     ) -> None:
         self.runner = IptablesRunner(family, netns, flavour)
         self.family = family
+        self._listed: set[tuple[str, str]] = set()  # built-in-chain rules seen by owned()
 
     def owned(self) -> Owned:
-        """Every non-built-in chain of nat and filter: the backend picks the ones it owns."""
-        tables = self.runner.chains()
-        names = {
-            c for t in TABLES for c in tables.get(t, []) if c not in BUILTIN_CHAINS[t]
-        }
+        """Every non-built-in chain of nat and filter: the backend picks the ones it owns.
+
+        The same `iptables-save` also tells which built-in-chain rules exist, so the `apply`
+        that follows (a full sync's) checks only the jumps it did not see, not all twelve
+        with one `iptables -C` process each.
+        """
+        names: set[str] = set()
+        self._listed = set()
+        table = ""
+        for line in self.runner.save().splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif table not in BUILTIN_CHAINS:
+                continue
+            elif line.startswith(":"):
+                chain = line[1:].split(" ", 1)[0]
+                if chain not in BUILTIN_CHAINS[table]:
+                    names.add(chain)
+            elif line.startswith("-A ") and line.split(" ", 2)[1] in BUILTIN_CHAINS[table]:
+                self._listed.add((table, line))
         return Owned(frozenset(names), frozenset())
 
     def apply(self, payload: RestorePayloadLike) -> None:
+        """Partial plans carry no jumps: only a full sync (after `owned`) ensures them. A jump
+        whose exact line the listing showed is there; any other is checked, then inserted."""
+        listed, self._listed = self._listed, set()
         self.runner.restore(payload.text)
         for jump in payload.jumps:
-            self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
+            if (jump.table, f"-A {jump.chain} {jump.spec}") not in listed:
+                self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
 
     def dump(self) -> str:
         return canonical_save(self.runner.save("filter") + self.runner.save("nat"))
