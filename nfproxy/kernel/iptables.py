@@ -182,17 +182,17 @@ class IptablesKernel:
     ) -> None:
         self.runner = IptablesRunner(family, netns, flavour)
         self.family = family
-        self._listed: set[tuple[str, str]] = set()  # built-in-chain rules seen by owned()
+        self._listed: set[tuple[str, str]] | None = None  # built-in-chain rules owned() saw
 
     def owned(self) -> Owned:
         """Every non-built-in chain of nat and filter: the backend picks the ones it owns.
 
         The same `iptables-save` also tells which built-in-chain rules exist, so the `apply`
-        that follows (a full sync's) checks only the jumps it did not see, not all twelve
-        with one `iptables -C` process each.
+        that follows (a full sync's) checks only the jumps the listing did not show: none on
+        a steady node's resync, instead of one `iptables -C` process per jump and family.
         """
         names: set[str] = set()
-        self._listed = set()
+        listed: set[tuple[str, str]] = set()
         table = ""
         for line in self.runner.save().splitlines():
             if line.startswith("*"):
@@ -204,13 +204,16 @@ class IptablesKernel:
                 if chain not in BUILTIN_CHAINS[table]:
                     names.add(chain)
             elif line.startswith("-A ") and line.split(" ", 2)[1] in BUILTIN_CHAINS[table]:
-                self._listed.add((table, line))
+                listed.add((table, line))
+        self._listed = listed
         return Owned(frozenset(names), frozenset())
 
     def apply(self, payload: RestorePayloadLike) -> None:
-        """Partial plans carry no jumps: only a full sync (after `owned`) ensures them. A jump
-        whose exact line the listing showed is there; any other is checked, then inserted."""
-        listed, self._listed = self._listed, set()
+        """Partial plans carry no jumps: only a full sync (after `owned`) ensures them, from
+        the listing `owned` just made (the restore never touches built-in chains): a jump whose
+        exact line it showed is there. Any other is checked (another spelling of the same rule
+        is not duplicated), then inserted."""
+        listed, self._listed = self._listed or set(), None
         self.runner.restore(payload.text)
         for jump in payload.jumps:
             if (jump.table, f"-A {jump.chain} {jump.spec}") not in listed:
