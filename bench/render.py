@@ -5,17 +5,27 @@ Each measurement runs in its own child process so that peak RSS belongs to that 
 Prints one table; the ratio columns are what to compare across machines (this one is noisy:
 2 shared cores), e.g. time against the 1 s target and nft against iptables in the same run.
 
+With `--restore N` (root), a second table sets nfproxy's iptables full-sync payload for N
+services against a kube-proxy-layout payload of the same services that this bench writes itself
+(see kube_proxy_payload): bytes, and `iptables-legacy-restore` time into a throwaway network
+namespace, whole processes, the two payloads interleaved run by run, best and median.
+
     .venv/bin/python bench/render.py [--sizes 100,1000,10000] [--endpoints 10] [--repeat 3]
+    .venv/bin/python bench/render.py --sizes '' --restore 3000 --restore-runs 7
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,11 +62,138 @@ def run_child(backend: str, services: int, endpoints: int) -> dict[str, float]:
     return json.loads(out.stdout)
 
 
+# ---- kube-proxy's payload, written from its proxier's conventions (not from nfproxy's renderer)
+
+
+def _kp_hash(text: str) -> str:
+    """kube-proxy's chain-name hash: base32 of sha256, first 16 characters."""
+    return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()[:16]
+
+
+def kube_proxy_payload(state) -> str:
+    """What kube-proxy's iptables proxier (v1.30 layout) restores on a full sync of `state`,
+    for the services the bench builds (IPv4 TCP ClusterIP, remote endpoints, cluster CIDR
+    masquerade): its chain declaration order (top-level chains, then per service its SVC and
+    SEP chains), its rule order (KUBE-POSTROUTING and KUBE-MARK-MASQ first, then per service
+    the KUBE-SERVICES jump followed by that service's chains, the nodeports rule last), bare
+    one-word comments, no endpoint comments past 1 000 endpoints. Jumps from built-in chains
+    are not part of kube-proxy's restore (it ensures them with `iptables -C/-I`)."""
+    mark = "0x4000"
+    cidr = state.node.cluster_cidrs[0] if state.node.cluster_cidrs else ""
+    large = sum(len(eps) for eps in state.endpoints.values()) > 1000
+    filter_chains = ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS",
+                     "KUBE-PROXY-FIREWALL"]
+    nat_chains = ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"]
+    nat_rules = [
+        f"-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN",
+        f"-A KUBE-POSTROUTING -j MARK --xor-mark {mark}",
+        '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT"'
+        " -j MASQUERADE --random-fully",
+        f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}",
+    ]
+    for key, svc in state.services.items():
+        eps = state.endpoints.get(key, ())
+        name = f"{svc.name.namespace}/{svc.name.name}" + (f":{svc.name.port}" if svc.name.port else "")
+        proto = svc.name.protocol.value.lower()
+        svc_chain = "KUBE-SVC-" + _kp_hash(name + proto)
+        match = f"-m {proto} -p {proto} -d {svc.cluster_ip} --dport {svc.port}"
+        nat_rules.append(f'-A KUBE-SERVICES -m comment --comment "{name} cluster IP" {match} -j {svc_chain}')
+        nat_chains.append(svc_chain)
+        nat_rules.append(f'-A {svc_chain} -m comment --comment "{name} cluster IP" {match} ! -s {cidr} -j KUBE-MARK-MASQ')
+        seps = []
+        for ep in eps:
+            addr = f"{ep.ip}:{ep.port}"
+            seps.append((addr, ep.ip, "KUBE-SEP-" + _kp_hash(name + proto + addr)))
+        n = len(seps)
+        for i, (addr, _, sep) in enumerate(seps):
+            comment = "" if large else f' -m comment --comment "{name} -> {addr}"'
+            pick = f" -m statistic --mode random --probability {1.0 / (n - i):0.10f}" if i < n - 1 else ""
+            nat_rules.append(f"-A {svc_chain}{comment}{pick} -j {sep}")
+        for addr, ip, sep in seps:
+            nat_chains.append(sep)
+            comment = "" if large else f" -m comment --comment {name}"
+            nat_rules.append(f"-A {sep}{comment} -s {ip} -j KUBE-MARK-MASQ")
+            nat_rules.append(f"-A {sep}{comment} -m {proto} -p {proto} -j DNAT --to-destination {addr}")
+    nat_rules.append('-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this'
+                     ' must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS')
+    filter_rules = [
+        "-A KUBE-FORWARD -m conntrack --ctstate INVALID -m nfacct --nfacct-name"
+        " ct_state_invalid_dropped_pkts -j DROP",
+        f'-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules" -m mark --mark {mark}/{mark} -j ACCEPT',
+        '-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule"'
+        " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    ]
+    out = ["*filter", *(f":{c} - [0:0]" for c in filter_chains), *filter_rules, "COMMIT",
+           "*nat", *(f":{c} - [0:0]" for c in nat_chains), *nat_rules, "COMMIT", ""]
+    return "\n".join(out)
+
+
+def _chains(payload: str) -> set[str]:
+    return {line[1:].split(" ", 1)[0] for line in payload.splitlines() if line.startswith(":")}
+
+
+def _restore_once(path: str) -> float:
+    """One whole `iptables-legacy-restore` process into a fresh namespace; its wall time."""
+    sys.path.insert(0, ROOT)
+    from nfproxy.kernel.nfacct import Nfacct
+
+    ns = f"nfpbench-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        Nfacct(ns).ensure("ct_state_invalid_dropped_pkts")
+        with open(path, "rb") as payload:
+            start = time.perf_counter()
+            subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-restore", "-w", "5", "--noflush"],
+                           stdin=payload, check=True)
+            return time.perf_counter() - start
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=True)
+
+
+def restore_table(services: int, endpoints: int, runs: int) -> None:
+    sys.path.insert(0, ROOT)
+    from nfproxy.backends.iptables.plan import full_plan
+    from nfproxy.core.model import IPFamily
+    from nfproxy.testing import uniform_cluster
+
+    state = uniform_cluster(services, endpoints)
+    ours = full_plan(state, IPFamily.V4, None).payload.text
+    theirs = kube_proxy_payload(state)
+    if _chains(ours) != _chains(theirs):
+        raise SystemExit("the two payloads declare different chains: the bench's kube-proxy layout is wrong")
+    times: dict[str, list[float]] = {"nfproxy": [], "kube-proxy": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for who, text in (("nfproxy", ours), ("kube-proxy", theirs)):
+            paths[who] = os.path.join(tmp, who)
+            with open(paths[who], "w") as f:
+                f.write(text)
+        for i in range(runs):
+            order = ("nfproxy", "kube-proxy") if i % 2 == 0 else ("kube-proxy", "nfproxy")
+            for who in order:
+                times[who].append(_restore_once(paths[who]))
+    sizes = {"nfproxy": len(ours.encode()), "kube-proxy": len(theirs.encode())}
+    lines = {"nfproxy": ours.count("\n"), "kube-proxy": theirs.count("\n")}
+    print(f"iptables payload, {services} services x {endpoints} endpoints, IPv4 full sync; "
+          f"iptables-legacy-restore --noflush into a fresh netns, {runs} interleaved runs")
+    print(f"{'payload':>11} {'MB':>7} {'lines':>8} {'best s':>7} {'median s':>9}")
+    for who in ("nfproxy", "kube-proxy"):
+        print(f"{who:>11} {sizes[who] / 1e6:>7.2f} {lines[who]:>8} {min(times[who]):>7.3f} "
+              f"{statistics.median(times[who]):>9.3f}")
+    print(f"{'ratio':>11} {sizes['nfproxy'] / sizes['kube-proxy']:>7.3f} {'':>8} "
+          f"{min(times['nfproxy']) / min(times['kube-proxy']):>7.3f} "
+          f"{statistics.median(times['nfproxy']) / statistics.median(times['kube-proxy']):>9.3f}"
+          "   (target <= 1.05)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs per cell")
+    ap.add_argument("--restore", type=int, default=0, metavar="N",
+                    help="also time iptables-legacy-restore of N services against kube-proxy's payload (root)")
+    ap.add_argument("--restore-runs", type=int, default=7)
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -64,7 +201,11 @@ def main() -> int:
         print(json.dumps(measure(backend, int(services), int(endpoints))))
         return 0
 
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.restore:
+        restore_table(args.restore, args.endpoints, args.restore_runs)
+    if not sizes:
+        return 0
     rows = []
     for n in sizes:
         cell = {}

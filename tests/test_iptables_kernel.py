@@ -70,3 +70,33 @@ def test_refused_restore_leaves_the_real_table_unchanged(netns: str) -> None:
     with pytest.raises(KernelError):
         real.runner.restore("*nat\n:KUBE-SVC-X - [0:0]\n-A KUBE-SVC-X -j KUBE-MISSING\nCOMMIT\n")
     assert real.dump() == before
+
+
+@pytest.mark.parametrize("flavour", list(Flavour))
+def test_a_resync_reuses_its_listing_for_the_jumps(netns: str, flavour: Flavour, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full sync reads the built-in chains from the listing it makes anyway: once the jumps
+    are in, a resync runs no `iptables -C`, and no jump is ever duplicated."""
+    from nfproxy.backends.iptables.render import JUMPS
+    from nfproxy.daemon.proxier import Proxier
+    from nfproxy.kernel import iptables as kernel_iptables
+    from nfproxy.testing import uniform_cluster
+
+    argvs: list[list[str]] = []
+    real_run = kernel_iptables.run
+
+    def recording(argv, **kw):  # noqa: ANN001, ANN003, ANN202
+        argvs.append(list(argv))
+        return real_run(argv, **kw)
+
+    monkeypatch.setattr(kernel_iptables, "run", recording)
+    proxier = Proxier("iptables", netns=netns, families=(IPFamily.V4,), flavour=flavour)
+    state = uniform_cluster(3, 2)
+    proxier.sync(state)
+    first = [a for a in argvs if "-C" in a]
+    argvs.clear()
+    proxier.sync(state, full=True)
+    assert len(first) == len(JUMPS)
+    assert not [a for a in argvs if "-C" in a or "-I" in a]
+    save = proxier.kernels[IPFamily.V4].runner.save()
+    for jump in JUMPS:
+        assert save.count(jump.line) == 1, jump.line

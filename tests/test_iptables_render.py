@@ -308,13 +308,19 @@ def test_service_chains_share_the_suffix() -> None:
     "text",
     [
         "ns1/svc1:p80 cluster IP",
-        "a",
         "kubernetes service nodeports; NOTE: this must be the last rule in this chain",
-        "x" * 255,
+        "-leading-dash",
+        "x" * 254 + "'",
+        "semi;colon",
     ],
 )
 def test_quote_comment_accepts_printable_ascii(text: str) -> None:
     assert quote_comment(text) == f'"{text}"'
+
+
+@pytest.mark.parametrize("text", ["a", "ns1/svc1:p80", "ns-1/svc.x:8080", "x" * 255])
+def test_quote_comment_leaves_one_name_bare_as_kube_proxy_does(text: str) -> None:
+    assert quote_comment(text) == text
 
 
 @pytest.mark.parametrize(

@@ -184,19 +184,42 @@ class IptablesKernel:
     ) -> None:
         self.runner = IptablesRunner(family, netns, flavour)
         self.family = family
+        self._listed: set[tuple[str, str]] | None = None  # built-in-chain rules owned() saw
 
     def owned(self) -> Owned:
-        """Every non-built-in chain of nat and filter: the backend picks the ones it owns."""
-        tables = self.runner.chains()
-        names = {
-            c for t in TABLES for c in tables.get(t, []) if c not in BUILTIN_CHAINS[t]
-        }
+        """Every non-built-in chain of nat and filter: the backend picks the ones it owns.
+
+        The same `iptables-save` also tells which built-in-chain rules exist, so the `apply`
+        that follows (a full sync's) checks only the jumps the listing did not show: none on
+        a steady node's resync, instead of one `iptables -C` process per jump and family.
+        """
+        names: set[str] = set()
+        listed: set[tuple[str, str]] = set()
+        table = ""
+        for line in self.runner.save().splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif table not in BUILTIN_CHAINS:
+                continue
+            elif line.startswith(":"):
+                chain = line[1:].split(" ", 1)[0]
+                if chain not in BUILTIN_CHAINS[table]:
+                    names.add(chain)
+            elif line.startswith("-A ") and line.split(" ", 2)[1] in BUILTIN_CHAINS[table]:
+                listed.add((table, line))
+        self._listed = listed
         return Owned(frozenset(names), frozenset())
 
     def apply(self, payload: RestorePayloadLike) -> None:
+        """Partial plans carry no jumps: only a full sync (after `owned`) ensures them, from
+        the listing `owned` just made (the restore never touches built-in chains): a jump whose
+        exact line it showed is there. Any other is checked (another spelling of the same rule
+        is not duplicated), then inserted."""
+        listed, self._listed = self._listed or set(), None
         self.runner.restore(payload.text)
         for jump in payload.jumps:
-            self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
+            if (jump.table, f"-A {jump.chain} {jump.spec}") not in listed:
+                self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
 
     def dump(self) -> str:
         return canonical_save(self.runner.save("filter") + self.runner.save("nat"))

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from nfproxy.backends.base import Owned, Plan
-from nfproxy.backends.iptables.plan import Belief, IptablesPlan, full_plan, partial_plan
+from nfproxy.backends.iptables.plan import (
+    Belief,
+    IptablesPlan,
+    RestorePayload,
+    full_plan,
+    holds_nothing,
+    partial_plan,
+)
 from nfproxy.backends.iptables.render import IptablesRules, render
 from nfproxy.core.changes import Changes
 from nfproxy.core.model import ClusterState, IPFamily
@@ -34,6 +41,8 @@ class IptablesBackend:
         found: Owned | None,
     ) -> IptablesPlan | None:
         belief = self._believed.get(family)
+        if belief is None and holds_nothing(state, family, found):
+            return _untouched(family)
         if full or belief is None or changes.node:
             return full_plan(state, family, found)
         return partial_plan(state, changes.of(family), family, belief)
@@ -41,7 +50,10 @@ class IptablesBackend:
     def accepted(self, plan: Plan) -> None:
         if not isinstance(plan, IptablesPlan):
             raise TypeError(f"not an iptables plan: {plan!r}")
-        self._believed[plan.family] = plan.belief
+        if plan.belief is None:
+            self._believed.pop(plan.family, None)
+        else:
+            self._believed[plan.family] = plan.belief
 
     def forget(self) -> None:
         self._believed.clear()
@@ -58,3 +70,9 @@ class IptablesBackend:
             nat += sum(len(g.rules) for g in belief.services.values())
             counts[family] = {"nat": nat, "filter": sum(len(r) for r in top.filter.values())}
         return counts
+
+
+def _untouched(family: IPFamily) -> IptablesPlan:
+    """A family with no service whose kernel holds no KUBE chain: nothing to write, and no
+    belief, so the first service of that family gets a full plan (chains and jumps)."""
+    return IptablesPlan(family=family, full=False, operations=0, payload=RestorePayload(""), belief=None)

@@ -44,7 +44,21 @@ class Belief:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IptablesPlan(Plan):
-    belief: Belief
+    belief: Belief | None  # None: nothing was written, the family is still untouched
+
+
+def holds_nothing(state: ClusterState, family: IPFamily, found: Owned | None) -> bool:
+    """True when a family needs no pass at all: the state has no service of it, and its kernel
+    holds no KUBE chain (`found`; None when the proxier did not list it because the family is
+    already synced, which for a family without belief means it was found empty before).
+
+    A single-stack cluster on a dual-stack node thus costs one ip6tables listing per full sync
+    rather than a restore and twelve jump checks; a family that ever held rules is still
+    synced, so its chains are cleaned when its services go away.
+    """
+    if any(svc.family is family for svc in state.services.values()):
+        return False
+    return found is None or not any(c.startswith("KUBE-") for c in found.chains)
 
 
 def full_plan(state: ClusterState, family: IPFamily, found: Owned | None) -> IptablesPlan:

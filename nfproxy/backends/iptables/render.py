@@ -4,8 +4,6 @@ The output follows kube-proxy's iptables proxier (v1.30-era layout) rule for rul
 switched between kube-proxy and nfproxy keeps the same chain names, the same conntrack-visible
 behaviour, and an `iptables-save` that people already know how to read. Deliberate differences:
 
-- every `--comment` is double-quoted (kube-proxy leaves one-word comments bare); iptables-save
-  prints both the same way, and one quoting rule is easier to keep safe (see quote_comment);
 - `nodeport_addresses` CIDRs are matched in the kernel (`-d CIDR -m addrtype --dst-type LOCAL`)
   instead of being resolved to node IPs at sync time;
 - what kube-proxy decides from the host comes in through NodeConfig (`drop_invalid`: no
@@ -22,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -121,13 +120,17 @@ def endpoint_chain_name(spn: ServicePortName, address: str) -> str:
 
 
 def quote_comment(text: str) -> str:
-    """The only way text reaches a `--comment`: checked, then double-quoted.
+    """The only way text reaches a `--comment`: checked, then bare or double-quoted.
 
     iptables-restore splits on whitespace and honours double quotes, so one `"` or newline in a
     service name would change the meaning of the whole atomic payload. Names are validated
     upstream, but this renderer must be safe on its own: anything but printable ASCII without `"`
     and `\\` is refused rather than escaped (there is no escaping that every iptables version
     reads back the same way). xt_comment stores at most 255 bytes.
+
+    One word of name characters (`ns/svc:port`) stays bare, as kube-proxy writes it: the kernel
+    stores the same string either way, so iptables-save prints it the same, and the quotes are
+    two bytes on every endpoint rule of a payload. Anything else is quoted.
     """
     if (
         not text
@@ -138,7 +141,12 @@ def quote_comment(text: str) -> str:
         or "\\" in text
     ):
         raise ValueError(f"unsafe text for an iptables comment: {text!r}")
-    return f'"{text}"'
+    return text if _BARE_COMMENT.fullmatch(text) else f'"{text}"'
+
+
+# What kube-proxy leaves unquoted: a Kubernetes name and port (`ns/svc:port`), never anything
+# iptables-restore or getopt could read differently (no blank, quote, backslash or leading `-`).
+_BARE_COMMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]*")
 
 
 # --------------------------------------------------------------------------------------------
