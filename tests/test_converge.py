@@ -17,7 +17,9 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +27,9 @@ import pytest
 
 from nfproxy.core.model import IPFamily
 from nfproxy.kernel import netns
-from nfproxy.kernel.iptables import IptablesKernel
+from nfproxy.kernel.iptables import Flavour, IptablesKernel, IptablesRunner
 from nfproxy.kernel.nft import NftKernel
+from nfproxy.kernel.process import run
 
 pytestmark = pytest.mark.kernel
 
@@ -196,3 +199,51 @@ def _diff(want: str, got: str) -> str:
     return "table differs from a fresh apply:\n" + "\n".join(
         difflib.unified_diff(want.splitlines(), got.splitlines(), "fresh apply", "daemon", lineterm="", n=1)
     )
+
+
+@pytest.mark.parametrize("flavour", list(Flavour))
+def test_two_concurrent_appliers_never_duplicate_a_jump(netns: str, flavour: Flavour) -> None:
+    """Issue J.4: check-then-insert raced by two appliers in one namespace inserted the jump
+    twice. Two runners, released together by a barrier, ensure the same jumps 25 times."""
+    runners = [IptablesRunner(IPFamily.V4, netns, flavour) for _ in range(2)]
+    runners[0].restore("*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n*filter\n:KUBE-FORWARD - [0:0]\nCOMMIT\n")
+    jumps = [
+        ("nat", "PREROUTING", ["-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"]),
+        ("filter", "FORWARD", ["-m", "comment", "--comment", "kubernetes forwarding rules", "-j", "KUBE-FORWARD"]),
+    ]
+    barrier = threading.Barrier(2)
+    inserted: list[bool] = []
+
+    def apply(runner: IptablesRunner) -> None:
+        barrier.wait(timeout=30)
+        for table_name, chain, spec in jumps:
+            inserted.append(runner.ensure_rule(table_name, chain, spec))
+
+    for _ in range(25):
+        for table_name, chain, spec in jumps:
+            runners[0].delete_rule(table_name, chain, spec)
+        inserted.clear()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(apply, runners))
+        for table_name, chain, _spec in jumps:
+            rules = [l for l in runners[0].save(table_name).splitlines() if l.startswith(f"-A {chain} ")]
+            assert len(rules) == 1, rules
+        assert inserted.count(True) == len(jumps)  # each jump inserted by exactly one applier
+
+
+def test_copies_of_an_inserted_jump_are_removed_and_other_rules_kept(netns: str) -> None:
+    """What an insert leaves when a writer outside the lock inserted the same jump meanwhile."""
+    runner = IptablesRunner(IPFamily.V4, netns)
+    base = [runner.cmd, "-w", "5", "-t", "filter"]
+    spec = ["-m", "comment", "--comment", "kubernetes forwarding rules", "-j", "ACCEPT"]
+    other = ["-s", "10.9.9.9/32", "-j", "DROP"]
+    run([*base, "-A", "FORWARD", *spec], netns=netns)
+    run([*base, "-A", "FORWARD", *other], netns=netns)
+    run([*base, "-A", "FORWARD", *spec], netns=netns)
+    run([*base, "-I", "FORWARD", "1", *spec], netns=netns)  # the insert that just happened
+    runner._drop_copies(base, "FORWARD")
+    rules = [l for l in runner.save("filter").splitlines() if l.startswith("-A FORWARD ")]
+    assert rules == [
+        '-A FORWARD -m comment --comment "kubernetes forwarding rules" -j ACCEPT',
+        "-A FORWARD -s 10.9.9.9/32 -j DROP",
+    ]

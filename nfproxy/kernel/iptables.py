@@ -6,13 +6,17 @@ the xtables lock, leaving every chain nfproxy does not own untouched.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
+import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
+from nfproxy.kernel.lock import LOCK_DIR, namespace_key
 from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
 
@@ -125,16 +129,37 @@ class IptablesRunner:
 
         The jumps from built-in chains are shared with every other user of the host's
         firewall, so they are never written by a restore (which would duplicate or reorder
-        them) but checked and inserted one by one, as kube-proxy's EnsureRule does. True when
+        them) but checked and inserted one by one, as kube-proxy's EnsureRule does. Check and
+        insert are two commands: two appliers racing both find the rule missing and both
+        insert it (issue J.4). So they run under a lock of ours per namespace, and an insert is
+        followed by removing copies of it a writer outside the lock added meanwhile. True when
         the rule had to be inserted.
         """
         base = [self.cmd, "-w", "5", "-t", table]
-        try:
-            run([*base, "-C", chain, *spec], netns=self.netns)
-            return False
-        except KernelError:
-            run([*base, "-I", chain, "1", *spec], netns=self.netns)
-            return True
+        with _jump_lock(self.netns) as locked:
+            try:
+                run([*base, "-C", chain, *spec], netns=self.netns)
+                return False
+            except KernelError:
+                run([*base, "-I", chain, "1", *spec], netns=self.netns)
+            if locked:  # two unlocked removers could both remove a copy, leaving none
+                self._drop_copies(base, chain)
+        return True
+
+    def _drop_copies(self, base: list[str], chain: str) -> None:
+        """Remove later copies of the rule just inserted at the top of `chain` (`iptables -S`
+        spells one rule alike each time). By number, the last copy first, each number checked
+        against a fresh listing just before: deleting by spec would remove the top copy and
+        leave the jump below rules it must precede."""
+        while True:
+            rules = self._rules(base, chain)
+            copies = [i for i, line in enumerate(rules) if i and rules and line == rules[0]]
+            if not copies:
+                return
+            run([*base, "-D", chain, str(copies[-1] + 1)], netns=self.netns)
+
+    def _rules(self, base: list[str], chain: str) -> list[str]:
+        return [l for l in run([*base, "-S", chain], netns=self.netns).splitlines() if l.startswith("-A ")]
 
     def delete_rule(self, table: str, chain: str, spec: list[str]) -> bool:
         """Delete every copy of `spec` from `chain`; True when at least one was there."""
@@ -146,6 +171,26 @@ class IptablesRunner:
                 deleted = True
             except KernelError:
                 return deleted
+
+
+@contextlib.contextmanager
+def _jump_lock(netns: str | None) -> Iterator[bool]:
+    """An flock serialising nfproxy's built-in-chain jump checks and inserts in one namespace
+    (keyed as the owner lock is). Not the xtables lock: the iptables commands run inside take
+    that one themselves. Yields whether it is held: without a writable lock directory (where
+    the owner lock refuses to run a daemon anyway) the jumps go unlocked."""
+    try:
+        os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
+        fd = os.open(os.path.join(LOCK_DIR, f"jumps-{namespace_key(netns)}.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except (OSError, KernelError):
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the flock
 
 
 # --------------------------------------------------------------------------------------------
