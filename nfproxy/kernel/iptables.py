@@ -16,7 +16,7 @@ from typing import Protocol
 
 from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
-from nfproxy.kernel.lock import LOCK_DIR, namespace_key
+from nfproxy.kernel.lock import LOCK_DIR
 from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
 
@@ -26,6 +26,9 @@ BUILTIN_CHAINS = {
     "filter": ("INPUT", "FORWARD", "OUTPUT"),
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
 }
+
+
+JUMP_LOCK = os.path.join(LOCK_DIR, "jumps.lock")
 
 
 class Flavour(enum.Enum):
@@ -131,12 +134,12 @@ class IptablesRunner:
         firewall, so they are never written by a restore (which would duplicate or reorder
         them) but checked and inserted one by one, as kube-proxy's EnsureRule does. Check and
         insert are two commands: two appliers racing both find the rule missing and both
-        insert it (issue J.4). So they run under a lock of ours per namespace, and an insert is
+        insert it (issue J.4). So they run under a lock of ours (JUMP_LOCK), and an insert is
         followed by removing copies of it a writer outside the lock added meanwhile. True when
         the rule had to be inserted.
         """
         base = [self.cmd, "-w", "5", "-t", table]
-        with _jump_lock(self.netns) as locked:
+        with _jump_lock() as locked:
             try:
                 run([*base, "-C", chain, *spec], netns=self.netns)
                 return False
@@ -153,12 +156,13 @@ class IptablesRunner:
         leave the jump below rules it must precede."""
         while True:
             rules = self._rules(base, chain)
-            copies = [i for i, line in enumerate(rules) if i and rules and line == rules[0]]
+            copies = [i for i, line in enumerate(rules) if i and line == rules[0]]
             if not copies:
                 return
             run([*base, "-D", chain, str(copies[-1] + 1)], netns=self.netns)
 
     def _rules(self, base: list[str], chain: str) -> list[str]:
+        """`chain`'s rules in kernel order, as `iptables -S` spells them."""
         return [l for l in run([*base, "-S", chain], netns=self.netns).splitlines() if l.startswith("-A ")]
 
     def delete_rule(self, table: str, chain: str, spec: list[str]) -> bool:
@@ -174,16 +178,16 @@ class IptablesRunner:
 
 
 @contextlib.contextmanager
-def _jump_lock(netns: str | None) -> Iterator[bool]:
-    """An flock serialising nfproxy's built-in-chain jump checks and inserts in one namespace
-    (keyed as the owner lock is). Not the xtables lock: the iptables commands run inside take
-    that one themselves. Yields whether it is held: without a writable lock directory (where
-    the owner lock refuses to run a daemon anyway) the jumps go unlocked."""
+def _jump_lock() -> Iterator[bool]:
+    """An flock serialising nfproxy's built-in-chain jump checks and inserts. One file for the
+    host, as the xtables lock is (a file per namespace would pile up in /run with throwaway
+    namespaces; the jumps take milliseconds). Not the xtables lock itself: the iptables commands
+    run inside take that one. Yields whether it is held: without a writable lock directory
+    (where the owner lock refuses to run a daemon anyway) the jumps go unlocked."""
     try:
         os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
-        fd = os.open(os.path.join(LOCK_DIR, f"jumps-{namespace_key(netns)}.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except (OSError, KernelError):
+        fd = os.open(JUMP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
         yield False
         return
     try:
