@@ -30,7 +30,6 @@ from nfproxy.core.model import IPFamily
 from nfproxy.kernel import netns
 from nfproxy.kernel.iptables import Flavour, IptablesKernel, IptablesRunner
 from nfproxy.kernel.nft import NftKernel
-from nfproxy.kernel.process import run
 
 pytestmark = pytest.mark.kernel
 
@@ -271,20 +270,3 @@ def test_two_concurrent_appliers_never_duplicate_a_jump(netns: str, flavour: Fla
             assert len(rules) == 1, rules
         assert inserted.count(True) == len(jumps)  # each jump inserted by exactly one applier
 
-
-def test_copies_of_an_inserted_jump_are_removed_and_other_rules_kept(netns: str) -> None:
-    """What an insert leaves when a writer outside the lock inserted the same jump meanwhile."""
-    runner = IptablesRunner(IPFamily.V4, netns)
-    base = [runner.cmd, "-w", "5", "-t", "filter"]
-    spec = ["-m", "comment", "--comment", "kubernetes forwarding rules", "-j", "ACCEPT"]
-    other = ["-s", "10.9.9.9/32", "-j", "DROP"]
-    run([*base, "-A", "FORWARD", *spec], netns=netns)
-    run([*base, "-A", "FORWARD", *other], netns=netns)
-    run([*base, "-A", "FORWARD", *spec], netns=netns)
-    run([*base, "-I", "FORWARD", "1", *spec], netns=netns)  # the insert that just happened
-    runner._drop_copies(base, "FORWARD")
-    rules = [l for l in runner.save("filter").splitlines() if l.startswith("-A FORWARD ")]
-    assert rules == [
-        '-A FORWARD -m comment --comment "kubernetes forwarding rules" -j ACCEPT',
-        "-A FORWARD -s 10.9.9.9/32 -j DROP",
-    ]

@@ -134,36 +134,19 @@ class IptablesRunner:
         firewall, so they are never written by a restore (which would duplicate or reorder
         them) but checked and inserted one by one, as kube-proxy's EnsureRule does. Check and
         insert are two commands: two appliers racing both find the rule missing and both
-        insert it (issue J.4). So they run under a lock of ours (JUMP_LOCK), and an insert is
-        followed by removing copies of it a writer outside the lock added meanwhile. True when
-        the rule had to be inserted.
+        insert it (issue J.4). So they run under a lock of ours (JUMP_LOCK): two nfproxy
+        appliers, in one namespace or not, never interleave them. (No listing after an insert to
+        undo a writer outside the lock: it would add a command per jump to every first sync.)
+        True when the rule had to be inserted.
         """
         base = [self.cmd, "-w", "5", "-t", table]
-        with _jump_lock() as locked:
+        with _jump_lock():
             try:
                 run([*base, "-C", chain, *spec], netns=self.netns)
                 return False
             except KernelError:
                 run([*base, "-I", chain, "1", *spec], netns=self.netns)
-            if locked:  # two unlocked removers could both remove a copy, leaving none
-                self._drop_copies(base, chain)
-        return True
-
-    def _drop_copies(self, base: list[str], chain: str) -> None:
-        """Remove later copies of the rule just inserted at the top of `chain` (`iptables -S`
-        spells one rule alike each time). By number, the last copy first, each number checked
-        against a fresh listing just before: deleting by spec would remove the top copy and
-        leave the jump below rules it must precede."""
-        while True:
-            rules = self._rules(base, chain)
-            copies = [i for i, line in enumerate(rules) if i and line == rules[0]]
-            if not copies:
-                return
-            run([*base, "-D", chain, str(copies[-1] + 1)], netns=self.netns)
-
-    def _rules(self, base: list[str], chain: str) -> list[str]:
-        """`chain`'s rules in kernel order, as `iptables -S` spells them."""
-        return [l for l in run([*base, "-S", chain], netns=self.netns).splitlines() if l.startswith("-A ")]
+                return True
 
     def delete_rule(self, table: str, chain: str, spec: list[str]) -> bool:
         """Delete every copy of `spec` from `chain`; True when at least one was there."""
@@ -178,21 +161,21 @@ class IptablesRunner:
 
 
 @contextlib.contextmanager
-def _jump_lock() -> Iterator[bool]:
+def _jump_lock() -> Iterator[None]:
     """An flock serialising nfproxy's built-in-chain jump checks and inserts. One file for the
     host, as the xtables lock is (a file per namespace would pile up in /run with throwaway
     namespaces; the jumps take milliseconds). Not the xtables lock itself: the iptables commands
-    run inside take that one. Yields whether it is held: without a writable lock directory
-    (where the owner lock refuses to run a daemon anyway) the jumps go unlocked."""
+    run inside take that one. Without a writable lock directory (where the owner lock refuses
+    to run a daemon anyway) the jumps go unlocked."""
     try:
         os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
         fd = os.open(JUMP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError:
-        yield False
+        yield
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield True
+        yield
     finally:
         os.close(fd)  # releases the flock
 
