@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import time
 
 import pytest
 
@@ -215,3 +216,140 @@ def test_memory_kernel_existence_semantics() -> None:
             k.apply(tx)
         assert k.dump() == before
     assert k.last is setup
+
+
+# --------------------------------------------------------------------------------------------
+# Stale objects (issue J.3): every sync sequence ends with exactly what a fresh apply holds,
+# byte for byte once the last sync was full, and the sync loop itself runs the cleanup sync.
+
+
+def affinity_cluster() -> ClusterState:
+    state = uniform_cluster(6, 3)
+    key = sorted(k for k in state.services if k[1] is V4)[1]
+    sticky = dataclasses.replace(state.services[key], affinity_timeout=300)
+    return dataclasses.replace(state, services={**state.services, key: sticky})
+
+
+def sticky_key(state: ClusterState):  # noqa: ANN201
+    return next(k for k, s in state.services.items() if s.affinity_timeout)
+
+
+def names_of(kernel: MemoryNft, prefix: str) -> set[str]:
+    owned = kernel.owned()
+    return {n for n in owned.chains | owned.sets if n.startswith(prefix)}
+
+
+def moved_endpoint(state: ClusterState) -> ClusterState:
+    key = sticky_key(state)
+    eps = list(state.endpoints[key])
+    return with_endpoints(state, key, [*eps[1:], Endpoint(ip="10.250.3.3", port=8080)])
+
+
+def test_an_affinity_endpoint_that_changes_leaves_no_endpoint_chain_or_affinity_set() -> None:
+    state = affinity_cluster()
+    proxier, kernels = memory_proxier()
+    proxier.sync(state)
+    old = names_of(kernels[V4], nft_render.ENDPOINT_PREFIX) | names_of(kernels[V4], nft_render.AFFINITY_PREFIX)
+    moved = moved_endpoint(state)
+    assert proxier.sync(moved).kind == "partial"
+    assert proxier.backend.pending()
+    proxier.sync(moved)  # the cleanup sync the loop runs (test_the_loop_runs_the_cleanup_sync)
+    now = names_of(kernels[V4], nft_render.ENDPOINT_PREFIX) | names_of(kernels[V4], nft_render.AFFINITY_PREFIX)
+    gone = old - now
+    assert len(gone) == 2 and all(n.endswith(f"__{state.endpoints[sticky_key(state)][0].ip}/8080") for n in gone)  # the old endpoint's chain and its affinity set
+    assert not proxier.backend.pending()
+    assert resolved(kernels[V4]) == fresh(moved)[V4]
+    # A full sync (--sync-period) and a restart keep it so, byte for byte.
+    proxier.sync(moved, full=True)
+    proxier.sync(moved)
+    assert kernels[V4].dump() == fresh_dump(moved)[V4]
+    again, _ = memory_proxier(kernels)
+    again.sync(moved)
+    again.sync(moved)
+    assert kernels[V4].dump() == fresh_dump(moved)[V4]
+
+
+def fresh_dump(state: ClusterState) -> dict[IPFamily, str]:
+    proxier, kernels = memory_proxier()
+    proxier.sync(state)
+    return {f: k.dump() for f, k in kernels.items()}
+
+
+@pytest.mark.parametrize("how", ["full sync", "restart"])
+def test_stale_objects_left_by_a_killed_run_go_with_the_next_full_sync(how: str) -> None:
+    """A run killed between a partial sync and its cleanup sync (kill -9 mid-churn) leaves
+    emptied chains and sets; the full sync of a restart, or a periodic one, removes them all."""
+    state = affinity_cluster()
+    proxier, kernels = memory_proxier()
+    proxier.sync(state)
+    removed = without_service(moved_endpoint(state), sorted(k for k in state.services if k[1] is V4)[4])
+    proxier.sync(removed)
+    assert proxier.backend.pending()  # ... and the run dies here
+    if how == "restart":
+        proxier, _ = memory_proxier(kernels)
+    result = proxier.sync(removed, full=how == "full sync")
+    assert result.kind == "full"
+    assert proxier.backend.pending()  # strays emptied, deleted by the next sync
+    proxier.sync(removed)
+    assert not proxier.backend.pending()
+    assert kernels[V4].dump() == fresh_dump(removed)[V4]
+
+
+def test_a_removed_service_leaves_no_empty_chain_through_a_restart() -> None:
+    state = affinity_cluster()
+    proxier, kernels = memory_proxier()
+    proxier.sync(state)
+    key = sticky_key(state)
+    base = nft_render.service_chain_base(key[0])
+    gone = without_service(state, key)
+    proxier.sync(gone)  # emptied; killed before the cleanup sync
+    again, _ = memory_proxier(kernels)
+    again.sync(gone)
+    again.sync(gone)
+    owned = kernels[V4].owned()
+    assert not any(base in n for n in owned.chains | owned.sets)
+    assert kernels[V4].dump() == fresh_dump(gone)[V4]
+
+
+class _StaticSource:
+    """A source whose state never changes: any sync after the first is the loop's own doing."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+
+    def start(self, notify) -> None:  # noqa: ANN001
+        pass
+
+    def snapshot(self):  # noqa: ANN201
+        from nfproxy.sources.manifests import LoadResult
+
+        return LoadResult(self.state)
+
+    def ready(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+def test_the_loop_runs_the_cleanup_sync_without_waiting_for_a_change() -> None:
+    """A restart's full sync empties the strays; the loop must delete them on its own, not an
+    hour later at the next --sync-period (the daemon's kill -9 test: tests/test_converge.py)."""
+    from nfproxy.daemon.proxier import SyncLoop
+
+    state = affinity_cluster()
+    first, kernels = memory_proxier()
+    first.sync(state)
+    moved = moved_endpoint(state)
+    first.sync(moved)  # killed before its cleanup sync
+    proxier, _ = memory_proxier(kernels)
+    loop = SyncLoop(_StaticSource(moved), proxier, min_sync_period=0.01, sync_period=3600)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while kernels[V4].dump() != fresh_dump(moved)[V4] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    assert kernels[V4].dump() == fresh_dump(moved)[V4]
+    assert not proxier.backend.pending()

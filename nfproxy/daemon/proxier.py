@@ -274,6 +274,17 @@ def _dump_rules(mode: str, family: IPFamily, text: Callable[[], str]) -> None:
         logs.info(log, f"Writing {mode} rules", level=9, ipFamily=f"IPv{family.value}", rules=text())
 
 
+def _cleanup_due(proxier: Proxier, result: SyncResult) -> bool:
+    """Whether stale objects (emptied by the sync just done) wait for a sync of their own.
+
+    Without one they would stay until the next change or full resync, maybe an hour; after a
+    refused deletion (someone else's rule names the chain) they wait for that instead, so a
+    cleanup that keeps failing does not turn into a sync every min_sync_period."""
+    if any(f.cleanup_failed for f in result.families.values()):
+        return False
+    return proxier.backend.pending()
+
+
 def _overall_kind(families: Iterable[FamilySync]) -> SyncKind:
     kinds = {f.kind for f in families}
     return "full" if "full" in kinds else "partial" if "partial" in kinds else "noop"
@@ -384,7 +395,7 @@ class SyncLoop:
             full = due_full
             try:
                 snap = self.source.snapshot()
-                self.proxier.sync(snap.state, full=full)
+                result = self.proxier.sync(snap.state, full=full)
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
                 retry_at = time.monotonic() + backoff
@@ -395,6 +406,8 @@ class SyncLoop:
             backoff = max(self.min_sync_period, 0.1)
             if full:
                 last_full = time.monotonic()
+            if _cleanup_due(self.proxier, result):
+                self._wake.set()  # stale objects wait: the next sync (min_sync_period on) deletes them
             with self._cond:
                 self._synced_generation = generation
                 self._cond.notify_all()

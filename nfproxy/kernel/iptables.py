@@ -6,13 +6,17 @@ the xtables lock, leaving every chain nfproxy does not own untouched.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
+import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
+from nfproxy.kernel.lock import LOCK_DIR
 from nfproxy.kernel.nfacct import Nfacct
 from nfproxy.kernel.process import KernelError, find_tool, run
 
@@ -22,6 +26,9 @@ BUILTIN_CHAINS = {
     "filter": ("INPUT", "FORWARD", "OUTPUT"),
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
 }
+
+
+JUMP_LOCK = os.path.join(LOCK_DIR, "jumps.lock")
 
 
 class Flavour(enum.Enum):
@@ -127,16 +134,21 @@ class IptablesRunner:
 
         The jumps from built-in chains are shared with every other user of the host's
         firewall, so they are never written by a restore (which would duplicate or reorder
-        them) but checked and inserted one by one, as kube-proxy's EnsureRule does. True when
-        the rule had to be inserted.
+        them) but checked and inserted one by one, as kube-proxy's EnsureRule does. Check and
+        insert are two commands: two appliers racing both find the rule missing and both
+        insert it (issue J.4). So they run under a lock of ours (JUMP_LOCK): two nfproxy
+        appliers, in one namespace or not, never interleave them. (No listing after an insert to
+        undo a writer outside the lock: it would add a command per jump to every first sync.)
+        True when the rule had to be inserted.
         """
         base = [self.cmd, "-w", "5", "-t", table]
-        try:
-            run([*base, "-C", chain, *spec], netns=self.netns)
-            return False
-        except KernelError:
-            run([*base, "-I", chain, "1", *spec], netns=self.netns)
-            return True
+        with _jump_lock():
+            try:
+                run([*base, "-C", chain, *spec], netns=self.netns)
+                return False
+            except KernelError:
+                run([*base, "-I", chain, "1", *spec], netns=self.netns)
+                return True
 
     def delete_rule(self, table: str, chain: str, spec: list[str]) -> bool:
         """Delete every copy of `spec` from `chain`; True when at least one was there."""
@@ -148,6 +160,26 @@ class IptablesRunner:
                 deleted = True
             except KernelError:
                 return deleted
+
+
+@contextlib.contextmanager
+def _jump_lock() -> Iterator[None]:
+    """An flock serialising nfproxy's built-in-chain jump checks and inserts. One file for the
+    host, as the xtables lock is (a file per namespace would pile up in /run with throwaway
+    namespaces; the jumps take milliseconds). Not the xtables lock itself: the iptables commands
+    run inside take that one. Without a writable lock directory (where the owner lock refuses
+    to run a daemon anyway) the jumps go unlocked."""
+    try:
+        os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
+        fd = os.open(JUMP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 # --------------------------------------------------------------------------------------------
