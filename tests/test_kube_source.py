@@ -948,3 +948,18 @@ def test_without_service_cidr_objects_the_flag_decides(api):
         assert eventually(lambda: source.snapshot().state.node.service_cidrs == ("10.96.0.0/16",))
     finally:
         source.stop()
+
+
+@pytest.mark.parametrize("label", ["service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless"])
+def test_services_meant_for_another_proxy_get_no_rules_from_the_api(api, start_source, label):
+    """kube-proxy's informers skip these Services (any value): so does the API source."""
+    other = service("other", "10.96.0.20")
+    other["metadata"].setdefault("labels", {})[label] = "someone-else"
+    api.apply(other)
+    api.apply(endpoint_slice("other-1", "other", ["10.244.0.7"]))
+    api.apply(service("web", "10.96.0.10"))
+    api.apply(endpoint_slice("web-1", "web", ["10.244.0.5"]))
+    source, _ = start_source()
+    services = source.snapshot().state.services
+    assert spn("default", "web") in services
+    assert spn("default", "other") not in services
