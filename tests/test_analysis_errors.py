@@ -246,8 +246,11 @@ def test_element_index_answers_as_a_scan() -> None:
             assert index.find(probe) is _linear(elements, probe), (elements, probe)
 
 
-def test_trace_from_file_does_not_import_the_kubernetes_client(imports_of, capsys) -> None:  # noqa: ANN001
-    with imports_of("kubernetes") as seen:
+def test_trace_from_file_imports_nothing_it_does_not_use(imports_of, capsys) -> None:  # noqa: ANN001
+    """K.6: a small `trace --from-file` is a fast start: not the API client, nor netlink, nor the
+    daemon's HTTP servers and metrics, nor the YAML loader."""
+    heavy = ("kubernetes", "pyroute2", "aiohttp", "prometheus_client", "yaml", "nftables")
+    with imports_of(*heavy) as seen:
         from nfproxy.cli.main import main
 
         status = main(["trace", "--from-file", str(DUMPS / "kube-proxy-nft.json"), "10.0.1.1", "172.30.0.41:80/tcp"])

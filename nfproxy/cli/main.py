@@ -9,7 +9,6 @@ import pkgutil
 import signal
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
 from nfproxy.cli import commands
 from nfproxy.cli.config import FlagError
@@ -23,10 +22,26 @@ _TOP_LEVEL = {"-v": True, "--v": True, "--verbose": False, "--logging-format": T
 
 
 def version() -> str:
+    from importlib import metadata
+
     try:
         return metadata.version("nfproxy")
     except metadata.PackageNotFoundError:  # a source tree that was never installed
         return "unknown"
+
+
+class _Version(argparse.Action):
+    """`--version`, reading the installed package's metadata only when asked: importlib.metadata
+    costs ~40 ms of every command's start otherwise."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(f"nfproxy {version()}")
+        parser.exit()
 
 
 def _add_logging_flags(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -52,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nfproxy",
         description="Kubernetes service proxy: nftables and kube-proxy-compatible iptables backends.",
     )
-    parser.add_argument("--version", action="version", version=f"nfproxy {version()}")
+    parser.add_argument("--version", action=_Version)
     _add_logging_flags(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
@@ -60,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, subparser in sub.choices.items():
         _add_logging_flags(subparser, suppress=True)
         if name == "run":
-            subparser.add_argument("--version", action="version", version=f"nfproxy {version()}")
+            subparser.add_argument("--version", action=_Version)
     return parser
 
 
@@ -143,12 +158,32 @@ def _configure_logging(args: argparse.Namespace) -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from nfproxy.cli.kubeproxy_config import ConfigFileError
+# What a command's exception means: exit 2 for bad input from the user (as a bad flag), 1 for
+# a kernel or socket failure. Named by module so that `main` imports none of them: a command
+# can only raise one of these after importing its module, and a small command such as `trace
+# --from-file` must not pay for importing the daemon's servers or the YAML loader (issue K.6).
+_EXIT_STATUS: tuple[tuple[str, str, int], ...] = (
+    ("nfproxy.cli.kubeproxy_config", "ConfigFileError", 2),
+    ("nfproxy.sources.manifests", "ManifestError", 2),
+    ("nfproxy.kernel.process", "KernelError", 1),
+    ("nfproxy.daemon.server", "BindError", 1),
+)
 
+
+def _exit_status(exc: BaseException) -> int | None:
+    for module, name, status in _EXIT_STATUS:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(exc, getattr(loaded, name)):
+            return status
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser, args = parse(list(sys.argv[1:] if argv is None else argv))
-    except ConfigFileError as exc:
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is a bad config file
+        if _exit_status(exc) != 2:
+            raise
         print(f"nfproxy: {exc}", file=sys.stderr)
         return 2
     try:
@@ -157,25 +192,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     for warning in getattr(args, "config_warnings", ()):
         log.warning("%s", warning)
-    from nfproxy.daemon.server import BindError
-    from nfproxy.kernel.process import KernelError
-    from nfproxy.sources.manifests import ManifestError
-
     try:
         return int(args.func(args))
     except FlagError as exc:
         parser.error(str(exc))
-    except ManifestError as exc:
-        print(f"nfproxy: {exc}", file=sys.stderr)
-        return 2  # bad input from the user, as a bad flag
-    except (KernelError, BindError) as exc:
-        print(f"nfproxy: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt as exc:
         # netns.Interrupted (SIGTERM, SIGHUP) carries its signal; the namespaces are gone by now.
         signum = getattr(exc, "signum", 2)
         print(f"nfproxy: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is a user or kernel error
+        if (status := _exit_status(exc)) is None:
+            raise
+        print(f"nfproxy: {exc}", file=sys.stderr)
+        return status
     return 0
 
 
