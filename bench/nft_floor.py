@@ -614,7 +614,8 @@ def main() -> int:
             if "error" in r:
                 print(f"| {label} | {r['error']} |", flush=True)
                 continue
-            print(f"| {label} | {r['first_us']:.1f} | {r['last_us']:.1f} | {r['per_chain_ns']:.0f} |", flush=True)
+            per = "—" if kind == "mixed" else f"{r['per_chain_ns']:.0f}"
+            print(f"| {label} | {r['first_us']:.1f} | {r['last_us']:.1f} | {per} |", flush=True)
     if "traffic" in only:
         r = run_child("traffic", "300")
         print("\nLayout c with real connections (service 5 of 64 in one interval map; chi-square p of uniformity):")
