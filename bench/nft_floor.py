@@ -21,14 +21,22 @@ past it (rule text generated here, in nfproxy's layout "s": docs/nft-layouts.md)
      INTERVAL data map (`flags interval`): endpoint j owns [K + j*W/N, K + (j+1)*W/N). A count
      change deletes the N intervals and adds the N+1 new ones: element-only, no validation.
 
-Every change is sent as one nfnetlink batch through nfproxy's NetlinkNft (interval elements are
-encoded here: NetlinkNft has no interval vocabulary yet), median of --repeat, alternating the
-change and its undo. Connection cost: in the same namespace a listener on 10.99.0.1:8080, the
-probed service's endpoints pointed at it, and --connections TCP connects (SO_LINGER 0) from the
-namespace to the VIP (nat output), to a service in the first and in the last shard, interleaved.
+Also (d): the same fact as a verdict-map element with `goto` (service-ips, no-endpoint-*) and as
+a plain set element looked up by one static rule.
+
+Every change is compiled by nfproxy's NetlinkNft (interval elements are encoded here: NetlinkNft
+has no interval vocabulary yet), encoded once, and sent as one nfnetlink batch on a bare netlink
+socket, so only the kernel's work is timed: median and min of --repeat, alternating the change
+and its undo (adds that mark the table for validation are timed without their undo). Connection
+cost: a listener on 10.99.0.1:8080 in the namespace, the probed services' endpoints pointed at
+it, and --connections TCP connects (SO_LINGER 0) from the namespace to the VIPs (nat output),
+the two probes interleaved: first vs last shard (b), a hash-map vs an interval-map service in one
+table (a vs c). Traffic: layout c with listeners per endpoint, through an element-only count
+change and an empty map (the chi-square p-values should not be tiny).
 
     sudo .venv/bin/python bench/nft_floor.py                       # everything, ~10 min on 2 busy cores
     sudo .venv/bin/python bench/nft_floor.py --only change --sizes 100,10000
+    sudo .venv/bin/python bench/nft_floor.py --only traffic       # layout c with real connections
 """
 
 from __future__ import annotations
