@@ -42,17 +42,17 @@ change and an empty map (the chi-square p-values should not be tiny).
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 import gc
 import json
 import os
 import socket
 import statistics
 import subprocess
-import sys
 import struct
+import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
