@@ -77,3 +77,26 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", "--json", str(ROOT / "examples")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["equivalent"] and out["max_difference"] < 1e-9 and len(out["probes"]) > 40
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_walk_for_both_modes_equals_two_walks(seed: int) -> None:
+    """compare walks each probe once for kernel and ideal mode (interpret_both): it must answer
+    exactly what two separate walks answer, for both backends' rules, on every probe."""
+    from nfproxy.analysis.interpret import interpret, interpret_both
+    from nfproxy.verify.compare import documented_probes, families, iptables_ruleset, nft_ruleset
+
+    state = random_cluster(random.Random(1000 + seed), 12)
+    checked = 0
+    for family in families(state):
+        node_ips = state.node.ips_of(family)
+        for ruleset in (iptables_ruleset(state, family), nft_ruleset(state, family)):
+            for probe in (*probes(state, family), *documented_probes(state, family)):
+                packet = probe.packet()
+                both = interpret_both(ruleset, packet, node_ips=node_ips)
+                assert both == (
+                    interpret(ruleset, packet, node_ips=node_ips, mode="kernel"),
+                    interpret(ruleset, packet, node_ips=node_ips, mode="ideal"),
+                ), probe
+                checked += 1
+    assert checked > 0

@@ -78,6 +78,7 @@ from nfproxy.analysis.ir import (
 
 Origin = Literal["pod", "outside", "node"]
 Mode = Literal["kernel", "ideal"]
+_WalkMode = Literal["kernel", "ideal", "both"]
 
 
 class InterpretError(ValueError):
@@ -187,7 +188,32 @@ class _Exact:
         return self.value
 
 
-Weight = Union[_Dyadic, _Exact]
+class _Both:
+    """Kernel and ideal weights side by side, for a walk that answers both modes at once
+    (`interpret_both`): the paths are the same in either mode, only their weights differ, so
+    `compare` walks each probe once per backend instead of twice. A branch is pruned only when
+    it is impossible in both modes."""
+
+    __slots__ = ("kernel", "ideal")
+
+    def __init__(self, kernel: _Dyadic, ideal: _Exact) -> None:
+        self.kernel = kernel
+        self.ideal = ideal
+
+    def __mul__(self, other: _Both) -> _Both:
+        return _Both(self.kernel * other.kernel, self.ideal * other.ideal)
+
+    def __add__(self, other: _Both) -> _Both:
+        return _Both(self.kernel + other.kernel, self.ideal + other.ideal)
+
+    def complement(self) -> _Both:
+        return _Both(self.kernel.complement(), self.ideal.complement())
+
+    def is_zero(self) -> bool:
+        return self.kernel.is_zero() and self.ideal.is_zero()
+
+
+Weight = Union[_Dyadic, _Exact, _Both]
 
 _LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 _MASK32 = 0xFFFFFFFF
@@ -278,14 +304,18 @@ class _Unknown(Exception):
 
 
 class _Interpreter:
-    def __init__(self, ruleset: Ruleset, node_ips: Sequence[str], mode: Mode, tracing: bool) -> None:
-        if mode not in ("kernel", "ideal"):
+    def __init__(self, ruleset: Ruleset, node_ips: Sequence[str], mode: _WalkMode, tracing: bool) -> None:
+        if mode not in ("kernel", "ideal", "both"):
             raise ValueError(f"mode must be 'kernel' or 'ideal', not {mode!r}")
         self.ruleset = ruleset
         self.mode = mode
         self.tracing = tracing
         self.local = frozenset(ipaddress.ip_address(ip) for ip in node_ips)
-        self.one: Weight = _Dyadic(1, 0) if mode == "kernel" else _Exact(Fraction(1))
+        self.one: Weight = {
+            "kernel": lambda: _Dyadic(1, 0),
+            "ideal": lambda: _Exact(Fraction(1)),
+            "both": lambda: _Both(_Dyadic(1, 0), _Exact(Fraction(1))),
+        }[mode]()
         self.index = indexes(ruleset)
         self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
         # (table, chain, decision state) -> the chain's exits, for a walk entering with weight 1
@@ -311,7 +341,10 @@ class _Interpreter:
         """The weight of slots first..last (relative to the offset) of a numgen: closed form."""
         if self.mode == "kernel":
             return _Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32)
-        return _Exact(Fraction(last - first + 1, expr.mod))
+        ideal = _Exact(Fraction(last - first + 1, expr.mod))
+        if self.mode == "both":
+            return _Both(_Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32), ideal)
+        return ideal
 
     def _numgen_split(self, expr: Numgen, index: ElementIndex) -> list[tuple[Weight, Element | None]]:
         """A numgen value looked up in a map or set: each element's share, and the rest (no
@@ -362,7 +395,10 @@ class _Interpreter:
     def _statistic(self, st: Statistic) -> Weight:
         if self.mode == "kernel":
             return _Dyadic(quantize.iptables_threshold(st.probability), 31)
-        return _Exact(quantize.ideal_probability(st.probability))
+        ideal = _Exact(quantize.ideal_probability(st.probability))
+        if self.mode == "both":
+            return _Both(_Dyadic(quantize.iptables_threshold(st.probability), 31), ideal)
+        return ideal
 
     # ---- values
 
@@ -775,6 +811,17 @@ def interpret(
 ) -> dict[Outcome, Fraction]:
     interp = _Interpreter(ruleset, node_ips, mode, tracing=False)
     return _aggregate(interp, _walk(interp, packet))
+
+
+def interpret_both(
+    ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = ()
+) -> tuple[dict[Outcome, Fraction], dict[Outcome, Fraction]]:
+    """`interpret` in kernel mode and in ideal mode, from one walk: (kernel, ideal)."""
+    interp = _Interpreter(ruleset, node_ips, "both", tracing=False)
+    results = _walk(interp, packet)
+    kernel = [(w.kernel, st, v) for w, st, v in results if not w.kernel.is_zero()]  # type: ignore[union-attr]
+    ideal = [(w.ideal, st, v) for w, st, v in results if not w.ideal.is_zero()]  # type: ignore[union-attr]
+    return _aggregate(interp, kernel), _aggregate(interp, ideal)
 
 
 def _aggregate(interp: _Interpreter, results: list[tuple[Weight, _State, str]]) -> dict[Outcome, Fraction]:

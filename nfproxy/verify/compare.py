@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from nfproxy.analysis import iptables_save, nft_json
-from nfproxy.analysis.interpret import Origin, Outcome, interpret
+from nfproxy.analysis.interpret import Origin, Outcome, interpret_both
 from nfproxy.analysis.ir import Ruleset
 from nfproxy.backends.iptables import render as iptables_backend
 from nfproxy.backends.nft import render as nft_backend
@@ -229,13 +229,7 @@ def compare(state: ClusterState) -> Comparison:
         node_ips = state.node.ips_of(family)
         for probe in (*probes(state, family), *documented_probes(state, family)):
             packet = probe.packet()
-            results.append(
-                Agreement(
-                    probe,
-                    interpret(ipt, packet, node_ips=node_ips),
-                    interpret(nft, packet, node_ips=node_ips),
-                    interpret(ipt, packet, node_ips=node_ips, mode="ideal"),
-                    interpret(nft, packet, node_ips=node_ips, mode="ideal"),
-                )
-            )
+            ipt_kernel, ipt_ideal = interpret_both(ipt, packet, node_ips=node_ips)
+            nft_kernel, nft_ideal = interpret_both(nft, packet, node_ips=node_ips)
+            results.append(Agreement(probe, ipt_kernel, nft_kernel, ipt_ideal, nft_ideal))
     return Comparison(tuple(results))
