@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from prometheus_client.exposition import choose_encoder
 
-from nfproxy.cli.config import FlagError
+from nfproxy.core.flags import FlagError
 from nfproxy.daemon import logs
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.daemon.metrics import ProxyMetrics, family_label
