@@ -16,6 +16,27 @@ settings.load_profile("nfproxy")
 os.environ["PATH"] = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 
 
+@pytest.fixture(autouse=True)
+def _no_klog_handler_outlives_its_test() -> Iterator[None]:
+    """A test that runs the command line in-process configures nfproxy's klog handler on the
+    root logger, writing to the sys.stderr of that moment: pytest's capture of that test. Left
+    behind, every later log line (a daemon thread's, another test's) goes to a closed capture
+    file and prints "--- Logging error ---" tracebacks. Each test starts and ends without one,
+    at the default verbosity."""
+    import logging
+
+    from nfproxy.daemon import logs
+
+    root = logging.getLogger()
+    level, verbosity = root.level, logs._verbosity
+    yield
+    for handler in [h for h in root.handlers if isinstance(h, logs._Handler)]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
+    logs._verbosity = verbosity
+
+
 @pytest.fixture
 def netns() -> Iterator[str]:
     """A fresh network namespace; kernel tests fail loudly (never skip) without root."""

@@ -7,12 +7,9 @@ import re
 from collections.abc import Callable
 
 from nfproxy.cli import duration as go_duration
+from nfproxy.core.flags import FlagError
 from nfproxy.core.model import MASQUERADE_BIT, NODEPORT_PRIMARY, IPFamily, LocalMode, NodeConfig
 from nfproxy.sources.validation import FieldError, cidr, dns_subdomain, family_of, ip_address
-
-
-class FlagError(ValueError):
-    """A flag value is invalid; the message names the flag and the value."""
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Owned:
-    """Names of the objects a backend owns that a kernel holds now (nft: chains and sets/maps
-    of its table; iptables: chains in nat and filter, no sets)."""
+    """Names of the objects a backend owns that a kernel holds now (nft: chains, sets/maps and
+    named counters of its table; iptables: chains in nat and filter, no sets or counters)."""
 
     chains: frozenset[str] = frozenset()
     sets: frozenset[str] = frozenset()
+    counters: frozenset[str] = frozenset()

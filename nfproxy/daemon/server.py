@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import errno
+import functools
 import ipaddress
 import json
 import logging
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from prometheus_client.exposition import choose_encoder
 
-from nfproxy.cli.config import FlagError
+from nfproxy.core.flags import FlagError
 from nfproxy.daemon import logs
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.daemon.metrics import ProxyMetrics, family_label
@@ -57,17 +58,19 @@ DEFAULT_METRICS_ADDRESS = "127.0.0.1:10249"
 Body = dict[str, Any]
 
 
+@functools.lru_cache(maxsize=64)
 def go_time(epoch: float | None) -> str:
     """A timestamp as Go's encoding/json writes time.Time (RFC 3339, trailing zeros trimmed).
 
-    None is Go's zero time, what kube-proxy reports before anything happened.
+    None is Go's zero time, what kube-proxy reports before anything happened. Cached and built
+    with isoformat, not strftime: every probe formats the same last-update times again, and
+    formatting was a third of a probe's own cost.
     """
     if epoch is None:
         return "0001-01-01T00:00:00Z"
-    t = datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC)
-    text = t.strftime("%Y-%m-%dT%H:%M:%S")
-    if t.microsecond:
-        text += f".{t.microsecond:06d}".rstrip("0")
+    text = datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat().removesuffix("+00:00")
+    if "." in text:
+        text = text.rstrip("0")
     return text + "Z"
 
 

@@ -72,26 +72,36 @@ class NftSession:
             raise
         return json.loads(out)
 
-    def object_names(self, family: str, table: str) -> tuple[set[str], set[str]] | None:
-        """Names of the chains and of the sets/maps in one table, without rules or elements.
+    def object_names(self, family: str, table: str) -> tuple[set[str], set[str], set[str]] | None:
+        """Names of the chains, of the sets/maps and of the named counters in one table, without
+        rules or elements.
 
-        A full sync needs them to find chains and sets left by services that vanished while
-        nfproxy was not running; listing the whole table would also fetch every rule.
+        A full sync needs them to remove what the new state does not render: chains and sets
+        left by services that vanished while nfproxy was not running, a counter of a feature
+        turned off; listing the whole table would also fetch every rule.
         """
         if self.list_table(family, table, terse=True) is None:
             return None
         chains = json.loads(self._cmd(f"list chains {family}", json_output=True))
+        # `list sets` leaves maps out: both lists, or a stray map is never seen.
         sets = json.loads(self._cmd(f"list sets {family}", json_output=True, terse=True))
+        maps = json.loads(self._cmd(f"list maps {family}", json_output=True, terse=True))
         chain_names = {
             o["chain"]["name"] for o in chains.get("nftables", ()) if "chain" in o and o["chain"]["table"] == table
         }
         set_names = {
             body["name"]
-            for o in sets.get("nftables", ())
+            for o in (*sets.get("nftables", ()), *maps.get("nftables", ()))
             for kind in ("set", "map")
             if (body := o.get(kind)) is not None and body["table"] == table
         }
-        return chain_names, set_names
+        counters = json.loads(self._cmd(f"list counters {family}", json_output=True))
+        counter_names = {
+            body["name"]
+            for o in counters.get("nftables", ())
+            if (body := o.get("counter")) is not None and body["table"] == table
+        }
+        return chain_names, set_names, counter_names
 
     def counter_packets(self, family: str, table: str, name: str) -> int | None:
         """Packets of a named counter object, or None when it (or its table) does not exist."""
@@ -146,7 +156,7 @@ class NftKernel:
         found = self.session.object_names(self.nft_family, self.table)
         if found is None:
             return Owned()
-        return Owned(frozenset(found[0]), frozenset(found[1]))
+        return Owned(frozenset(found[0]), frozenset(found[1]), frozenset(found[2]))
 
     def apply(self, payload: object) -> None:
         from nfproxy.kernel.nft_netlink import Unsupported, unencodable

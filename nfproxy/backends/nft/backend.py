@@ -14,15 +14,9 @@ from nfproxy.backends.nft import render as nft_render
 from nfproxy.backends.nft.render import NftRuleset, ServiceRules
 from nfproxy.core.changes import Changes
 from nfproxy.core.model import ClusterState, IPFamily
-from nfproxy.nftables import Chain, Map, Set, Transaction
+from nfproxy.nftables import Chain, Counter, Map, Set, Transaction
 
 log = logging.getLogger("nfproxy.backends.nft")
-
-# Per-service sets a full sync may find left over: affinity sets and endpoint shard maps. The
-# static sets are the renderer's own (an unused one is deleted by the full transaction itself;
-# cluster-cidrs is kept on purpose, see render._static).
-_PER_SERVICE_SETS = (nft_render.AFFINITY_PREFIX, nft_render.SHARD_PREFIX)
-
 
 @dataclass(frozen=True, slots=True)
 class _Belief:
@@ -45,20 +39,35 @@ def _held(b: _Belief) -> Owned:
     for svc in rs.services.values():
         chains.update(svc.chains)
         sets.update(svc.affinity_sets)
-    return Owned(frozenset(chains), frozenset(sets))
+    return Owned(frozenset(chains), frozenset(sets), frozenset(rs.counters))
 
 
-def strays(new: NftRuleset, found: Owned) -> tuple[list[str], list[str]]:
-    """Chains and per-service sets the kernel holds in our table that `new` does not render:
-    left by services that vanished while nobody was watching (a restart, a failed sync)."""
+@dataclass(frozen=True, slots=True)
+class Strays:
+    """What the kernel holds in our table that a new ruleset does not render, by kind."""
+
+    chains: tuple[str, ...] = ()
+    sets: tuple[str, ...] = ()  # sets and maps alike
+    counters: tuple[str, ...] = ()
+
+
+def strays(new: NftRuleset, found: Owned) -> Strays:
+    """Every chain, set, map and named counter of our table that `new` does not render: left by
+    services that vanished while nobody was watching (a restart, a failed sync), or by a
+    feature turned off (the INVALID-drop counter once drop_invalid is off, the nodeport-ips set
+    of an older configuration, a set an older release rendered). A full sync is the one place
+    where the table is made exactly what the state renders (issue J.3)."""
     wanted_chains = set(new.chains)
-    wanted_sets = set(new.shard_users)
+    # unused_sets: the full transaction itself adds and deletes those.
+    wanted_sets = set(new.sets) | set(new.unused_sets) | set(new.shard_users)
     for svc in new.services.values():
         wanted_chains.update(svc.chains)
         wanted_sets.update(svc.affinity_sets)
-    chains = sorted(c for c in found.chains if c not in wanted_chains)
-    sets = sorted(s for s in found.sets if s.startswith(_PER_SERVICE_SETS) and s not in wanted_sets)
-    return chains, sets
+    return Strays(
+        tuple(sorted(c for c in found.chains if c not in wanted_chains)),
+        tuple(sorted(s for s in found.sets if s not in wanted_sets)),
+        tuple(sorted(c for c in found.counters if c not in new.counters)),
+    )
 
 
 class NftBackend:
@@ -125,13 +134,18 @@ class NftBackend:
     def _full(self, state: ClusterState, family: IPFamily, found: Owned | None) -> Plan:
         new = nft_render.render(state, family)
         tx = new.transaction()
-        # Strays are emptied now and deleted by the next sync, like the stale chains of a
-        # partial sync (a rule or element in flight may still name them).
-        stray_chains, stray_sets = strays(new, found) if found is not None else ([], [])
-        tx = _flushing(tx, stray_chains)
+        # Stray chains and sets are emptied now and deleted by the next sync, like the stale
+        # chains of a partial sync (a rule or element in flight may still name them). Stray
+        # counters go at once: only rules name a counter, and this transaction has replaced
+        # every rule of the table (a rule deleted earlier in a batch no longer holds it).
+        found_strays = strays(new, found) if found is not None else Strays()
+        tx = _flushing(tx, found_strays.chains)
+        for name in found_strays.counters:
+            tx.delete(Counter(name))
+        tx.check()
         owned = [_objects_of(svc) for svc in new.services.values()]
         totals = (sum(o[0] for o in owned), sum(o[1] for o in owned), sum(o[2] for o in owned))
-        memo = _Belief(new, tuple(stray_chains), tuple(stray_sets), totals)
+        memo = _Belief(new, found_strays.chains, found_strays.sets, totals)
         return Plan(family, True, len(tx), tx, memo)
 
     def accepted(self, plan: Plan) -> None:
@@ -165,8 +179,7 @@ class NftBackend:
         return counts
 
 
-def _flushing(tx: Transaction, chains: list[str]) -> Transaction:
+def _flushing(tx: Transaction, chains: tuple[str, ...]) -> Transaction:
     for name in chains:
         tx.flush(Chain(name))
-    tx.check()
     return tx

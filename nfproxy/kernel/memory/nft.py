@@ -72,7 +72,7 @@ class MemoryNft:
     def owned(self) -> Owned:
         if self.table is None:
             return Owned()
-        return Owned(frozenset(self.table.chains), frozenset(self.table.sets))
+        return Owned(frozenset(self.table.chains), frozenset(self.table.sets), frozenset(self.table.counters))
 
     def apply(self, payload: object) -> None:
         if not isinstance(payload, Transaction):

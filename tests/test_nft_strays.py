@@ -1,0 +1,140 @@
+"""A full nft sync removes every object of the nfproxy table the new state does not render
+(issue J.3): chains, sets, maps and named counters alike, whoever left them (a feature turned
+off, a killed run, an older release).
+
+On the in-memory kernel (kernel/memory/nft.py has the kernel's existence and reference rules)
+and once on the real kernel in a throwaway namespace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nfproxy.backends.nft import render as nft_render
+from nfproxy.backends.nft.backend import strays
+from nfproxy.core.model import ClusterState, IPFamily
+from nfproxy.core.owned import Owned
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.kernel.memory.nft import MemoryNft
+from nfproxy.nftables import TABLE, Chain, Counter, Element, Map, Rule, Set, Transaction
+from nfproxy.testing import uniform_cluster
+
+V4 = IPFamily.V4
+COUNTER = nft_render.INVALID_DROP_COUNTER
+
+
+def memory_proxier(kernels: dict[IPFamily, MemoryNft]) -> Proxier:
+    return Proxier("nft", kernels=lambda family: kernels.setdefault(family, MemoryNft(family)))
+
+
+def fresh_dump(state: ClusterState) -> str:
+    kernels: dict[IPFamily, MemoryNft] = {}
+    memory_proxier(kernels).sync(state)
+    return kernels[V4].dump()
+
+
+def without_drop_invalid(state: ClusterState) -> ClusterState:
+    return dataclasses.replace(state, node=dataclasses.replace(state.node, drop_invalid=False))
+
+
+def litter() -> Transaction:
+    """Objects no configuration of this release renders, wired as an older one might have: a
+    chain jumped to from a static chain, a set and a map it names, and a counter it counts in."""
+    tx = Transaction("ip", TABLE)
+    tx.add(Counter("old-counter"))
+    tx.add(Set("old-set", "ipv4_addr"))
+    tx.add(Map("old-map", "ipv4_addr : verdict"))
+    tx.add(Chain("old-chain"))
+    tx.add(Rule("old-chain", 'ip saddr @old-set counter name "old-counter" drop'))
+    tx.add(Rule("old-chain", "ip daddr vmap @old-map"))
+    tx.add(Element("old-set", "10.9.9.9"))
+    tx.add(Rule(nft_render.SERVICES_CHAIN, "jump old-chain"))
+    return tx
+
+
+def converge(proxier: Proxier, state: ClusterState, *, full: bool) -> None:
+    """The sync asked for, then the cleanup syncs the loop would run for what it emptied."""
+    proxier.sync(state, full=full)
+    for _ in range(3):
+        if not proxier.backend.pending():
+            return
+        proxier.sync(state)
+    assert not proxier.backend.pending()
+
+
+def test_turning_drop_invalid_off_removes_its_counter() -> None:
+    state = uniform_cluster(4, 2)
+    assert state.node.drop_invalid
+    kernels: dict[IPFamily, MemoryNft] = {}
+    proxier = memory_proxier(kernels)
+    proxier.sync(state)
+    assert COUNTER in kernels[V4].owned().counters
+    off = without_drop_invalid(state)
+    converge(proxier, off, full=False)
+    assert COUNTER not in kernels[V4].owned().counters
+    assert kernels[V4].dump() == fresh_dump(off)
+    # ... and back on: declared again, rules count into it.
+    converge(proxier, state, full=False)
+    assert kernels[V4].dump() == fresh_dump(state)
+
+
+@pytest.mark.parametrize("how", ["periodic full sync", "restart"])
+def test_a_full_sync_removes_objects_no_state_renders(how: str) -> None:
+    state = uniform_cluster(4, 2)
+    kernels: dict[IPFamily, MemoryNft] = {}
+    proxier = memory_proxier(kernels)
+    proxier.sync(state)
+    kernels[V4].apply(litter())
+    held = kernels[V4].owned()
+    assert {"old-chain"} <= held.chains and {"old-set", "old-map"} <= held.sets
+    assert "old-counter" in held.counters
+    if how == "restart":
+        proxier = memory_proxier(kernels)
+    converge(proxier, state, full=True)
+    assert kernels[V4].dump() == fresh_dump(state)
+
+
+def test_strays_are_everything_unrendered_and_nothing_rendered() -> None:
+    state = uniform_cluster(3, 2)
+    new = nft_render.render(state, V4)
+    rendered = Owned(
+        frozenset(new.chains) | {c for svc in new.services.values() for c in svc.chains},
+        frozenset(new.sets) | frozenset(new.shard_users) | frozenset(new.unused_sets),
+        frozenset(new.counters),
+    )
+    assert strays(new, rendered).chains == strays(new, rendered).sets == strays(new, rendered).counters == ()
+    extra = Owned(rendered.chains | {"x-chain"}, rendered.sets | {"x-set"}, rendered.counters | {"x-counter"})
+    found = strays(new, extra)
+    assert (found.chains, found.sets, found.counters) == (("x-chain",), ("x-set",), ("x-counter",))
+    off = nft_render.render(without_drop_invalid(state), V4)
+    assert strays(off, rendered).counters == (COUNTER,)
+
+
+@pytest.mark.kernel
+def test_on_the_kernel_a_full_sync_removes_objects_no_state_renders(netns: str) -> None:
+    from nfproxy.kernel.nft import NftKernel, NftSession
+
+    state = uniform_cluster(4, 2)
+    kernels: dict[IPFamily, NftKernel] = {}
+
+    def make(family: IPFamily) -> NftKernel:
+        return kernels.setdefault(family, NftKernel(family, netns=netns))
+
+    proxier = Proxier("nft", kernels=make)
+    proxier.sync(state)
+    kernels[V4].apply(litter())
+    session = NftSession(netns)
+    names = session.object_names("ip", TABLE)
+    assert names is not None and "old-chain" in names[0] and "old-map" in names[1] and "old-counter" in names[2]
+    assert COUNTER in names[2]
+    off = without_drop_invalid(state)
+    converge(Proxier("nft", kernels=make), off, full=True)  # a restart with drop_invalid off
+    chains, sets, counters = session.object_names("ip", TABLE) or (set(), set(), set())
+    assert not {"old-chain"} & chains and not {"old-set", "old-map"} & sets
+    assert counters == set()
+    want = nft_render.render(off, V4)
+    wanted_chains = set(want.chains) | {c for svc in want.services.values() for c in svc.chains}
+    assert chains == wanted_chains
+    assert sets == set(want.sets) | set(want.shard_users)
