@@ -12,6 +12,7 @@ namespace, whole processes, the two payloads interleaved run by run, best and me
 
     .venv/bin/python bench/render.py [--sizes 100,1000,10000] [--endpoints 10] [--repeat 3]
     .venv/bin/python bench/render.py --sizes '' --restore 3000 --restore-runs 7
+    .venv/bin/python bench/render.py --sizes 5000,10000 --repeat 5 --compare-tree /tmp/old-checkout
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_SECONDS = 1.0
 
 
-def measure(backend: str, services: int, endpoints: int) -> dict[str, float]:
-    """Runs in the child: build the model, then time render + text for both families."""
-    sys.path.insert(0, ROOT)
+def measure(backend: str, services: int, endpoints: int, root: str = ROOT) -> dict[str, float]:
+    """Runs in the child: build the model, then time render + text for both families, with
+    the nfproxy of the checkout at `root`."""
+    sys.path.insert(0, root)
     from nfproxy.core.model import IPFamily
     from nfproxy.testing import uniform_cluster
 
@@ -54,12 +56,43 @@ def measure(backend: str, services: int, endpoints: int) -> dict[str, float]:
     return {"seconds": seconds, "rss_mib": (after - before) / 1024, "bytes": len(text)}
 
 
-def run_child(backend: str, services: int, endpoints: int) -> dict[str, float]:
+def run_child(backend: str, services: int, endpoints: int, root: str = ROOT) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", backend, str(services), str(endpoints)],
+        [sys.executable, __file__, "--child", backend, str(services), str(endpoints), "--root", root],
         capture_output=True, text=True, check=True,
     )
     return json.loads(out.stdout)
+
+
+def compare_trees(old: str, sizes: list[int], endpoints: int, rounds: int) -> None:
+    """This checkout against the one at `old` (e.g. a `git archive` of an earlier commit), in
+    one run: each round renders every size with both trees, in alternating order, so that the
+    machine's load falls on both alike. Ratios are within a tree (nft/ipt) and across trees
+    (this/old), of the best and of the median round."""
+    old = os.path.abspath(old)
+    trees = {"old": old, "this": ROOT}
+    print(f"render A/B: this tree {ROOT} against {old}; services x {endpoints} endpoints, both "
+          f"families, {rounds} rounds alternating")
+    print(f"{'services':>9} {'tree':>5} {'ipt best':>9} {'nft best':>9} {'nft med':>8} {'nft/ipt':>8} "
+          f"{'nft MiB':>8}")
+    for n in sizes:
+        times: dict[str, dict[str, list[float]]] = {t: {"iptables": [], "nft": []} for t in trees}
+        rss: dict[str, float] = {t: 0.0 for t in trees}
+        for i in range(rounds):
+            for tree in (("old", "this") if i % 2 == 0 else ("this", "old")):
+                for backend in ("iptables", "nft"):
+                    r = run_child(backend, n, endpoints, trees[tree])
+                    times[tree][backend].append(r["seconds"])
+                    if backend == "nft":
+                        rss[tree] = max(rss[tree], r["rss_mib"])
+        for tree in trees:
+            t = times[tree]
+            print(f"{n:>9} {tree:>5} {min(t['iptables']):>9.3f} {min(t['nft']):>9.3f} "
+                  f"{statistics.median(t['nft']):>8.3f} {min(t['nft']) / min(t['iptables']):>8.2f} "
+                  f"{rss[tree]:>8.1f}")
+        best = min(times["this"]["nft"]) / min(times["old"]["nft"])
+        med = statistics.median(times["this"]["nft"]) / statistics.median(times["old"]["nft"])
+        print(f"{n:>9} nft this/old: best {best:.3f}, median {med:.3f}")
 
 
 # ---- kube-proxy's payload, written from its proxier's conventions (not from nfproxy's renderer)
@@ -194,14 +227,20 @@ def main() -> int:
     ap.add_argument("--restore", type=int, default=0, metavar="N",
                     help="also time iptables-legacy-restore of N services against kube-proxy's payload (root)")
     ap.add_argument("--restore-runs", type=int, default=7)
+    ap.add_argument("--compare-tree", metavar="OLD",
+                    help="A/B against the checkout at OLD, alternating, --repeat rounds (nothing else runs)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         backend, services, endpoints = args.child
-        print(json.dumps(measure(backend, int(services), int(endpoints))))
+        print(json.dumps(measure(backend, int(services), int(endpoints), args.root)))
         return 0
 
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.compare_tree:
+        compare_trees(args.compare_tree, sizes, args.endpoints, args.repeat)
+        return 0
     if args.restore:
         restore_table(args.restore, args.endpoints, args.restore_runs)
     if not sizes:

@@ -355,10 +355,14 @@ class NftRuleset:
                 for body in rules:
                     tx.add(nft.Rule(name, body))
 
-        tx.add_elements([Element(HAIRPIN_SET, f"{ip} . {ip}") for ip in self.hairpin_refs])
-        tx.add_elements([Element(CLUSTER_IPS_SET, ip) for ip in self.cluster_ip_refs])
+        # One batch per set: 200 000 elements at 10 000 services, checked and written in bulk.
+        if self.hairpin_refs:
+            tx.add(nft.Elements(HAIRPIN_SET, tuple([f"{ip} . {ip}" for ip in self.hairpin_refs])))
+        if self.cluster_ip_refs:
+            tx.add(nft.Elements(CLUSTER_IPS_SET, tuple(self.cluster_ip_refs)))
         for name, elements in self.elements.items():
-            tx.add_elements(elements.values())
+            if elements:
+                tx.add(nft.Elements.of(name, elements.values()))
         tx.check()
         return tx
 
