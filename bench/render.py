@@ -40,20 +40,25 @@ def measure(backend: str, services: int, endpoints: int, root: str = ROOT) -> di
     from nfproxy.core.model import IPFamily
     from nfproxy.testing import uniform_cluster
 
-    state = uniform_cluster(services, endpoints)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
+    # The backend is imported before the clock starts: import time is not render time.
     if backend == "iptables":
         from nfproxy.backends.iptables import render as iptables
 
-        text = "".join(iptables.render(state, f).restore_text() for f in IPFamily)
+        def text_of(state, f):
+            return iptables.render(state, f).restore_text()
     else:
         from nfproxy.backends.nft import render as nft
 
-        text = "".join(nft.render(state, f).script() for f in IPFamily)
-    seconds = time.perf_counter() - start
+        def text_of(state, f):
+            return nft.render(state, f).script()
+
+    state = uniform_cluster(services, endpoints)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start, cpu = time.perf_counter(), time.process_time()
+    text = "".join(text_of(state, f) for f in IPFamily)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": seconds, "rss_mib": (after - before) / 1024, "bytes": len(text)}
+    return {"seconds": seconds, "cpu": cpu, "rss_mib": (after - before) / 1024, "bytes": len(text)}
 
 
 def run_child(backend: str, services: int, endpoints: int, root: str = ROOT) -> dict[str, float]:
@@ -68,31 +73,36 @@ def compare_trees(old: str, sizes: list[int], endpoints: int, rounds: int) -> No
     """This checkout against the one at `old` (e.g. a `git archive` of an earlier commit), in
     one run: each round renders every size with both trees, in alternating order, so that the
     machine's load falls on both alike. Ratios are within a tree (nft/ipt) and across trees
-    (this/old), of the best and of the median round."""
+    (this/old), of the best and of the median round; CPU seconds (process time) beside wall
+    seconds, since on a shared machine the CPU time is the steadier of the two."""
     old = os.path.abspath(old)
     trees = {"old": old, "this": ROOT}
     print(f"render A/B: this tree {ROOT} against {old}; services x {endpoints} endpoints, both "
           f"families, {rounds} rounds alternating")
     print(f"{'services':>9} {'tree':>5} {'ipt best':>9} {'nft best':>9} {'nft med':>8} {'nft/ipt':>8} "
-          f"{'nft MiB':>8}")
+          f"{'ipt cpu':>8} {'nft cpu':>8} {'cpu n/i':>8} {'nft MiB':>8}")
+    med = statistics.median
     for n in sizes:
-        times: dict[str, dict[str, list[float]]] = {t: {"iptables": [], "nft": []} for t in trees}
-        rss: dict[str, float] = {t: 0.0 for t in trees}
+        runs: dict[str, dict[str, list[dict[str, float]]]] = {t: {"iptables": [], "nft": []} for t in trees}
         for i in range(rounds):
             for tree in (("old", "this") if i % 2 == 0 else ("this", "old")):
                 for backend in ("iptables", "nft"):
-                    r = run_child(backend, n, endpoints, trees[tree])
-                    times[tree][backend].append(r["seconds"])
-                    if backend == "nft":
-                        rss[tree] = max(rss[tree], r["rss_mib"])
+                    runs[tree][backend].append(run_child(backend, n, endpoints, trees[tree]))
+
+        def best(tree: str, backend: str, field: str = "seconds") -> float:
+            return min(r[field] for r in runs[tree][backend])
+
         for tree in trees:
-            t = times[tree]
-            print(f"{n:>9} {tree:>5} {min(t['iptables']):>9.3f} {min(t['nft']):>9.3f} "
-                  f"{statistics.median(t['nft']):>8.3f} {min(t['nft']) / min(t['iptables']):>8.2f} "
-                  f"{rss[tree]:>8.1f}")
-        best = min(times["this"]["nft"]) / min(times["old"]["nft"])
-        med = statistics.median(times["this"]["nft"]) / statistics.median(times["old"]["nft"])
-        print(f"{n:>9} nft this/old: best {best:.3f}, median {med:.3f}")
+            nft_wall = [r["seconds"] for r in runs[tree]["nft"]]
+            print(f"{n:>9} {tree:>5} {best(tree, 'iptables'):>9.3f} {best(tree, 'nft'):>9.3f} "
+                  f"{med(nft_wall):>8.3f} {best(tree, 'nft') / best(tree, 'iptables'):>8.2f} "
+                  f"{best(tree, 'iptables', 'cpu'):>8.3f} {best(tree, 'nft', 'cpu'):>8.3f} "
+                  f"{best(tree, 'nft', 'cpu') / best(tree, 'iptables', 'cpu'):>8.2f} "
+                  f"{max(r['rss_mib'] for r in runs[tree]['nft']):>8.1f}")
+        wall = best("this", "nft") / best("old", "nft")
+        wall_med = med([r["seconds"] for r in runs["this"]["nft"]]) / med([r["seconds"] for r in runs["old"]["nft"]])
+        cpu = best("this", "nft", "cpu") / best("old", "nft", "cpu")
+        print(f"{n:>9} nft this/old: wall best {wall:.3f}, wall median {wall_med:.3f}, cpu best {cpu:.3f}")
 
 
 # ---- kube-proxy's payload, written from its proxier's conventions (not from nfproxy's renderer)

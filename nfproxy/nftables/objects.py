@@ -182,9 +182,8 @@ class Elements:
             raise TypeError(f"not all elements: {next(e for e in els if type(e) is not Element)!r}")
         if set(map(_SET, els)) - {name}:
             raise ValueError(f"elements of another set than {name} in its batch")
-        comments = tuple(map(_COMMENT, els)) if any(map(_COMMENT, els)) else ()
-        values = tuple(map(_VALUE, els)) if any(map(_VALUE, els)) else ()
-        return cls(name, tuple(map(_KEY, els)), values, comments)
+        values, comments = tuple(map(_VALUE, els)), tuple(map(_COMMENT, els))
+        return cls(name, tuple(map(_KEY, els)), values if any(values) else (), comments if any(comments) else ())
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -213,6 +212,16 @@ class Note:
     """A `# ...` line in the script: for a reader of `nfproxy render`, never sent to a kernel."""
 
     text: str
+
+
+_note_text = Note.text.__set__  # type: ignore[attr-defined]
+
+
+def _note_init(self: Note, text: str) -> None:
+    _note_text(self, text)
+
+
+Note.__init__ = _note_init  # type: ignore[method-assign]  # one per service port, as Rule
 
 
 Object = Table | Chain | Rule | Set | Map | Element | Elements | Counter

@@ -7,7 +7,7 @@ line of `tx.add(...)` calls checked once (`tx.check()`), as in knftables. The ve
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 
 from nfproxy.nftables.objects import (
@@ -99,7 +99,11 @@ def _elements_problem(verb: Verb, obj: Elements, names: set[str]) -> str | None:
 def _chain_problem(verb: Verb, obj: Chain, names: set[str]) -> str | None:
     """A plain chain (10 000 of them, each added and flushed, in a full sync) has only a name
     to check, once; anything more goes through `_named_problem`."""
-    if obj.name in names and obj.hook is None and obj.comment is None and obj.type is None and obj.priority is None:
+    if obj.hook is None and obj.comment is None and obj.type is None and obj.priority is None:
+        if obj.name not in names:
+            if (why := check_name(obj.name)) is not None:
+                return why
+            names.add(obj.name)
         return None
     return _named_problem(verb, obj, names)
 
@@ -160,6 +164,12 @@ class Transaction:
         if self.error is not None:
             return
         kind = type(obj)
+        if kind is Chain and obj.name in self._names and obj.hook is None and obj.comment is None:  # type: ignore[union-attr]
+            # A known plain chain (a full sync adds and flushes 10 000): any verb, nothing to check.
+            if obj.type is None and obj.priority is None:  # type: ignore[union-attr]
+                self.ops.append((verb, obj))
+                self._operations += 1
+                return
         verbs, check = _RULES.get(kind, _NO_RULES)
         if verb not in verbs:
             self.error = f"{verb.value} {kind.__name__.lower()} is not an nft command"
@@ -173,6 +183,49 @@ class Transaction:
 
     def add(self, obj: Object) -> None:
         self._queue(Verb.ADD, obj)
+
+    def add_rules(self, chain: str, bodies: Sequence[str]) -> None:
+        """`add` a Rule of `chain` for each body: the name checked once, the bodies in one pass."""
+        if self.error is not None or not bodies:
+            return
+        names = self._names
+        if chain not in names:
+            if (why := check_name(chain)) is not None:
+                self.error = why
+                return
+            names.add(chain)
+        try:
+            joined = "".join(bodies)
+        except TypeError:
+            self.error = f"rule bodies of {chain} must be text: {bodies!r}"
+            return
+        if "" in bodies or "\n" in joined or ";" in joined:
+            for body in bodies:  # latch the first bad body's error, as one `add` at a time would
+                self._queue(Verb.ADD, Rule(chain, body))
+            return
+        add = Verb.ADD
+        self.ops.extend([(add, Rule(chain, body)) for body in bodies])
+        self._operations += len(bodies)
+
+    def refill(self, chains: Mapping[str, Sequence[str]]) -> None:
+        """`add` and `flush` each plain chain of `chains`, then `add` its rules: a full sync's
+        way of rewriting chains the kernel may or may not hold. One call per service port (10 000
+        in a full sync): the same checks as one `add` at a time, each name once, bodies in bulk."""
+        if self.error is not None:
+            return
+        names, ops = self._names, self.ops
+        add, flush = Verb.ADD, Verb.FLUSH
+        for name in chains:
+            if name not in names:
+                if (why := check_name(name)) is not None:
+                    self.error = why
+                    return
+                names.add(name)
+            chain = Chain(name)
+            ops += ((add, chain), (flush, chain))
+        self._operations += 2 * len(chains)
+        for name, bodies in chains.items():
+            self.add_rules(name, bodies)
 
     def add_elements(self, elements: Iterable[Element]) -> None:
         """`add` each element, queued as one `Elements` batch per run of one set."""

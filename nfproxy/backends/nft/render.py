@@ -340,20 +340,13 @@ class NftRuleset:
             tx.add(shard)
             tx.flush(shard)
         for name, rules in self.chains.items():
-            for body in rules:
-                tx.add(nft.Rule(name, body))
+            tx.add_rules(name, rules)
 
         for (spn, _family), svc in self.services.items():
             tx.note(f"{spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}")
             for aset in svc.affinity_sets.values():
                 tx.add(aset)
-            for name in svc.chains:
-                chain = nft.Chain(name)
-                tx.add(chain)
-                tx.flush(chain)
-            for name, rules in svc.chains.items():
-                for body in rules:
-                    tx.add(nft.Rule(name, body))
+            tx.refill(svc.chains)
 
         # One batch per set: 200 000 elements at 10 000 services, checked and written in bulk.
         if self.hairpin_refs:
