@@ -76,10 +76,9 @@ class NftSession:
         """Names of the chains and of the sets/maps in one table, without rules or elements.
 
         A full sync needs them to find chains and sets left by services that vanished while
-        nfproxy was not running; listing the whole table would also fetch every rule.
+        nfproxy was not running; listing the whole table would also fetch every rule (and
+        asking whether the table exists first did: `list table -t` still lists the rules).
         """
-        if self.list_table(family, table, terse=True) is None:
-            return None
         chains = json.loads(self._cmd(f"list chains {family}", json_output=True))
         sets = json.loads(self._cmd(f"list sets {family}", json_output=True, terse=True))
         chain_names = {
@@ -91,6 +90,8 @@ class NftSession:
             for kind in ("set", "map")
             if (body := o.get(kind)) is not None and body["table"] == table
         }
+        if not chain_names and not set_names and self.list_table(family, table, terse=True) is None:
+            return None  # only then can the table be missing: it costs nothing to ask
         return chain_names, set_names
 
     def counter_packets(self, family: str, table: str, name: str) -> int | None:

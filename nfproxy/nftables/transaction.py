@@ -213,7 +213,7 @@ class Transaction:
         in a full sync): the same checks as one `add` at a time, each name once, bodies in bulk."""
         if self.error is not None:
             return
-        names, ops = self._names, self.ops
+        names, append = self._names, self.ops.append
         add, flush = Verb.ADD, Verb.FLUSH
         for name in chains:
             if name not in names:
@@ -222,10 +222,17 @@ class Transaction:
                     return
                 names.add(name)
             chain = Chain(name)
-            ops += ((add, chain), (flush, chain))
-        self._operations += 2 * len(chains)
+            append((add, chain))
+            append((flush, chain))
+        n = 2 * len(chains)
         for name, bodies in chains.items():
-            self.add_rules(name, bodies)
+            for body in bodies:  # a service port's chain holds one or two rules: no bulk join
+                if not body or "\n" in body or ";" in body:
+                    self.error = _rule_problem(add, Rule(name, body), names)
+                    return
+                append((add, Rule(name, body)))
+            n += len(bodies)
+        self._operations += n
 
     def add_elements(self, elements: Iterable[Element]) -> None:
         """`add` each element, queued as one `Elements` batch per run of one set."""

@@ -22,6 +22,7 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from types import MappingProxyType
 
 from nfproxy import nftables as nft
@@ -676,7 +677,9 @@ def _render_service(
         values = [f"{ep.ip} . {ep.port}" for ep in subset]
         if not kept_before and chain in slots.kept:
             values = slots.arrange(shard, first, values)
-        slot_elements.extend((shard, k, Element(shard, k, v)) for k, v in zip(map(str, range(first, first + len(values))), values))
+        # (shard, slot, Element) per endpoint, iterated in C: 110 000 of them at 10 000 x 10.
+        keys = list(map(str, range(first, first + len(values))))
+        slot_elements.extend(zip(repeat(shard), keys, map(Element, repeat(shard), keys, values)))
         return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
