@@ -178,10 +178,12 @@ class Elements:
     def of(cls, name: str, elements: Iterable[Element]) -> Elements:
         """The batch of `elements`, all of set `name`, columns taken at C speed."""
         els = elements if isinstance(elements, (list, tuple)) else list(elements)
-        if set(map(type, els)) - {Element}:
-            raise TypeError(f"not all elements: {next(e for e in els if type(e) is not Element)!r}")
-        if set(map(_SET, els)) - {name}:
-            raise ValueError(f"elements of another set than {name} in its batch")
+        try:
+            others = set(map(_SET, els)) - {name}
+        except AttributeError:
+            raise TypeError(f"not all elements: {next(e for e in els if type(e) is not Element)!r}") from None
+        if others:
+            raise ValueError(f"elements of {sorted(others)} in the batch of {name}")
         values, comments = tuple(map(_VALUE, els)), tuple(map(_COMMENT, els))
         return cls(name, tuple(map(_KEY, els)), values if any(values) else (), comments if any(comments) else ())
 
