@@ -183,5 +183,5 @@ def test_object_names_tells_a_missing_table_from_an_empty_one() -> None:
         session.apply("add table ip nfproxy\n")
         assert session.object_names("ip", "nfproxy") == (set(), set())
         session.apply("add chain ip nfproxy x\nadd rule ip nfproxy x accept\n"
-                      "add map ip nfproxy m { type ipv4_addr : verdict ; }\n")
+                      "add set ip nfproxy m { type ipv4_addr ; }\n")
         assert session.object_names("ip", "nfproxy") == ({"x"}, {"m"})
