@@ -102,10 +102,14 @@ def compare_trees(old: str, services: int, endpoints: int, rounds: int) -> int:
     for i in range(rounds):
         for tree in (("old", "this") if i % 2 == 0 else ("this", "old")):
             for backend in ("nft", "iptables"):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child-full", backend, str(services), str(endpoints)],
-                    capture_output=True, text=True, env={**os.environ, "NFPROXY_TREE": trees[tree]},
-                )
+                for attempt in range(5):  # the xtables lock is host-wide: other writers time us out
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child-full", backend, str(services), str(endpoints)],
+                        capture_output=True, text=True, env={**os.environ, "NFPROXY_TREE": trees[tree]},
+                    )
+                    if out.returncode == 0 or "xtables lock" not in out.stderr:
+                        break
+                    print(f"round {i + 1} {tree} {backend}: xtables lock busy, again", flush=True)
                 if out.returncode != 0:
                     print(out.stderr, file=sys.stderr)
                     raise SystemExit(f"{tree} {backend} full sync failed (exit {out.returncode})")

@@ -1,7 +1,8 @@
 """The one place nft script text is written from objects (for libnftables and `nfproxy render`).
 
-Consecutive `add element` operations on one set are written as one command with one element per
-line, as a reader (and nft, which then sends one message per set) prefers.
+An `Elements` batch, and a run of consecutive `add element` operations on one set, are written as
+one command with one element per line, as a reader (and nft, which then sends one message per
+set) prefers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """A Transaction: an append-only list of (verb, object) that a kernel applies atomically.
 
 Each object is checked as it is queued and the first error is latched, so a sync is a straight
-line of `tx.add(...)` calls checked once (`tx.check()`), as in knftables. The verbs are nft's:
+line of `tx.add(...)` calls checked once (`tx.check()`), as in knftables. A full sync queues
+~250 000 objects at 10 000 services, so three bulk verbs say the same in fewer calls, with the
+same checks: `Elements` batches (one per set), `refill` (add and flush chains, then add their
+rules) and `add_rules`; `operations()` hands kernels single objects either way. The verbs are nft's:
 `add` is idempotent, `create` fails on an existing object, `flush` and `delete` need it to exist.
 """
 
