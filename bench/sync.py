@@ -91,17 +91,17 @@ def _child_full(backend: str, services: int, endpoints: int) -> int:
     return 0
 
 
-def compare_trees(old: str, services: int, endpoints: int, rounds: int) -> int:
+def compare_trees(old: str, services: int, endpoints: int, rounds: int, backends: tuple[str, ...]) -> int:
     """Full syncs of this checkout against the one at `old`, in one run: each round runs an nft
     and an iptables-legacy full sync with each tree (a fresh process and namespace each), the
     trees alternating first, so that the machine's load falls on both alike."""
     trees = {"old": os.path.abspath(old), "this": str(Path(__file__).resolve().parent.parent)}
-    times: dict[str, dict[str, list[float]]] = {t: {"nft": [], "iptables": []} for t in trees}
+    times: dict[str, dict[str, list[float]]] = {t: {b: [] for b in backends} for t in trees}
     print(f"# full sync A/B, {services} x {endpoints}: this tree {trees['this']} against {trees['old']}, "
           f"{rounds} rounds alternating", flush=True)
     for i in range(rounds):
         for tree in (("old", "this") if i % 2 == 0 else ("this", "old")):
-            for backend in ("nft", "iptables"):
+            for backend in backends:
                 for attempt in range(5):  # the xtables lock is host-wide: other writers time us out
                     out = subprocess.run(
                         [sys.executable, __file__, "--child-full", backend, str(services), str(endpoints)],
@@ -121,7 +121,10 @@ def compare_trees(old: str, services: int, endpoints: int, rounds: int) -> int:
     print("| tree | nft full (best / median s) | iptables-legacy full (best / median s) | nft / iptables-legacy (medians) |")
     print("|---|---|---|---|")
     for tree in trees:
-        n, l = times[tree]["nft"], times[tree]["iptables"]
+        n, l = times[tree]["nft"], times[tree].get("iptables")
+        if l is None:
+            print(f"| {tree} | {min(n):.3f} / {med(n):.3f} | (not run) | |")
+            continue
         ratios = [a / b for a, b in zip(n, l)]
         print(f"| {tree} | {min(n):.3f} / {med(n):.3f} | {min(l):.3f} / {med(l):.3f} | {med(ratios):.3f} |")
     this, was = times["this"]["nft"], times["old"]["nft"]
@@ -138,6 +141,8 @@ def main() -> int:
     ap.add_argument("--skip-iptables-nft", action="store_true")
     ap.add_argument("--compare-tree", metavar="OLD",
                     help="only full syncs: this checkout against the one at OLD, --repeat rounds alternating")
+    ap.add_argument("--nft-only", action="store_true",
+                    help="with --compare-tree: no iptables-legacy syncs (when other writers hold the xtables lock)")
     ap.add_argument("--child-full", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -147,7 +152,8 @@ def main() -> int:
         backend, services, endpoints = args.child_full
         return _child_full(backend, int(services), int(endpoints))
     if args.compare_tree:
-        return compare_trees(args.compare_tree, args.services, args.endpoints, args.repeat)
+        backends = ("nft",) if args.nft_only else ("nft", "iptables")
+        return compare_trees(args.compare_tree, args.services, args.endpoints, args.repeat, backends)
     S, N = args.services, args.endpoints
     big = uniform_cluster(S, N)
     small = uniform_cluster(args.small, N)
