@@ -12,6 +12,7 @@ namespace, whole processes, the two payloads interleaved run by run, best and me
 
     .venv/bin/python bench/render.py [--sizes 100,1000,10000] [--endpoints 10] [--repeat 3]
     .venv/bin/python bench/render.py --sizes '' --restore 3000 --restore-runs 7
+    .venv/bin/python bench/render.py --sizes 5000,10000 --repeat 5 --compare-tree /tmp/old-checkout
 """
 
 from __future__ import annotations
@@ -32,34 +33,76 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_SECONDS = 1.0
 
 
-def measure(backend: str, services: int, endpoints: int) -> dict[str, float]:
-    """Runs in the child: build the model, then time render + text for both families."""
-    sys.path.insert(0, ROOT)
+def measure(backend: str, services: int, endpoints: int, root: str = ROOT) -> dict[str, float]:
+    """Runs in the child: build the model, then time render + text for both families, with
+    the nfproxy of the checkout at `root`."""
+    sys.path.insert(0, root)
     from nfproxy.core.model import IPFamily
     from nfproxy.testing import uniform_cluster
 
-    state = uniform_cluster(services, endpoints)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
+    # The backend is imported before the clock starts: import time is not render time.
     if backend == "iptables":
         from nfproxy.backends.iptables import render as iptables
 
-        text = "".join(iptables.render(state, f).restore_text() for f in IPFamily)
+        def text_of(state, f):
+            return iptables.render(state, f).restore_text()
     else:
         from nfproxy.backends.nft import render as nft
 
-        text = "".join(nft.render(state, f).script() for f in IPFamily)
-    seconds = time.perf_counter() - start
+        def text_of(state, f):
+            return nft.render(state, f).script()
+
+    state = uniform_cluster(services, endpoints)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start, cpu = time.perf_counter(), time.process_time()
+    text = "".join(text_of(state, f) for f in IPFamily)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": seconds, "rss_mib": (after - before) / 1024, "bytes": len(text)}
+    return {"seconds": seconds, "cpu": cpu, "rss_mib": (after - before) / 1024, "bytes": len(text)}
 
 
-def run_child(backend: str, services: int, endpoints: int) -> dict[str, float]:
+def run_child(backend: str, services: int, endpoints: int, root: str = ROOT) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", backend, str(services), str(endpoints)],
+        [sys.executable, __file__, "--child", backend, str(services), str(endpoints), "--root", root],
         capture_output=True, text=True, check=True,
     )
     return json.loads(out.stdout)
+
+
+def compare_trees(old: str, sizes: list[int], endpoints: int, rounds: int) -> None:
+    """This checkout against the one at `old` (e.g. a `git archive` of an earlier commit), in
+    one run: each round renders every size with both trees, in alternating order, so that the
+    machine's load falls on both alike. Ratios are within a tree (nft/ipt) and across trees
+    (this/old), of the best and of the median round; CPU seconds (process time) beside wall
+    seconds, since on a shared machine the CPU time is the steadier of the two."""
+    old = os.path.abspath(old)
+    trees = {"old": old, "this": ROOT}
+    print(f"render A/B: this tree {ROOT} against {old}; services x {endpoints} endpoints, both "
+          f"families, {rounds} rounds alternating")
+    print(f"{'services':>9} {'tree':>5} {'ipt best':>9} {'nft best':>9} {'nft med':>8} {'nft/ipt':>8} "
+          f"{'ipt cpu':>8} {'nft cpu':>8} {'cpu n/i':>8} {'nft MiB':>8}")
+    med = statistics.median
+    for n in sizes:
+        runs: dict[str, dict[str, list[dict[str, float]]]] = {t: {"iptables": [], "nft": []} for t in trees}
+        for i in range(rounds):
+            for tree in (("old", "this") if i % 2 == 0 else ("this", "old")):
+                for backend in ("iptables", "nft"):
+                    runs[tree][backend].append(run_child(backend, n, endpoints, trees[tree]))
+
+        def best(tree: str, backend: str, field: str = "seconds") -> float:
+            return min(r[field] for r in runs[tree][backend])
+
+        for tree in trees:
+            nft_wall = [r["seconds"] for r in runs[tree]["nft"]]
+            print(f"{n:>9} {tree:>5} {best(tree, 'iptables'):>9.3f} {best(tree, 'nft'):>9.3f} "
+                  f"{med(nft_wall):>8.3f} {best(tree, 'nft') / best(tree, 'iptables'):>8.2f} "
+                  f"{best(tree, 'iptables', 'cpu'):>8.3f} {best(tree, 'nft', 'cpu'):>8.3f} "
+                  f"{best(tree, 'nft', 'cpu') / best(tree, 'iptables', 'cpu'):>8.2f} "
+                  f"{max(r['rss_mib'] for r in runs[tree]['nft']):>8.1f}")
+        wall = best("this", "nft") / best("old", "nft")
+        wall_med = med([r["seconds"] for r in runs["this"]["nft"]]) / med([r["seconds"] for r in runs["old"]["nft"]])
+        cpu = best("this", "nft", "cpu") / best("old", "nft", "cpu")
+        print(f"{n:>9} nft this/old: wall best {wall:.3f}, wall median {wall_med:.3f}, cpu best {cpu:.3f}")
 
 
 # ---- kube-proxy's payload, written from its proxier's conventions (not from nfproxy's renderer)
@@ -194,14 +237,20 @@ def main() -> int:
     ap.add_argument("--restore", type=int, default=0, metavar="N",
                     help="also time iptables-legacy-restore of N services against kube-proxy's payload (root)")
     ap.add_argument("--restore-runs", type=int, default=7)
+    ap.add_argument("--compare-tree", metavar="OLD",
+                    help="A/B against the checkout at OLD, alternating, --repeat rounds (nothing else runs)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         backend, services, endpoints = args.child
-        print(json.dumps(measure(backend, int(services), int(endpoints))))
+        print(json.dumps(measure(backend, int(services), int(endpoints), args.root)))
         return 0
 
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.compare_tree:
+        compare_trees(args.compare_tree, sizes, args.endpoints, args.repeat)
+        return 0
     if args.restore:
         restore_table(args.restore, args.endpoints, args.restore_runs)
     if not sizes:

@@ -12,6 +12,8 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 - a no-op sync (target: <= 5 ms).
 
 Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5]
+       sudo .venv/bin/python bench/sync.py --services 5000 --repeat 3 --compare-tree /tmp/old-checkout
+(--compare-tree: full syncs only, nft and iptables-legacy, this tree against OLD alternately.)
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# NFPROXY_TREE: run against another checkout's nfproxy (the --compare-tree children).
+sys.path.insert(0, os.environ.get("NFPROXY_TREE") or str(Path(__file__).resolve().parent.parent))
 
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.kernel.iptables import Flavour  # noqa: E402
@@ -79,6 +84,54 @@ def one_service_changes(
     return changes, noops, ops
 
 
+def _child_full(backend: str, services: int, endpoints: int) -> int:
+    """One full sync in this process (of the tree NFPROXY_TREE names), printed as JSON."""
+    flavour = Flavour.LEGACY if backend == "iptables" else None
+    print(json.dumps({"seconds": full_sync(backend, uniform_cluster(services, endpoints), flavour)}))
+    return 0
+
+
+def compare_trees(old: str, services: int, endpoints: int, rounds: int, backends: tuple[str, ...]) -> int:
+    """Full syncs of this checkout against the one at `old`, in one run: each round runs an nft
+    and an iptables-legacy full sync with each tree (a fresh process and namespace each), the
+    trees alternating first, so that the machine's load falls on both alike."""
+    trees = {"old": os.path.abspath(old), "this": str(Path(__file__).resolve().parent.parent)}
+    times: dict[str, dict[str, list[float]]] = {t: {b: [] for b in backends} for t in trees}
+    print(f"# full sync A/B, {services} x {endpoints}: this tree {trees['this']} against {trees['old']}, "
+          f"{rounds} rounds alternating", flush=True)
+    for i in range(rounds):
+        for tree in (("old", "this") if i % 2 == 0 else ("this", "old")):
+            for backend in backends:
+                for attempt in range(5):  # the xtables lock is host-wide: other writers time us out
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child-full", backend, str(services), str(endpoints)],
+                        capture_output=True, text=True, env={**os.environ, "NFPROXY_TREE": trees[tree]},
+                    )
+                    if out.returncode == 0 or "xtables lock" not in out.stderr:
+                        break
+                    print(f"round {i + 1} {tree} {backend}: xtables lock busy, again", flush=True)
+                if out.returncode != 0:
+                    print(out.stderr, file=sys.stderr)
+                    raise SystemExit(f"{tree} {backend} full sync failed (exit {out.returncode})")
+                seconds = json.loads(out.stdout.splitlines()[-1])["seconds"]
+                times[tree][backend].append(seconds)
+                print(f"round {i + 1} {tree:>4} {backend:>8} full sync {seconds:.3f} s", flush=True)
+    med = statistics.median
+    print()
+    print("| tree | nft full (best / median s) | iptables-legacy full (best / median s) | nft / iptables-legacy (medians) |")
+    print("|---|---|---|---|")
+    for tree in trees:
+        n, l = times[tree]["nft"], times[tree].get("iptables")
+        if l is None:
+            print(f"| {tree} | {min(n):.3f} / {med(n):.3f} | (not run) | |")
+            continue
+        ratios = [a / b for a, b in zip(n, l)]
+        print(f"| {tree} | {min(n):.3f} / {med(n):.3f} | {min(l):.3f} / {med(l):.3f} | {med(ratios):.3f} |")
+    this, was = times["this"]["nft"], times["old"]["nft"]
+    print(f"\nnft full sync this/old: best {min(this) / min(was):.3f}, median {med(this) / med(was):.3f}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", type=int, default=10_000)
@@ -86,10 +139,21 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=100, help="the small cluster of the change ratio")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--skip-iptables-nft", action="store_true")
+    ap.add_argument("--compare-tree", metavar="OLD",
+                    help="only full syncs: this checkout against the one at OLD, --repeat rounds alternating")
+    ap.add_argument("--nft-only", action="store_true",
+                    help="with --compare-tree: no iptables-legacy syncs (when other writers hold the xtables lock)")
+    ap.add_argument("--child-full", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/sync.py: needs root (network namespaces)", file=sys.stderr)
         return 1
+    if args.child_full:
+        backend, services, endpoints = args.child_full
+        return _child_full(backend, int(services), int(endpoints))
+    if args.compare_tree:
+        backends = ("nft",) if args.nft_only else ("nft", "iptables")
+        return compare_trees(args.compare_tree, args.services, args.endpoints, args.repeat, backends)
     S, N = args.services, args.endpoints
     big = uniform_cluster(S, N)
     small = uniform_cluster(args.small, N)

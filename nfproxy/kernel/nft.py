@@ -78,10 +78,9 @@ class NftSession:
 
         A full sync needs them to remove what the new state does not render: chains and sets
         left by services that vanished while nfproxy was not running, a counter of a feature
-        turned off; listing the whole table would also fetch every rule.
+        turned off; listing the whole table would also fetch every rule (and asking whether the
+        table exists first did: `list table -t` still lists the rules).
         """
-        if self.list_table(family, table, terse=True) is None:
-            return None
         chains = json.loads(self._cmd(f"list chains {family}", json_output=True))
         # `list sets` leaves maps out: both lists, or a stray map is never seen.
         sets = json.loads(self._cmd(f"list sets {family}", json_output=True, terse=True))
@@ -101,6 +100,8 @@ class NftSession:
             for o in counters.get("nftables", ())
             if (body := o.get("counter")) is not None and body["table"] == table
         }
+        if not (chain_names or set_names or counter_names) and self.list_table(family, table, terse=True) is None:
+            return None  # only then can the table be missing: it costs nothing to ask
         return chain_names, set_names, counter_names
 
     def counter_packets(self, family: str, table: str, name: str) -> int | None:

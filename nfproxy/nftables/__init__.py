@@ -6,10 +6,10 @@ Transaction, and each kernel path consumes the Transaction its own way (libnftab
 backends, kernels and analysis can all share it.
 """
 
-from nfproxy.nftables.objects import Chain, Counter, Element, Map, Note, Rule, Set, Table
+from nfproxy.nftables.objects import Chain, Counter, Element, Elements, Map, Note, Rule, Set, Table
 from nfproxy.nftables.transaction import Transaction, Verb
 
 # The one table nfproxy owns in each family (kube-proxy's is `kube-proxy`).
 TABLE = "nfproxy"
 
-__all__ = ["TABLE", "Chain", "Counter", "Element", "Map", "Note", "Rule", "Set", "Table", "Transaction", "Verb"]
+__all__ = ["TABLE", "Chain", "Counter", "Element", "Elements", "Map", "Note", "Rule", "Set", "Table", "Transaction", "Verb"]

@@ -9,7 +9,9 @@ without reading text back.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 
 NAME_LENGTH_MAX = 256
 COMMENT_LENGTH_MAX = 128  # nft refuses longer comments ("comment too long")
@@ -113,7 +115,7 @@ class Element:
     comment: str = ""
 
 
-# A full sync builds 200 000 elements. The generated __init__ of a frozen dataclass sets each
+# A full sync builds 200 000 elements and 20 000 chains. The generated __init__ of a frozen dataclass sets each
 # field through object.__setattr__ by name; setting the slot descriptors directly is a third
 # faster. Still frozen: assigning after construction raises FrozenInstanceError as before.
 _rule_chain, _rule_body = Rule.chain.__set__, Rule.body.__set__  # type: ignore[attr-defined]
@@ -133,8 +135,69 @@ def _element_init(self: Element, set: str, key: str, value: str = "", comment: s
     _el_comment(self, comment)
 
 
+_ch_name, _ch_type, _ch_hook = Chain.name.__set__, Chain.type.__set__, Chain.hook.__set__  # type: ignore[attr-defined]
+_ch_priority, _ch_comment = Chain.priority.__set__, Chain.comment.__set__  # type: ignore[attr-defined]
+
+
+def _chain_init(
+    self: Chain, name: str, type: str | None = None, hook: str | None = None,  # noqa: A002
+    priority: str | None = None, comment: str | None = None,
+) -> None:
+    _ch_name(self, name)
+    _ch_type(self, type)
+    _ch_hook(self, hook)
+    _ch_priority(self, priority)
+    _ch_comment(self, comment)
+
+
+Chain.__init__ = _chain_init  # type: ignore[method-assign]
 Rule.__init__ = _rule_init  # type: ignore[method-assign]
 Element.__init__ = _element_init  # type: ignore[method-assign]
+
+
+_SET, _KEY, _VALUE, _COMMENT = attrgetter("set"), attrgetter("key"), attrgetter("value"), attrgetter("comment")
+
+
+@dataclass(frozen=True, slots=True)
+class Elements:
+    """Many elements of one set or map, as one queued operation: what a full sync adds (200 000
+    elements at 10 000 services) in a few hundred operations, checked in one pass per field and
+    written as one command. Parallel columns, not Element objects: a renderer that holds keys
+    (the hairpin and cluster-ip sets) queues them without building an object per key.
+
+    `values` and `comments` are empty, or as long as `keys` ("" where an element has none).
+    A kernel path that wants single elements reads them from `Transaction.operations()`.
+    """
+
+    set: str
+    keys: tuple[str, ...]
+    values: tuple[str, ...] = ()
+    comments: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, elements: Iterable[Element]) -> Elements:
+        """The batch of `elements`, all of set `name`, columns taken at C speed."""
+        els = elements if isinstance(elements, (list, tuple)) else list(elements)
+        try:
+            others = set(map(_SET, els)) - {name}
+        except AttributeError:
+            raise TypeError(f"not all elements: {next(e for e in els if type(e) is not Element)!r}") from None
+        if others:
+            raise ValueError(f"elements of {sorted(others)} in the batch of {name}")
+        values, comments = tuple(map(_VALUE, els)), tuple(map(_COMMENT, els))
+        return cls(name, tuple(map(_KEY, els)), values if any(values) else (), comments if any(comments) else ())
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def each(self) -> Iterator[Element]:
+        """The elements one at a time."""
+        n = len(self.keys)
+        values = self.values or ("",) * n
+        comments = self.comments or ("",) * n
+        name = self.set
+        for key, value, comment in zip(self.keys, values, comments):
+            yield Element(name, key, value, comment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,4 +216,14 @@ class Note:
     text: str
 
 
-Object = Table | Chain | Rule | Set | Map | Element | Counter
+_note_text = Note.text.__set__  # type: ignore[attr-defined]
+
+
+def _note_init(self: Note, text: str) -> None:
+    _note_text(self, text)
+
+
+Note.__init__ = _note_init  # type: ignore[method-assign]  # one per service port, as Rule
+
+
+Object = Table | Chain | Rule | Set | Map | Element | Elements | Counter

@@ -1,12 +1,15 @@
 """The one place nft script text is written from objects (for libnftables and `nfproxy render`).
 
-Consecutive `add element` operations on one set are written as one command with one element per
-line, as a reader (and nft, which then sends one message per set) prefers.
+An `Elements` batch, and a run of consecutive `add element` operations on one set, are written as
+one command with one element per line, as a reader (and nft, which then sends one message per
+set) prefers.
 """
 
 from __future__ import annotations
 
-from nfproxy.nftables.objects import Chain, Counter, Element, Map, Note, Object, Rule, Set, Table, quote_comment
+from nfproxy.nftables.objects import (
+    Chain, Counter, Element, Elements, Map, Note, Object, Rule, Set, Table, quote_comment,
+)
 from nfproxy.nftables.transaction import Transaction, Verb
 
 
@@ -37,9 +40,21 @@ def element_text(el: Element) -> str:
     return f"{el.key}{comment}{value}"
 
 
+def elements_text(batch: Elements) -> list[str] | tuple[str, ...]:
+    """Each element of `batch` as `element_text` writes it, joined in bulk where it can be."""
+    keys, values, comments = batch.keys, batch.values, batch.comments
+    if comments or "" in values:
+        return [element_text(el) for el in batch.each()]
+    if values:
+        return list(map(" : ".join, zip(keys, values)))
+    return keys
+
+
 def command(verb: Verb, obj: Object, where: str) -> str:
     """One operation as one nft command (no newline); `where` is `FAMILY TABLE`."""
     v = verb.value
+    if type(obj) is Elements:
+        return f"{v} element {where} {obj.set} {{ {', '.join(elements_text(obj))} }}"
     if type(obj) is Rule:
         return f"{v} rule {where} {obj.chain} {obj.body}"
     if type(obj) is Element:
@@ -73,9 +88,15 @@ def script(tx: Transaction) -> str:
         kind = type(obj)
         if kind is Rule:
             out.append(f"add rule {where} {obj.chain} {obj.body}\n")  # type: ignore[union-attr]
+        elif kind is Elements:
+            if obj.keys:  # type: ignore[union-attr]
+                items = ",\n\t".join(elements_text(obj))  # type: ignore[arg-type]
+                out.append(f"\nadd element {where} {obj.set} {{\n\t{items}\n}}\n")  # type: ignore[union-attr]
         elif kind is Element and verb is add:
             i = _element_block(ops, i, where, out)
             continue
+        elif kind is Chain and obj.hook is None and obj.comment is None:  # type: ignore[union-attr]
+            out.append(f"{verb.value} chain {where} {obj.name}\n")  # type: ignore[union-attr]
         elif kind is Note:
             out.append(f"\n# {obj.text}\n")  # type: ignore[union-attr]
         else:

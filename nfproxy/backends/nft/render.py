@@ -22,6 +22,7 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from types import MappingProxyType
 
 from nfproxy import nftables as nft
@@ -340,25 +341,22 @@ class NftRuleset:
             tx.add(shard)
             tx.flush(shard)
         for name, rules in self.chains.items():
-            for body in rules:
-                tx.add(nft.Rule(name, body))
+            tx.add_rules(name, rules)
 
         for (spn, _family), svc in self.services.items():
             tx.note(f"{spn.namespace}/{spn.name}/{spn.protocol.lower}/{spn.port}")
             for aset in svc.affinity_sets.values():
                 tx.add(aset)
-            for name in svc.chains:
-                chain = nft.Chain(name)
-                tx.add(chain)
-                tx.flush(chain)
-            for name, rules in svc.chains.items():
-                for body in rules:
-                    tx.add(nft.Rule(name, body))
+            tx.refill(svc.chains)
 
-        tx.add_elements([Element(HAIRPIN_SET, f"{ip} . {ip}") for ip in self.hairpin_refs])
-        tx.add_elements([Element(CLUSTER_IPS_SET, ip) for ip in self.cluster_ip_refs])
+        # One batch per set: 200 000 elements at 10 000 services, checked and written in bulk.
+        if self.hairpin_refs:
+            tx.add(nft.Elements(HAIRPIN_SET, tuple([f"{ip} . {ip}" for ip in self.hairpin_refs])))
+        if self.cluster_ip_refs:
+            tx.add(nft.Elements(CLUSTER_IPS_SET, tuple(self.cluster_ip_refs)))
         for name, elements in self.elements.items():
-            tx.add_elements(elements.values())
+            if elements:
+                tx.add(nft.Elements.of(name, elements.values()))
         tx.check()
         return tx
 
@@ -679,7 +677,9 @@ def _render_service(
         values = [f"{ep.ip} . {ep.port}" for ep in subset]
         if not kept_before and chain in slots.kept:
             values = slots.arrange(shard, first, values)
-        slot_elements.extend((shard, k, Element(shard, k, v)) for k, v in zip(map(str, range(first, first + len(values))), values))
+        # (shard, slot, Element) per endpoint, iterated in C: 110 000 of them at 10 000 x 10.
+        keys = list(map(str, range(first, first + len(values))))
+        slot_elements.extend(zip(repeat(shard), keys, map(Element, repeat(shard), keys, values)))
         return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
