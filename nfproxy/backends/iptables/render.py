@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 
 from nfproxy.backends import gc_paused
 from nfproxy.core.categorize import (
+    cascade_order,
+    cascade_probabilities,
+    weighted,
     NoEndpoints,
     PodMatch,
     PodMatchKind,
@@ -712,7 +715,9 @@ def _cascades(port: _Port, ctx: _Context, rules: list[str]) -> None:
     for chain, subset in ((port.svc_chain, routing.cluster), (port.svl_chain, routing.local)):
         if not subset:
             continue
-        if subset is reachable:
+        if weighted(subset):
+            _weighted_cascade(rules, chain, names, addrs, subset, name, affinity, large)
+        elif subset is reachable:
             _cascade(rules, chain, names, addrs, name, affinity, large)
         else:
             _cascade(rules, chain, *_select(names, addrs, subset), name, affinity, large)
@@ -792,6 +797,29 @@ def _postrouting_rules(mark: str) -> list[str]:
     ]
 
 
+def _weighted_cascade(
+    rules: list[str],
+    chain: str,
+    names: list[str],
+    addrs: list[str],
+    subset: tuple[Endpoint, ...],
+    svc_name: str,
+    affinity: int,
+    large: bool,
+) -> None:
+    """The generalised cascade: rule i fires with w_i / (w_i + ... + w_{n-1}), printed as
+    kube-proxy prints probabilities, in core.categorize.cascade_order (heaviest first)."""
+    sep_names, sep_addrs = _select(names, addrs, subset)
+    by_address = {ep.address: i for i, ep in enumerate(subset)}
+    order = [by_address[ep.address] for ep in cascade_order(subset)]
+    ordered = tuple(subset[i] for i in order)
+    # Go's float64(w) / float64(rest) and Python's true division round alike, and so does %0.10f.
+    probs = ["%0.10f" % (w / rest) for w, rest in cascade_probabilities(ordered)]
+    probs.append("")
+    _cascade(rules, chain, [sep_names[i] for i in order], [sep_addrs[i] for i in order],
+             svc_name, affinity, large, probs)
+
+
 def _select(
     names: list[str], addrs: list[str], subset: tuple[Endpoint, ...]
 ) -> tuple[list[str], list[str]]:
@@ -809,16 +837,22 @@ def _cascade(
     svc_name: str,
     affinity: int,
     large: bool,
+    weighted_probs: list[str] | None = None,
 ) -> None:
     """Affinity lookups first (a known client keeps its endpoint), then the random cascade.
 
     Rule i of n matches with probability 1/(n-i) of what reaches it, so each endpoint gets 1/n;
-    the last rule has no statistic match and takes whatever is left.
+    the last rule has no statistic match and takes whatever is left. `weighted_probs`, rule
+    i's printed probability at [n - i], replaces 1/(n-i) for weighted endpoints.
     """
     n = len(names)
-    probability(n)
-    probs = _probabilities
     last = n - 1
+    if weighted_probs is None:
+        probability(n)
+        probs = _probabilities
+    else:
+        probs = weighted_probs[::-1]
+        probs.insert(0, "<bad value>")
     if large:
         head = f"-A {chain}"
         if affinity:
