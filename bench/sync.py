@@ -12,6 +12,10 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 - a no-op sync (target: <= 5 ms).
 
 Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5]
+
+`--weights 1:2:7` measures weighted endpoints instead (docs/weights.md): the same cluster with
+the pattern's weights cycled over every service's endpoints, against the unweighted one, full
+syncs of both backends and a one-service change (a weight changed), as ratios from one run.
 """
 
 from __future__ import annotations
@@ -79,6 +83,64 @@ def one_service_changes(
     return changes, noops, ops
 
 
+def weighted(state: ClusterState, pattern: list[int]) -> ClusterState:
+    """Every service's endpoints weighted by `pattern`, cycled in address order."""
+    endpoints = {
+        key: tuple(dataclasses.replace(e, weight=pattern[j % len(pattern)]) for j, e in enumerate(eps))
+        for key, eps in state.endpoints.items()
+    }
+    return dataclasses.replace(state, endpoints=endpoints)
+
+
+def weight_changes(state: ClusterState, repeat: int) -> list[float]:
+    """One service's first endpoint gets another weight: a partial sync of that service."""
+    keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
+    times = []
+    with netns.throwaway("nfp-bench") as ns:
+        proxier = Proxier("nft", netns=ns)
+        proxier.sync(state)
+        current = state
+        for i in range(repeat):
+            key = keys[(i * 7919) % len(keys)]
+            eps = list(current.endpoints[key])
+            eps[0] = dataclasses.replace(eps[0], weight=eps[0].weight % 5 + 3)
+            current = dataclasses.replace(current, endpoints={**current.endpoints, key: tuple(eps)})
+            gc.collect()
+            start = time.perf_counter()
+            result = proxier.sync(current)
+            times.append(time.perf_counter() - start)
+            assert result.kind == "partial", result
+    return times
+
+
+def weights_main(args: argparse.Namespace) -> int:
+    """Weighted against unweighted at S x N: the issue's "within 5%"."""
+    pattern = [int(w) for w in args.weights.split(":")]
+    S, N = args.services, args.endpoints
+    plain = uniform_cluster(S, N)
+    heavy = weighted(plain, pattern)
+    print(f"# weighted endpoints: {S} x {N}, weights {args.weights} cycled, one run", flush=True)
+    rows = []
+    for label, run in (
+        ("nft full sync", lambda st: full_sync("nft", st)),
+        ("iptables-legacy full sync", lambda st: full_sync("iptables", st, Flavour.LEGACY)),
+        ("nft one-service change (ms, median)",
+         lambda st: statistics.median(one_service_changes(st, args.repeat)[0]) * 1000),
+    ):
+        a = run(plain)
+        b = run(heavy)
+        print(f"{label}: unweighted {a:.3f}, weighted {b:.3f}", flush=True)
+        rows.append((label, a, b))
+    change = statistics.median(weight_changes(heavy, args.repeat)) * 1000
+    print()
+    print("| measure | unweighted | weighted | ratio | within 5% |")
+    print("|---|---|---|---|---|")
+    for label, a, b in rows:
+        print(f"| {label} | {a:.3f} | {b:.3f} | {b / a:.3f} | {'yes' if b / a <= 1.05 else 'NO'} |")
+    print(f"| nft weight change of one service (ms, median) | | {change:.3f} | | |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", type=int, default=10_000)
@@ -86,10 +148,14 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=100, help="the small cluster of the change ratio")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--skip-iptables-nft", action="store_true")
+    ap.add_argument("--weights", metavar="W:W:...", default=None,
+                    help="measure weighted endpoints (this pattern cycled) against unweighted instead")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/sync.py: needs root (network namespaces)", file=sys.stderr)
         return 1
+    if args.weights:
+        return weights_main(args)
     S, N = args.services, args.endpoints
     big = uniform_cluster(S, N)
     small = uniform_cluster(args.small, N)
