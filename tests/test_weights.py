@@ -262,3 +262,29 @@ def test_api_objects_carry_weights_too() -> None:
     result = manifests.load_objects(objs)
     assert [e.weight for e in next(iter(result.state.endpoints.values()))] == [1, 3]
     assert [e.field for e in result.errors] == ["metadata.annotations[nfproxy.io/endpoint-weights][10.1.0.1]"]
+
+
+# ---- the commands
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "weighted.yaml"
+
+
+def test_cli_check_and_trace_with_the_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nfproxy.cli.main import main
+
+    for backend in ("iptables", "nft"):
+        assert main(["render", "--backend", backend, str(EXAMPLE)]) == 0
+        dump = tmp_path / f"{backend}.txt"
+        dump.write_text(capsys.readouterr().out)
+        assert main(["check", "--from-file", str(dump), "--manifests", str(EXAMPLE)]) == 0
+        out = capsys.readouterr().out
+        assert "worst deviation from the weights" in out and "(weight share 7/10)" in out
+        assert main(["check", "--from-file", str(dump)]) == 1  # held to 1/3 without the model
+        capsys.readouterr()
+        assert main(["trace", "--from-file", str(dump), "--manifests", str(EXAMPLE), "10.244.0.9", "10.96.10.70:80/tcp"]) == 0
+        out = capsys.readouterr().out
+        assert "DNAT 10.244.1.73:8080" in out and "written 7/10, weight 7)" in out
+        assert "10.244.1.74" not in out  # drained
+    assert main(["compare", str(EXAMPLE)]) == 0
+    assert "kernel arithmetic against the rules as written: iptables" in capsys.readouterr().out
