@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,22 @@ def test_cli_check_and_trace_with_the_model(tmp_path: Path, capsys: pytest.Captu
         assert "10.244.1.74" not in out  # drained
     assert main(["compare", str(EXAMPLE)]) == 0
     assert "kernel arithmetic against the rules as written: iptables" in capsys.readouterr().out
+
+
+def test_proxier_weight_changes_are_partial_and_end_as_a_full_sync() -> None:
+    """On the in-memory nft kernel: weights set, changed and removed again, each a partial
+    sync touching that one service, each ending where a fresh full sync ends."""
+    from tests.test_proxier_memory import fresh, memory_proxier, resolved
+
+    from nfproxy.testing import uniform_cluster
+
+    state = uniform_cluster(20, 4)
+    key = sorted(state.services)[3]
+    proxier, kernels = memory_proxier()
+    proxier.sync(state)
+    for weights in ([1, 2, 3, 4], [0, 2, 3, 4], [5, 5, 5, 10], [1, 1, 1, 1]):
+        eps = tuple(replace(e, weight=w) for e, w in zip(state.endpoints[key], weights))
+        state = ClusterState(state.node, state.services, {**state.endpoints, key: eps})
+        result = proxier.sync(state)
+        assert result.kind == "partial", result
+        assert {f: resolved(k) for f, k in kernels.items()} == fresh(state)
