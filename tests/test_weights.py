@@ -268,7 +268,7 @@ def test_api_objects_carry_weights_too() -> None:
 # ---- the commands
 
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "weighted.yaml"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples-weighted" / "weighted.yaml"
 
 
 def test_cli_check_and_trace_with_the_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
