@@ -700,7 +700,9 @@ def _render_service(
         first = block[0]
         shard = shard_of(first, proto)
         shards.append(shard)
-        if not kept_before and chain in slots.kept:
+        if not kept_before and chain in slots.kept and not weighted(subset):
+            # Weighted slots stay in runs: a run of consecutive slots is within 2^-32 of its
+            # share in the kernel's buckets; scattered, the buckets' errors would add up.
             values = slots.arrange(shard, first, values)
         slot_elements.extend((shard, k, Element(shard, k, v)) for k, v in zip(map(str, range(first, first + len(values))), values))
         return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(values)} offset {first} map @{shard}"
