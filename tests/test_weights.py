@@ -308,3 +308,12 @@ def test_proxier_weight_changes_are_partial_and_end_as_a_full_sync() -> None:
         result = proxier.sync(state)
         assert result.kind == "partial", result
         assert {f: resolved(k) for f, k in kernels.items()} == fresh(state)
+        # And the kernel's arithmetic on the partially synced rules is still within 1e-9.
+        from nfproxy.analysis import nft_json
+
+        svc = state.services[key]
+        got = interpret(nft_json.parse(kernels[IPFamily.V4].json()), Packet("10.99.0.1", svc.cluster_ip, 80, "tcp", "outside"))
+        total = sum(weights)
+        want = {e.address: Fraction(e.weight, total) for e in eps if e.weight}
+        assert {o.endpoint for o in got} == set(want)
+        assert max(abs(p - want[o.endpoint]) for o, p in got.items()) <= Fraction(1, 10**9)
