@@ -33,6 +33,7 @@ from nfproxy.core.model import (
 )
 from nfproxy.sources import manifests
 from nfproxy.verify.compare import compare, iptables_ruleset, nft_ruleset
+from tests.test_kube_source import api, start_source  # noqa: F401 - fixtures of the fake API server
 
 NODE = NodeConfig(name="node-a", ips=("192.168.50.10",), cluster_cidrs=("10.244.0.0/16",))
 SPN = ServicePortName("demo", "web", "http", Protocol.TCP)
@@ -317,3 +318,32 @@ def test_proxier_weight_changes_are_partial_and_end_as_a_full_sync() -> None:
         want = {e.address: Fraction(e.weight, total) for e in eps if e.weight}
         assert {o.endpoint for o in got} == set(want)
         assert max(abs(p - want[o.endpoint]) for o, p in got.items()) <= Fraction(1, 10**9)
+
+
+def test_api_source_reads_logs_and_follows_weights(caplog: pytest.LogCaptureFixture, api, start_source) -> None:  # noqa: ANN001, F811
+    """Through the fake API server: the watched slice's weights reach the state, a change of
+    them is seen, and a bad entry is logged (once per change) and ignored."""
+    import logging
+
+    from tests.apiserver import endpoint_slice, service
+    from tests.test_kube_source import eventually, spn
+
+    def weighted_slice(weights: dict[str, object]) -> dict:
+        obj = endpoint_slice("web-1", "web", ["10.244.0.5", "10.244.0.6"], node_name="node-a")
+        obj["metadata"]["annotations"] = {"nfproxy.io/endpoint-weights": json.dumps(weights)}
+        return obj
+
+    def weights_of(source) -> list[int]:  # noqa: ANN001
+        return [e.weight for e in source.snapshot().state.endpoints.get(spn("default", "web"), ())]
+
+    api.apply(service("web", "10.96.0.10"))
+    api.apply(weighted_slice({"10.244.0.5": 3, "10.244.0.6": 1}))
+    with caplog.at_level(logging.WARNING, logger="nfproxy.sources.kube"):
+        source, _ = start_source()
+        assert weights_of(source) == [3, 1]
+        api.apply(weighted_slice({"10.244.0.5": 0, "10.244.0.6": 1001}))
+        assert eventually(lambda: weights_of(source) == [0, 1])
+    logged = [r.getMessage() for r in caplog.records if "endpoint-weights" in r.getMessage()]
+    assert logged == [
+        "skipped: EndpointSlice default/web-1: metadata.annotations[nfproxy.io/endpoint-weights][10.244.0.6]: 1001 is not a valid weight (0-1000)"
+    ], logged
