@@ -113,6 +113,18 @@ def weight_changes(state: ClusterState, repeat: int) -> list[float]:
     return times
 
 
+def iptables_render_time(state: ClusterState) -> float:
+    """What weights can change in an iptables sync: the text (the rules are as many)."""
+    from nfproxy.backends.iptables import render as iptables_render
+    from nfproxy.core.model import IPFamily
+
+    gc.collect()
+    start = time.perf_counter()
+    for family in IPFamily:
+        iptables_render.render(state, family).restore_text(with_jumps=True)
+    return time.perf_counter() - start
+
+
 def retried(run, state: ClusterState) -> float:  # noqa: ANN001
     """Other users of the machine hold /run/xtables.lock now and then: try again, twice."""
     from nfproxy.kernel.process import KernelError
@@ -134,12 +146,15 @@ def weights_main(args: argparse.Namespace) -> int:
     heavy = weighted(plain, pattern)
     print(f"# weighted endpoints: {S} x {N}, weights {args.weights} cycled, one run", flush=True)
     rows = []
-    for label, run in (
+    cases = [
         ("nft full sync", lambda st: full_sync("nft", st)),
-        ("iptables-legacy full sync", lambda st: full_sync("iptables", st, Flavour.LEGACY)),
+        ("iptables render, both families (no kernel)", iptables_render_time),
         ("nft one-service change (ms, median)",
          lambda st: statistics.median(one_service_changes(st, args.repeat)[0]) * 1000),
-    ):
+    ]
+    if not args.skip_iptables_restore:
+        cases.insert(1, ("iptables-legacy full sync", lambda st: full_sync("iptables", st, Flavour.LEGACY)))
+    for label, run in cases:
         # Interleaved, best of two each: the machine's load drifts over minutes.
         a1, b1, a2, b2 = (retried(run, st) for st in (plain, heavy, plain, heavy))
         a, b = min(a1, a2), min(b1, b2)
@@ -164,6 +179,8 @@ def main() -> int:
     ap.add_argument("--skip-iptables-nft", action="store_true")
     ap.add_argument("--weights", metavar="W:W:...", default=None,
                     help="measure weighted endpoints (this pattern cycled) against unweighted instead")
+    ap.add_argument("--skip-iptables-restore", action="store_true",
+                    help="with --weights: no iptables-legacy full syncs (they need /run/xtables.lock)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/sync.py: needs root (network namespaces)", file=sys.stderr)
