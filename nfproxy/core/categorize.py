@@ -183,32 +183,37 @@ def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeConf
 def weighted(endpoints: tuple[Endpoint, ...]) -> bool:
     """Whether the split is not the uniform one: equal weights render exactly as no weights,
     byte for byte."""
-    return any(e.weight != endpoints[0].weight for e in endpoints)
+    if not endpoints:
+        return False
+    first = endpoints[0].weight
+    for e in endpoints:
+        if e.weight != first:
+            return True
+    return False
 
 
-def cascade_order(endpoints: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
-    """The order of iptables' statistic cascade: heaviest first, ties in address order.
+def cascade_order(weights: list[int]) -> list[int]:
+    """The order of iptables' statistic cascade, as indices into `weights` (the endpoints in
+    address order): heaviest first, ties in address order.
 
     Every rule's 31-bit threshold is off by up to 2.8e-10; an endpoint's error sums the errors
     of the rules before it, each scaled by the share it passes on. Heaviest first bounds that
     sum by three rules' worth (< 1e-9) for any weights; address order lets 63 light rules in
-    front of a heavy endpoint add up to 1.8e-9. Uniform weights keep kube-proxy's address order.
+    front of a heavy endpoint add up to 1.8e-9. Equal weights keep kube-proxy's address order.
     """
-    if not weighted(endpoints):
-        return endpoints
-    return tuple(sorted(endpoints, key=lambda e: -e.weight))
+    return sorted(range(len(weights)), key=weights.__getitem__, reverse=True)  # stable
 
 
-def cascade_probabilities(endpoints: tuple[Endpoint, ...]) -> tuple[tuple[int, int], ...]:
-    """Rule i of the cascade (in `cascade_order`) fires with w_i / (w_i + ... + w_{n-1}) of
-    what reaches it, so endpoint i gets w_i / sum(w): (numerator, denominator) per rule but the
-    last, which takes the rest unconditionally."""
-    rest = sum(e.weight for e in endpoints)
+def cascade_probabilities(weights: list[int]) -> list[tuple[int, int]]:
+    """Rule i of the cascade (weights in `cascade_order`) fires with w_i / (w_i + ... +
+    w_{n-1}) of what reaches it, so endpoint i gets w_i / sum(w): (numerator, denominator) per
+    rule but the last, which takes the rest unconditionally."""
+    rest = sum(weights)
     out: list[tuple[int, int]] = []
-    for ep in endpoints[:-1]:
-        out.append((ep.weight, rest))
-        rest -= ep.weight
-    return tuple(out)
+    for w in weights[:-1]:
+        out.append((w, rest))
+        rest -= w
+    return out
 
 
 def slot_counts(endpoints: tuple[Endpoint, ...]) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ about 300 000 rule lines, and per-rule objects would dominate the sync time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import re
@@ -716,7 +717,7 @@ def _cascades(port: _Port, ctx: _Context, rules: list[str]) -> None:
         if not subset:
             continue
         if weighted(subset):
-            _weighted_cascade(rules, chain, names, addrs, subset, name, affinity, large)
+            _weighted_cascade(rules, chain, names, addrs, subset, reachable, name, affinity, large)
         elif subset is reachable:
             _cascade(rules, chain, names, addrs, name, affinity, large)
         else:
@@ -803,21 +804,32 @@ def _weighted_cascade(
     names: list[str],
     addrs: list[str],
     subset: tuple[Endpoint, ...],
+    reachable: tuple[Endpoint, ...],
     svc_name: str,
     affinity: int,
     large: bool,
 ) -> None:
     """The generalised cascade: rule i fires with w_i / (w_i + ... + w_{n-1}), printed as
     kube-proxy prints probabilities, in core.categorize.cascade_order (heaviest first)."""
-    sep_names, sep_addrs = _select(names, addrs, subset)
-    by_address = {ep.address: i for i, ep in enumerate(subset)}
-    order = [by_address[ep.address] for ep in cascade_order(subset)]
-    ordered = tuple(subset[i] for i in order)
-    # Go's float64(w) / float64(rest) and Python's true division round alike, and so does %0.10f.
-    probs = ["%0.10f" % (w / rest) for w, rest in cascade_probabilities(ordered)]
-    probs.append("")
+    sep_names, sep_addrs = (names, addrs) if subset is reachable else _select(names, addrs, subset)
+    order, probs = _weighted_plan(tuple([ep.weight for ep in subset]))
     _cascade(rules, chain, [sep_names[i] for i in order], [sep_addrs[i] for i in order],
              svc_name, affinity, large, probs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _weighted_plan(weights: tuple[int, ...]) -> tuple[tuple[int, ...], list[str]]:
+    """(cascade order, printed probabilities indexed as `_cascade` reads them: rule i at n-i).
+    Cached: services share weight patterns (every port of a slice has its weights), and the
+    order and text are all a 10 000-service sync would otherwise recompute per service.
+    w / rest prints as kube-proxy would print it: Go's float64 division and Python's round
+    alike, and so do %0.10f and Go's fmt."""
+    order = cascade_order(list(weights))
+    n = len(weights)
+    probs = ["<bad value>"] * (n + 1)
+    for i, (w, rest) in enumerate(cascade_probabilities([weights[k] for k in order])):
+        probs[n - i] = "%0.10f" % (w / rest)
+    return tuple(order), probs
 
 
 def _select(
@@ -842,8 +854,8 @@ def _cascade(
     """Affinity lookups first (a known client keeps its endpoint), then the random cascade.
 
     Rule i of n matches with probability 1/(n-i) of what reaches it, so each endpoint gets 1/n;
-    the last rule has no statistic match and takes whatever is left. `weighted_probs`, rule
-    i's printed probability at [n - i], replaces 1/(n-i) for weighted endpoints.
+    the last rule has no statistic match and takes whatever is left. `weighted_probs` (rule
+    i's printed probability at [n - i], never written to) replaces 1/(n-i) when weighted.
     """
     n = len(names)
     last = n - 1
@@ -851,8 +863,7 @@ def _cascade(
         probability(n)
         probs = _probabilities
     else:
-        probs = weighted_probs[::-1]
-        probs.insert(0, "<bad value>")
+        probs = weighted_probs
     if large:
         head = f"-A {chain}"
         if affinity:
