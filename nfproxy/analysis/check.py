@@ -18,7 +18,11 @@ affinity history, so the numbers are the kernel's. Problem kinds:
 - `missing-chain`: a jump, goto or verdict-map entry names a chain that does not exist;
 - `ungated-filter-jump`: a filter base chain jumps to a chain that can drop or reject, without
   a `ct state new` gate (it would then drop packets of established connections);
-- `uninterpretable`: a rule the interpreter does not understand sits on a service's path.
+- `uninterpretable`: a rule the interpreter does not understand sits on a service's path;
+- `weight-mismatch`: given the intended weights (`weights`, from the model: analysis.weights),
+  an endpoint's share differs from w_i / sum(w) by more than 1e-9 (stale weights, a drained
+  endpoint still picked). Without them every chain is held to 1/n, and unequal shares are
+  reported with a hint to give the model.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from fractions import Fraction
 
 from nfproxy.analysis import quantize
 from nfproxy.analysis.interpret import InterpretError, Mode, Packet, walk_chain
+from nfproxy.analysis.weights import Weights, intended_shares
 from nfproxy.analysis.ir import (
     AnonSet,
     Bitwise,
@@ -53,6 +58,10 @@ from nfproxy.analysis.ir import (
 )
 
 PPB = 10**9
+# Both kernels' quantisation stays within this of w_i / sum(w) (docs/weights.md); a stale weight
+# moves a share by 1/(sum * sum') at least, far more unless the sums run past ~30 000.
+WEIGHT_TOLERANCE = Fraction(1, 10**9)
+_MODEL_HINT = " (weighted rules? give the model, --manifests, to check them against the intended weights)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +83,17 @@ class ServiceReport:
     endpoints: tuple[tuple[str, Fraction], ...]
     fallthrough: Fraction
     affinity_timeout: int
+    # Each endpoint's intended share (the model's weights), when they were given and known.
+    intended: tuple[tuple[str, Fraction], ...] | None = None
 
     @property
     def worst_deviation_ppb(self) -> float:
+        """From the intended shares when known, else from 1/n."""
         n = len(self.endpoints)
         if n == 0:
             return 0.0
-        return float(max(abs(p - Fraction(1, n)) for _, p in self.endpoints) * PPB)
+        want = dict(self.intended) if self.intended is not None else {}
+        return float(max(abs(p - want.get(e, Fraction(1, n))) for e, p in self.endpoints) * PPB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +182,9 @@ def _probe(table: Table) -> tuple[str, str]:
     return "203.0.113.254", "203.0.113.253"
 
 
-def check(ruleset: Ruleset, *, node_ips: Sequence[str] = (), mode: Mode = "kernel") -> Report:
+def check(
+    ruleset: Ruleset, *, node_ips: Sequence[str] = (), mode: Mode = "kernel", weights: Weights | None = None
+) -> Report:
     services: list[ServiceReport] = []
     problems: list[Problem] = []
     for table in ruleset.tables:
@@ -186,7 +201,7 @@ def check(ruleset: Ruleset, *, node_ips: Sequence[str] = (), mode: Mode = "kerne
         for chain in table.chains.values():
             if not _selects(table, chain):
                 continue
-            report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode)
+            report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode, weights)
             problems.extend(found)
             reached |= reached_here
             if report is not None:
@@ -234,7 +249,7 @@ def _randomly_selected(table: Table) -> frozenset[str]:
 
 
 def _selection(
-    ruleset: Ruleset, table: Table, chain: Chain, node_ips: Sequence[str], mode: Mode
+    ruleset: Ruleset, table: Table, chain: Chain, node_ips: Sequence[str], mode: Mode, weights: Weights | None = None
 ) -> tuple[ServiceReport | None, list[Problem], set[str]]:
     problems: list[Problem] = []
     src, dst = _probe(table)
@@ -270,17 +285,34 @@ def _selection(
             fallthrough += p.probability
     if not endpoints:
         return None, problems, reached
-    report = ServiceReport(_label(table, chain), table.name, chain.name, proto, tuple(sorted(endpoints.items())), fallthrough, timeout)
-    problems.extend(_cascade_problems(table, chain))
+    label = _label(table, chain)
+    intended = intended_shares(weights, label, sorted(endpoints)) if weights is not None else None
+    report = ServiceReport(label, table.name, chain.name, proto, tuple(sorted(endpoints.items())), fallthrough, timeout,
+                           tuple(sorted(intended.items())) if intended is not None else None)
+    uniform = intended is None or len(set(intended.values())) == 1
+    problems.extend(_cascade_problems(table, chain, hint=intended is None) if uniform else [])
     problems.extend(_numgen_problems(table, chain))
+    if intended is not None:
+        problems.extend(_weight_problems(table, chain, endpoints, intended))
     if fallthrough and not any(p.kind in ("last-rule-probability", "numgen-slots") for p in problems):
         problems.append(Problem("fallthrough", _where(table, chain.name), f"{float(fallthrough):.3e} of new connections leave without an endpoint"))
     elif not problems and report.worst_deviation_ppb > 1000:
-        problems.append(Problem("cascade-probability", _where(table, chain.name), f"endpoint shares deviate from 1/{len(endpoints)} by {report.worst_deviation_ppb:.0f} ppb"))
+        hint = _MODEL_HINT if intended is None else ""
+        problems.append(Problem("cascade-probability", _where(table, chain.name), f"endpoint shares deviate from 1/{len(endpoints)} by {report.worst_deviation_ppb:.0f} ppb{hint}"))
     return report, problems, reached
 
 
-def _cascade_problems(table: Table, chain: Chain) -> list[Problem]:
+def _weight_problems(table: Table, chain: Chain, found: dict[str, Fraction], intended: dict[str, Fraction]) -> list[Problem]:
+    """Each endpoint whose share is not its intended one (within both kernels' quantisation)."""
+    out = []
+    for ep in sorted(found):
+        got, want = found[ep], intended[ep]
+        if abs(got - want) > WEIGHT_TOLERANCE:
+            out.append(Problem("weight-mismatch", _where(table, chain.name), f"{ep} gets {float(got):.9f}, its weight says {want} ({float(want):.9f}): stale weights?"))
+    return out
+
+
+def _cascade_problems(table: Table, chain: Chain, hint: bool = False) -> list[Problem]:
     """The statistic cascade: rule i of n candidates must carry 1/(n-i), the last none."""
     candidates: list[tuple[int, Rule, Statistic | None]] = []
     for i, rule in enumerate(chain.rules):
@@ -307,7 +339,7 @@ def _cascade_problems(table: Table, chain: Chain) -> list[Problem]:
             continue
         expected = f"{1 / (n - k):.10f}"
         if quantize.iptables_threshold(stat.probability) != quantize.iptables_threshold(expected):
-            out.append(Problem("cascade-probability", _where(table, chain.name, i), f"--probability {stat.probability} at position {k + 1} of {n}: expected {expected} (1/{n - k})"))
+            out.append(Problem("cascade-probability", _where(table, chain.name, i), f"--probability {stat.probability} at position {k + 1} of {n}: expected {expected} (1/{n - k}){_MODEL_HINT if hint else ''}"))
     return out
 
 

@@ -82,6 +82,11 @@ def ideal_probability(p_text: str) -> Fraction:
     of the 10th decimal; it is ~5.7e-10 wide, so it holds at most one fraction with a
     denominator below ~40 000 and every 1/k in that range is recovered exactly. A probability
     written on purpose as 0.34 stays 17/50.
+
+    Text exactly as kube-proxy prints it (ten decimals) is read more closely: the value was
+    within half a unit of the 10th decimal of what it prints, a window 1e-10 wide. Two fractions
+    with denominators up to 100 000 are further apart than that, so every weighted cascade rule
+    w_i / (w_i + ... + w_{n-1}) (sums up to 64 000: core.categorize) is recovered exactly.
     """
     t = iptables_threshold(p_text)
     if t == 0:
@@ -90,6 +95,10 @@ def ideal_probability(p_text: str) -> Fraction:
         return Fraction(1)
     half = Fraction(1, 2)
     digit = Fraction(1, 2 * 10**10)
+    whole, _, decimals = p_text.strip().partition(".")
+    if len(decimals) == 10 and decimals.isdigit() and whole in ("0", "1"):
+        printed = Fraction(p_text.strip())
+        return simplest_between(max(Fraction(0), printed - digit), min(Fraction(1), printed + digit))
     low = max(Fraction(0), (t - half) / STATISTIC_SCALE - digit)
     high = min(Fraction(1), (t + half) / STATISTIC_SCALE + digit)
     return simplest_between(low, high)

@@ -1,17 +1,18 @@
 """`trace`: the chains one first packet walks, and how likely each ending is.
 
 Public API: `guess_origin(ruleset, src, node_ips) -> Origin`, `pod_cidrs(ruleset)`,
-`format_trace(paths) -> str`, `parse_destination("10.96.0.10:53/udp") -> (ip, port, proto)`.
+`format_trace(paths, written=, weights=) -> str`, `endpoint_weights(weights)`, `parse_destination("10.96.0.10:53/udp") -> (ip, port, proto)`.
 The walk itself is `interpret.trace`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
 
 from nfproxy.analysis.index import indexes
-from nfproxy.analysis.interpret import Origin, Path
+from nfproxy.analysis.interpret import Origin, Outcome, Path
 from nfproxy.analysis.ir import Field, Match, Prefix, Ruleset, SetRef
 
 
@@ -66,17 +67,45 @@ def parse_destination(text: str) -> tuple[str, int, str]:
     return host, number, proto
 
 
-def format_trace(paths: Sequence[Path], limit: int = 20) -> str:
-    """Paths grouped by outcome, most likely first; the chain walk of each group's first path."""
+def endpoint_weights(weights: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """Weight per endpoint address, from analysis.weights; an address whose services disagree
+    (two slices weighting it differently) is left out rather than guessed."""
+    out: dict[str, int] = {}
+    clash: set[str] = set()
+    for per_service in weights.values():
+        for address, weight in per_service.items():
+            if out.setdefault(address, weight) != weight:
+                clash.add(address)
+    return {a: w for a, w in out.items() if a not in clash}
+
+
+def format_trace(
+    paths: Sequence[Path],
+    limit: int = 20,
+    *,
+    written: Mapping[Outcome, Fraction] | None = None,
+    weights: Mapping[str, int] | None = None,
+) -> str:
+    """Paths grouped by outcome, most likely first; the chain walk of each group's first path.
+
+    `written`: each outcome's probability as the rules write it (ideal mode), shown when it is
+    not the one printed; `weights`: the model's weight per endpoint (docs/weights.md)."""
     groups: dict[object, list[Path]] = {}
     for p in paths:
         groups.setdefault(p.outcome, []).append(p)
     order = sorted(groups.items(), key=lambda kv: -sum(p.probability for p in kv[1]))
     lines = []
+    picks = {p for o, p in (written or {}).items() if o.verdict == "dnat"}
+    weighted = len(picks) > 1  # unequal shares as written: say what each is meant to get
     for outcome, ps in order[:limit]:
         total = sum(p.probability for p in ps)
         count = sum(p.count for p in ps)
-        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({count} path{'s' if count > 1 else ''})")
+        extra = ""
+        if weighted and written is not None and outcome in written:
+            extra += f", written {written[outcome]}"
+        if weights and outcome.endpoint in weights:
+            extra += f", weight {weights[outcome.endpoint]}"
+        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({count} path{'s' if count > 1 else ''}{extra})")
         first = ps[0]
         last = None
         for step in first.steps:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import math
 from dataclasses import dataclass
 
 from nfproxy.core.model import (
@@ -120,8 +121,12 @@ def _available(ep: Endpoint, mode: Topology, node: NodeConfig) -> bool:
 def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeConfig) -> Routing:
     """Split a service port's endpoints by traffic policy, topology and termination state.
 
-    `endpoints` must be sorted by address; every tuple returned keeps that order.
+    `endpoints` must be sorted by address; every tuple returned keeps that order. A drained
+    endpoint (weight 0) takes no new connection: it is left out as if it no longer served, and
+    conntrack keeps its established ones (docs/weights.md).
     """
+    if any(not e.weight for e in endpoints):
+        endpoints = tuple(e for e in endpoints if e.weight)
     cluster: tuple[Endpoint, ...] = ()
     local: tuple[Endpoint, ...] = ()
     has_endpoints = False
@@ -169,6 +174,55 @@ def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeConf
     members = set(cluster) | set(local)
     reachable = tuple(e for e in endpoints if e in members)
     return Routing(svc, cluster, local, reachable, has_endpoints, mode)
+
+
+# --------------------------------------------------------------------------------------------
+# Weights: how both backends split new connections among a chain's endpoints (docs/weights.md).
+
+
+def weighted(endpoints: tuple[Endpoint, ...]) -> bool:
+    """Whether the split is not the uniform one: equal weights render exactly as no weights,
+    byte for byte."""
+    if not endpoints:
+        return False
+    first = endpoints[0].weight
+    for e in endpoints:
+        if e.weight != first:
+            return True
+    return False
+
+
+def cascade_order(weights: list[int]) -> list[int]:
+    """The order of iptables' statistic cascade, as indices into `weights` (the endpoints in
+    address order): heaviest first, ties in address order.
+
+    Every rule's 31-bit threshold is off by up to 2.8e-10; an endpoint's error sums the errors
+    of the rules before it, each scaled by the share it passes on. Heaviest first bounds that
+    sum by three rules' worth (< 1e-9) for any weights; address order lets 63 light rules in
+    front of a heavy endpoint add up to 1.8e-9. Equal weights keep kube-proxy's address order.
+    """
+    return sorted(range(len(weights)), key=weights.__getitem__, reverse=True)  # stable
+
+
+def cascade_probabilities(weights: list[int]) -> list[tuple[int, int]]:
+    """Rule i of the cascade (weights in `cascade_order`) fires with w_i / (w_i + ... +
+    w_{n-1}) of what reaches it, so endpoint i gets w_i / sum(w): (numerator, denominator) per
+    rule but the last, which takes the rest unconditionally."""
+    rest = sum(weights)
+    out: list[tuple[int, int]] = []
+    for w in weights[:-1]:
+        out.append((w, rest))
+        rest -= w
+    return out
+
+
+def slot_counts(endpoints: tuple[Endpoint, ...]) -> tuple[int, ...]:
+    """nft numgen slots per endpoint: weights divided by their gcd, so `numgen random mod
+    sum(slots)` gives endpoint i exactly w_i / sum(w) (one slot each when unweighted)."""
+    if not weighted(endpoints):
+        return (1,) * len(endpoints)
+    g = math.gcd(*(e.weight for e in endpoints))
+    return tuple(e.weight // g for e in endpoints)
 
 
 # --------------------------------------------------------------------------------------------

@@ -128,6 +128,9 @@ class Endpoint:
     zone: str = ""
     zone_hints: frozenset[str] = frozenset()
     node_hints: frozenset[str] = frozenset()
+    # Share of new connections relative to the other endpoints (0-1000; 0 = drained, no new
+    # connections): docs/weights.md. Equal weights are the plain uniform choice.
+    weight: int = 1
 
     @property
     def address(self) -> str:

@@ -319,7 +319,10 @@ class ObjectCache:
                 return self._last[1]
             for group, objects in work.items():
                 if objects:
-                    self._parsed[group] = load_objects(objects, self._node_config)
+                    self._parsed[group] = parsed = load_objects(objects, self._node_config)
+                    # Once per change of the group, as the file source logs a changed file's.
+                    for err in parsed.errors:
+                        log.warning("skipped: %s", err)
                 else:
                     self._parsed.pop(group, None)
                 if group[0] == "service":

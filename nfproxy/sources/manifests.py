@@ -55,6 +55,8 @@ from nfproxy.sources.validation import FieldError, show, type_name
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+# Opt-in endpoint weights, on the EndpointSlice: a JSON object {address: weight} (docs/weights.md).
+WEIGHTS_ANNOTATION = "nfproxy.io/endpoint-weights"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 # kube-proxy's informers select `!service-proxy-name,!headless` for Services and EndpointSlices:
 # the first hands an object to another proxy (any value), the second marks a headless service's
@@ -828,9 +830,46 @@ def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | 
         endpoint = _endpoint(entry, path, family, r)
         if endpoint is not None:
             endpoints.append(endpoint)
+    weights = _weights(obj, family, {ep.ip for ep in endpoints}, r)
+    if weights:
+        endpoints = [replace(ep, weight=weights.get(ep.ip, ep.weight)) for ep in endpoints]
     return (namespace, name), _Slice(
         namespace, name, service, family, tuple(ports), tuple(endpoints)
     )
+
+
+def _weights(obj: dict[str, Any], family: IPFamily, addresses: set[str], r: _Report) -> dict[str, int]:
+    """The slice's endpoint weights by canonical address. Each bad entry is reported and left
+    out (that endpoint keeps weight 1); a value that is no JSON object is reported whole."""
+    meta = obj.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    raw = annotations.get(WEIGHTS_ANNOTATION) if isinstance(annotations, dict) else None
+    if raw is None:
+        return {}
+    path = f"metadata.annotations[{WEIGHTS_ANNOTATION}]"
+    if not isinstance(raw, str):
+        r.add(path, f"expected a string, got {type_name(raw)} {show(raw)}")
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        r.add(path, f"not JSON: {exc}")
+        return {}
+    if not isinstance(parsed, dict):
+        r.add(path, f'expected a JSON object {{"ADDRESS": WEIGHT, ...}}, got {type_name(parsed)} {show(parsed)}')
+        return {}
+    weights: dict[str, int] = {}
+    for key, value in parsed.items():
+        entry = f"{path}[{key}]"
+        address = r.check(entry, v.ip_address, key, family)
+        weight = r.check(entry, v.weight, value)
+        if address is None or weight is None:
+            continue
+        if address not in addresses:
+            r.add(entry, "no endpoint of this slice has this address")
+            continue
+        weights[address] = weight
+    return weights
 
 
 def _endpoint(entry: dict[str, Any], path: str, family: IPFamily, r: _Report) -> Endpoint | None:

@@ -136,6 +136,16 @@ def integer(value: object, low: int, high: int, what: str) -> int:
     return value
 
 
+MAX_WEIGHT = 1000
+
+
+def weight(value: object) -> int:
+    """An endpoint weight (docs/weights.md): 0 drains the endpoint, the rest share new
+    connections in proportion. The cap keeps a weighted nft choice at most 1 000 slots per
+    endpoint and every cascade denominator within what the analysis decodes exactly."""
+    return integer(value, 0, MAX_WEIGHT, "weight")
+
+
 def port(value: object) -> int:
     return integer(value, 1, MAX_PORT, "port")
 

@@ -69,6 +69,17 @@ class Agreement:
         return sum((abs(self.iptables.get(k, Fraction(0)) - self.nft.get(k, Fraction(0))) for k in keys), Fraction(0)) / 2
 
     @property
+    def iptables_deviation(self) -> Fraction:
+        """How far iptables' kernel arithmetic (31-bit thresholds) moves any outcome from the
+        probabilities as written; weighted or not, the same bound holds (docs/weights.md)."""
+        return _deviation(self.iptables, self.iptables_ideal)
+
+    @property
+    def nft_deviation(self) -> Fraction:
+        """The same for nft: numgen's reciprocal_scale buckets against 1/N per slot."""
+        return _deviation(self.nft, self.nft_ideal)
+
+    @property
     def documented(self) -> bool:
         """A documented difference, and both backends behave as documented."""
         want = self.probe.nft_only
@@ -105,6 +116,19 @@ class Comparison:
     @property
     def total_variation(self) -> Fraction:
         return max((r.total_variation for r in self.results), default=Fraction(0))
+
+    @property
+    def iptables_deviation(self) -> Fraction:
+        return max((r.iptables_deviation for r in self.results), default=Fraction(0))
+
+    @property
+    def nft_deviation(self) -> Fraction:
+        return max((r.nft_deviation for r in self.results), default=Fraction(0))
+
+
+def _deviation(kernel: dict[Outcome, Fraction], ideal: dict[Outcome, Fraction]) -> Fraction:
+    keys = set(kernel) | set(ideal)
+    return max((abs(kernel.get(k, Fraction(0)) - ideal.get(k, Fraction(0))) for k in keys), default=Fraction(0))
 
 
 # --------------------------------------------------------------------------------------------

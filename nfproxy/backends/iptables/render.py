@@ -18,6 +18,7 @@ about 300 000 rule lines, and per-rule objects would dominate the sync time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import re
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 
 from nfproxy.backends import gc_paused
 from nfproxy.core.categorize import (
+    cascade_order,
+    cascade_probabilities,
+    weighted,
     NoEndpoints,
     PodMatch,
     PodMatchKind,
@@ -712,7 +716,9 @@ def _cascades(port: _Port, ctx: _Context, rules: list[str]) -> None:
     for chain, subset in ((port.svc_chain, routing.cluster), (port.svl_chain, routing.local)):
         if not subset:
             continue
-        if subset is reachable:
+        if weighted(subset):
+            _weighted_cascade(rules, chain, names, addrs, subset, reachable, name, affinity, large)
+        elif subset is reachable:
             _cascade(rules, chain, names, addrs, name, affinity, large)
         else:
             _cascade(rules, chain, *_select(names, addrs, subset), name, affinity, large)
@@ -792,6 +798,40 @@ def _postrouting_rules(mark: str) -> list[str]:
     ]
 
 
+def _weighted_cascade(
+    rules: list[str],
+    chain: str,
+    names: list[str],
+    addrs: list[str],
+    subset: tuple[Endpoint, ...],
+    reachable: tuple[Endpoint, ...],
+    svc_name: str,
+    affinity: int,
+    large: bool,
+) -> None:
+    """The generalised cascade: rule i fires with w_i / (w_i + ... + w_{n-1}), printed as
+    kube-proxy prints probabilities, in core.categorize.cascade_order (heaviest first)."""
+    sep_names, sep_addrs = (names, addrs) if subset is reachable else _select(names, addrs, subset)
+    order, probs = _weighted_plan(tuple([ep.weight for ep in subset]))
+    _cascade(rules, chain, [sep_names[i] for i in order], [sep_addrs[i] for i in order],
+             svc_name, affinity, large, probs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _weighted_plan(weights: tuple[int, ...]) -> tuple[tuple[int, ...], list[str]]:
+    """(cascade order, printed probabilities indexed as `_cascade` reads them: rule i at n-i).
+    Cached: services share weight patterns (every port of a slice has its weights), and the
+    order and text are all a 10 000-service sync would otherwise recompute per service.
+    w / rest prints as kube-proxy would print it: Go's float64 division and Python's round
+    alike, and so do %0.10f and Go's fmt."""
+    order = cascade_order(list(weights))
+    n = len(weights)
+    probs = ["<bad value>"] * (n + 1)
+    for i, (w, rest) in enumerate(cascade_probabilities([weights[k] for k in order])):
+        probs[n - i] = "%0.10f" % (w / rest)
+    return tuple(order), probs
+
+
 def _select(
     names: list[str], addrs: list[str], subset: tuple[Endpoint, ...]
 ) -> tuple[list[str], list[str]]:
@@ -809,16 +849,21 @@ def _cascade(
     svc_name: str,
     affinity: int,
     large: bool,
+    weighted_probs: list[str] | None = None,
 ) -> None:
     """Affinity lookups first (a known client keeps its endpoint), then the random cascade.
 
     Rule i of n matches with probability 1/(n-i) of what reaches it, so each endpoint gets 1/n;
-    the last rule has no statistic match and takes whatever is left.
+    the last rule has no statistic match and takes whatever is left. `weighted_probs` (rule
+    i's printed probability at [n - i], never written to) replaces 1/(n-i) when weighted.
     """
     n = len(names)
-    probability(n)
-    probs = _probabilities
     last = n - 1
+    if weighted_probs is None:
+        probability(n)
+        probs = _probabilities
+    else:
+        probs = weighted_probs
     if large:
         head = f"-A {chain}"
         if affinity:

@@ -20,6 +20,7 @@ import hashlib
 import ipaddress
 import re
 import struct
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -38,6 +39,8 @@ from nfproxy.core.categorize import (
     firewall_sources,
     nodeport_cidrs,
     pod_match,
+    slot_counts,
+    weighted,
 )
 from nfproxy.core.model import (
     ClusterState,
@@ -564,13 +567,16 @@ def _policy_rules(
     chains: list[str],
     sets: list[str],
     affinity: bool,
+    counts: tuple[int, ...] | None = None,
 ) -> tuple[str, ...]:
-    """A policy chain: optional masquerade rule, affinity lookups, then one random choice."""
+    """A policy chain: optional masquerade rule, affinity lookups, then one random choice
+    (over `counts[i]` slots per endpoint when weighted: core.categorize.slot_counts)."""
     rules = [masquerade] if masquerade else []
     if affinity:
         rules += [f"{ipx} saddr @{aset} goto {chain}" for chain, aset in zip(chains, sets)]
-    slots = " , ".join([f"{i} : goto {chain}" for i, chain in enumerate(chains)])
-    rules.append(f"numgen random mod {len(chains)} vmap {{ {slots} }}")
+    targets = chains if counts is None else [c for c, k in zip(chains, counts) for _ in range(k)]
+    slots = " , ".join([f"{i} : goto {chain}" for i, chain in enumerate(targets)])
+    rules.append(f"numgen random mod {len(targets)} vmap {{ {slots} }}")
     return tuple(rules)
 
 
@@ -614,11 +620,19 @@ class _Slots:
         while (v := held.get((shard, str(first + len(before))))) is not None:
             before.append(v)
         n = len(values)
-        wanted = set(values)
-        slots: list[str | None] = [v if v in wanted else None for v in before[:n]]
+        # A multiset: a weighted endpoint holds several slots (core.categorize.slot_counts).
+        wanted = Counter(values)
+        slots: list[str | None] = []
+        for v in before[:n]:
+            keep = wanted[v] > 0
+            slots.append(v if keep else None)
+            wanted[v] -= keep
         slots += [None] * (n - len(slots))
-        placed = {v for v in slots if v is not None}
-        waiting = [v for v in values if v not in placed]
+        waiting: list[str] = []
+        for v in values:
+            if wanted[v] > 0:
+                waiting.append(v)
+                wanted[v] -= 1
         it = iter(waiting)
         return [v if v is not None else next(it) for v in slots]
 
@@ -635,6 +649,15 @@ class _Slots:
         for chain, (base, size) in self.previous.items():
             if chain not in self.kept:
                 self.allocator = self.allocator.release(base, size)
+
+
+def _slot_values(subset: tuple[Endpoint, ...]) -> list[str]:
+    """The endpoints-map value of each slot of a chain's block: one slot per endpoint, or, with
+    weights, w_i / gcd(w) consecutive slots (docs/weights.md)."""
+    if not weighted(subset):
+        return [f"{ep.ip} . {ep.port}" for ep in subset]
+    counts = slot_counts(subset)
+    return [f"{ep.ip} . {ep.port}" for ep, c in zip(subset, counts) for _ in range(c)]
 
 
 def _render_service(
@@ -669,18 +692,20 @@ def _render_service(
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
         """Layout s: one random slot, looked up in a shared data map; no per-endpoint chains."""
         kept_before = chain in slots.kept
-        block = slots.take(chain, len(subset))
+        values = _slot_values(subset)
+        block = slots.take(chain, len(values))
         blocks[chain] = block
         first = block[0]
         shard = shard_of(first, proto)
         shards.append(shard)
-        values = [f"{ep.ip} . {ep.port}" for ep in subset]
-        if not kept_before and chain in slots.kept:
+        if not kept_before and chain in slots.kept and not weighted(subset):
+            # Weighted slots stay in runs: a run of consecutive slots is within 2^-32 of its
+            # share in the kernel's buckets; scattered, the buckets' errors would add up.
             values = slots.arrange(shard, first, values)
         # (shard, slot, Element) per endpoint, iterated in C: 110 000 of them at 10 000 x 10.
         keys = list(map(str, range(first, first + len(values))))
         slot_elements.extend(zip(repeat(shard), keys, map(Element, repeat(shard), keys, values)))
-        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(subset)} offset {first} map @{shard}"
+        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(values)} offset {first} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
     # per-endpoint chains. The hot loop (names once per endpoint) runs only for them.
@@ -738,7 +763,8 @@ def _render_service(
         if not subset:
             continue
         if affinity:
-            chains[chain] = _policy_rules(ipx, masq, *_pick(subset, reachable, ep_chain_names, ep_set_names), affinity)
+            counts = slot_counts(subset) if weighted(subset) else None
+            chains[chain] = _policy_rules(ipx, masq, *_pick(subset, reachable, ep_chain_names, ep_set_names), affinity, counts)
         else:
             chains[chain] = (masq, selection(chain, subset)) if masq else (selection(chain, subset),)
 

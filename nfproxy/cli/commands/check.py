@@ -7,7 +7,7 @@ import json
 import sys
 
 from nfproxy.cli.commands import BACKENDS
-from nfproxy.cli.commands.trace import SourceError, add_source_flags, fail, load_source
+from nfproxy.cli.commands.trace import SourceError, add_source_flags, fail, load_source, load_weights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,13 +16,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         source = load_source(args)
+        weights = load_weights(args)
     except SourceError as exc:
         return fail(str(exc))
     where = args.from_file or source.description
     if not source.ruleset.tables:
         return fail(f"{where}: no tables: nothing to check")
     try:
-        report = check(source.ruleset, node_ips=args.node_ip, mode=args.mode)
+        report = check(source.ruleset, node_ips=args.node_ip, mode=args.mode, weights=weights)
     except (InterpretError, ValueError) as exc:
         return fail(f"{where}: {exc}")
     if args.json:
@@ -37,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
                         "table": s.table,
                         "chain": s.chain,
                         "protocol": s.protocol,
-                        "endpoints": [{"endpoint": e, "probability": str(p), "decimal": float(p)} for e, p in s.endpoints],
+                        "endpoints": [
+                            {"endpoint": e, "probability": str(p), "decimal": float(p),
+                             **({"intended": str(dict(s.intended)[e])} if s.intended is not None else {})}
+                            for e, p in s.endpoints
+                        ],
                         "worst_deviation_ppb": s.worst_deviation_ppb,
                         "fallthrough": str(s.fallthrough),
                         "affinity_timeout": s.affinity_timeout,
@@ -54,10 +59,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{source.description}: {len(report.services)} endpoint-selection chains, {args.mode} mode")
         for s in report.services:
             affinity = f", affinity {s.affinity_timeout}s" if s.affinity_timeout else ""
+            against = "the weights" if s.intended is not None else f"1/{len(s.endpoints)}"
             print(f"{s.name} ({s.protocol}, {s.chain}): {len(s.endpoints)} endpoints, "
-                  f"worst deviation from 1/{len(s.endpoints)} {s.worst_deviation_ppb:.3f} ppb{affinity}")
+                  f"worst deviation from {against} {s.worst_deviation_ppb:.3f} ppb{affinity}")
+            intended = dict(s.intended or ())
             for e, p in s.endpoints:
-                print(f"    {e:<28} {float(p):.12f}  {p}")
+                meant = f"  (weight share {intended[e]})" if e in intended else ""
+                print(f"    {e:<28} {float(p):.12f}  {p}{meant}")
         if report.problems:
             print(f"{len(report.problems)} problem(s):")
             for p in report.problems:

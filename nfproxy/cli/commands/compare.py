@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
                 "equivalent": result.equivalent,
                 "max_difference": float(result.max_difference),
                 "total_variation": float(result.total_variation),
+                "iptables_kernel_deviation": float(result.iptables_deviation),
+                "nft_kernel_deviation": float(result.nft_deviation),
                 "probes": [
                     {
                         "service": r.probe.service,
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"         {str(o):<40} iptables {float(a):.12f}  nft {float(b):.12f}")
         print(f"{len(result.results)} probes; largest difference (kernel mode) {float(result.max_difference):.3e}, "
               f"largest total-variation distance {float(result.total_variation):.3e}")
+        print(f"kernel arithmetic against the rules as written: iptables (31-bit thresholds) {float(result.iptables_deviation):.3e}, "
+              f"nft (numgen buckets) {float(result.nft_deviation):.3e}")
         documented = sum(1 for r in result.results if r.documented)
         if documented:
             print(f"{documented} documented differences (as between kube-proxy's modes; see docs/semantics.md)")

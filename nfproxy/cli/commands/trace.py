@@ -26,6 +26,9 @@ def add_source_flags(p: argparse.ArgumentParser) -> None:
                    help="a node IP: `fib … type local` / `--src-type LOCAL` are true for these and loopback")
     p.add_argument("--mode", choices=("kernel", "ideal"), default="kernel",
                    help="kernel: the kernel's integer arithmetic (default); ideal: probabilities as written")
+    p.add_argument("--manifests", metavar="MANIFESTS", default=None,
+                   help="the model the rules come from (YAML file or directory): its endpoint weights are "
+                        "the intended shares (docs/weights.md)")
 
 
 class SourceError(ValueError):
@@ -63,6 +66,22 @@ def load_source(args: argparse.Namespace):  # noqa: ANN201
         raise SourceError(f"{args.netns or 'current namespace'}: {exc}") from None
 
 
+def load_weights(args: argparse.Namespace):  # noqa: ANN201
+    """The intended endpoint weights of --manifests (analysis.weights), or None without it."""
+    if args.manifests is None:
+        return None
+    from nfproxy.analysis.weights import intended_weights
+    from nfproxy.sources import manifests
+
+    try:
+        result = manifests.load(args.manifests)
+    except (manifests.ManifestError, manifests.UnsafeFile) as exc:
+        raise SourceError(str(exc)) from None
+    for err in result.errors:
+        print(f"nfproxy: skipped: {err}", file=sys.stderr)
+    return intended_weights(result.state)
+
+
 def _requests(args: argparse.Namespace) -> Iterator[tuple[str, str, str, str | None, str | None]]:
     """(where, source IP, DST:PORT/PROTO, origin or None, error or None) per packet asked about."""
     if args.packets is None:
@@ -92,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = load_source(args)
         requests = list(_requests(args))
+        weights = load_weights(args)
     except SourceError as exc:
         return fail(str(exc))
     status = 0
@@ -100,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if error is not None:
                 raise SourceError(error)
-            answer = _answer(args, source, src, destination, origin)
+            answer = _answer(args, source, src, destination, origin, weights)
         except SourceError as exc:
             status = 2
             print(f"nfproxy: error: {where + ': ' if args.packets else ''}{exc}", file=sys.stderr)
@@ -116,9 +136,11 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def _answer(args: argparse.Namespace, source: Any, src: str, destination: str, origin: str | None) -> dict:
-    from nfproxy.analysis.interpret import InterpretError, Packet, trace
-    from nfproxy.analysis.trace import format_trace, guess_origin, parse_destination
+def _answer(
+    args: argparse.Namespace, source: Any, src: str, destination: str, origin: str | None, weights: Any = None
+) -> dict:
+    from nfproxy.analysis.interpret import InterpretError, Packet, distribution, trace
+    from nfproxy.analysis.trace import endpoint_weights, format_trace, guess_origin, parse_destination
 
     if origin is not None and origin not in ("node", "pod", "outside"):
         raise SourceError(f"origin {origin!r}: node, pod or outside")
@@ -138,12 +160,15 @@ def _answer(args: argparse.Namespace, source: Any, src: str, destination: str, o
     packet = Packet(src, dst, port, proto, origin)
     try:
         paths = trace(source.ruleset, packet, node_ips=args.node_ip, mode=args.mode)
+        written = paths if args.mode == "ideal" else trace(source.ruleset, packet, node_ips=args.node_ip, mode="ideal")
     except InterpretError as exc:
         raise SourceError(f"{dump}:{exc.line}: {exc}" if exc.line else f"{dump}: {exc}") from None
+    shares = distribution(written)
+    by_endpoint = endpoint_weights(weights) if weights is not None else {}
     if not args.json:
         shown = f"[{dst}]" if version == 6 else dst
         head = f"{src} -> {shown}:{port}/{proto} from {origin}, {source.description}, {args.mode} mode"
-        return {"text": f"{head}\n{format_trace(paths)}"}
+        return {"text": f"{head}\n{format_trace(paths, written=shares, weights=by_endpoint)}"}
     return {
         "packet": {"src": src, "dst": dst, "port": port, "proto": proto, "origin": origin},
         "source": source.description,
@@ -153,6 +178,8 @@ def _answer(args: argparse.Namespace, source: Any, src: str, destination: str, o
                 "outcome": {"verdict": p.outcome.verdict, "endpoint": p.outcome.endpoint, "masquerade": p.outcome.masquerade},
                 "probability": str(p.probability),
                 "decimal": float(p.probability),
+                "written": str(shares.get(p.outcome, 0)),
+                "weight": by_endpoint.get(p.outcome.endpoint or ""),
                 "count": p.count,
                 "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": s.text} for s in p.steps],
                 "affinity_lookups": list(p.lookups),
