@@ -318,3 +318,35 @@ def test_a_duplicate_slice_in_another_file_is_touched_with_the_one_that_changed(
     second, touched = source.snapshot_changes()
     assert {k[0].name for k in second.state.endpoints} == {"s2"}
     assert verify(first.state, second.state, touched.keys) == diff(first.state, second.state)
+
+
+def test_the_sync_loop_passes_touched_keys_and_partial_syncs_never_diff_whole_states(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The hot path: a loop over a tracking source syncs changes with no whole-state diff."""
+    from nfproxy.core import changes as changes_module
+    from nfproxy.daemon import proxier as proxier_module
+    from nfproxy.daemon.proxier import SyncLoop
+
+    docs = [service(n, f"10.96.0.{i + 1}") for i, n in enumerate(NAMES)]
+    docs += [endpoint_slice(f"{n}-1", n, ["10.244.0.1"]) for n in NAMES]
+    _write(tmp_path / "all.yaml", docs)
+    source = ManifestSource(tmp_path, CONFIG)
+    proxier, _ = memory_proxier()
+    loop = SyncLoop(source, proxier, min_sync_period=0)
+    assert loop.run_once().kind == "full"  # the first sync: a full diff, as ever
+
+    def no_diff(*_: object) -> None:
+        raise AssertionError("a whole-state diff on a partial sync")
+
+    monkeypatch.setattr(proxier_module, "diff", no_diff)
+    monkeypatch.setattr(changes_module, "diff", no_diff)
+    docs[5] = endpoint_slice("s1-1", "s1", ["10.244.0.1", "10.244.0.9"])
+    _write(tmp_path / "all.yaml", docs)
+    source.rescan()
+    source.rescan()
+    result, touched = proxier_module._take(source)  # what the loop's thread does
+    sync = proxier.sync(result.state, touched=touched)
+    assert sync.kind == "partial" and {k[0].name for k in sync.changes.endpoints} == {"s1"}
+    again, touched = proxier_module._take(source)
+    assert proxier.sync(again.state, touched=touched).kind == "noop"

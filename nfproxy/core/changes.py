@@ -137,9 +137,9 @@ class ChangeTracker:
 
     def changes(self, old: ClusterState | None, new: ClusterState) -> Changes:
         """Changes from `old` (the state last synced) to `new` (the snapshot last added)."""
-        if old is None or old is new:
-            return diff(old, new)
-        if self._broken or old is not self._synced or new is not self._end:
+        if old is new:
+            return NO_CHANGES
+        if old is None or self._broken or old is not self._synced or new is not self._end:
             return diff(old, new)
         return verify(old, new, self._keys)
 

@@ -21,7 +21,10 @@ never through the client's models, which drop fields they do not know and cost m
 parse itself) and turned into a `ClusterState` by `manifests.load_objects`, the same validation
 the manifest files get. Snapshot cost matters at 10 000 services, so parsing is cached per
 *service group* (a Service with the EndpointSlices labelled for it): an event re-parses only its
-group. That decomposition is exact because slices only ever merge into their own service.
+group. That decomposition is exact because slices only ever merge into their own service. The
+merged state is patched per re-parsed group, and the keys of those groups (before and after)
+are what `snapshot_changes` reports as touched: the proxier checks them and no others, as
+kube-proxy's change trackers record the services and slices an event touched.
 
 Only the proxy's own Node is watched (field selector `metadata.name=<node>`). Heartbeats change
 a Node every few seconds; only what the proxy reads from it (labels, addresses, pod CIDRs) counts
