@@ -35,7 +35,7 @@ from tests.test_proxier_memory import resolved
 NODE = "node-a"
 CONFIG = NodeConfig(name=NODE, cluster_cidrs=("10.244.0.0/16",))
 NAMES = ("s0", "s1", "s2", "s3")
-NAMESPACES = ("a", "b")
+NAMESPACES = ("a", "default")
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,6 +53,8 @@ def services(draw: st.DrawFn) -> dict[str, Any]:
         obj["metadata"]["annotations"] = {"touched": str(draw(st.integers(0, 3)))}
     if draw(st.integers(0, 9)) == 0:
         obj["spec"]["sessionAffinity"] = "ClientIP"
+    if namespace == "default" and draw(st.booleans()):
+        obj["metadata"]["namespace"] = draw(st.sampled_from((None, "")))  # read as `default`
     return obj
 
 
@@ -352,3 +354,18 @@ def test_the_sync_loop_passes_touched_keys_and_partial_syncs_never_diff_whole_st
     assert sync.kind == "partial" and {k[0].name for k in sync.changes.endpoints} == {"s1"}
     again, touched = proxier_module._take(source)
     assert proxier.sync(again.state, touched=touched).kind == "noop"
+
+
+def test_a_service_with_a_null_namespace_is_tracked_as_in_default(tmp_path: Path) -> None:
+    svc = service("s0", "10.96.0.1")
+    svc["metadata"]["namespace"] = None
+    _write(tmp_path / "0.yaml", [svc])
+    source = ManifestSource(tmp_path, CONFIG)
+    first, _ = source.snapshot_changes()
+    svc["spec"]["ports"][0]["port"] = 81
+    _write(tmp_path / "0.yaml", [svc])
+    source.rescan()
+    source.rescan()
+    second, touched = source.snapshot_changes()
+    assert diff(first.state, second.state).services
+    assert verify(first.state, second.state, touched.keys) == diff(first.state, second.state)

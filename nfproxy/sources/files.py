@@ -99,9 +99,10 @@ def _identities(contents: ManifestFile | None) -> dict[ObjectIdentity, list[dict
         kind, meta = obj.get("kind"), obj.get("metadata")
         if kind not in ("Service", "EndpointSlice") or not isinstance(meta, dict):
             continue
-        name, namespace = meta.get("name"), meta.get("namespace", "default")
+        # As manifests reads it: a missing or null namespace is `default`.
+        name, namespace = meta.get("name"), meta.get("namespace") or "default"
         if isinstance(name, str) and isinstance(namespace, str):
-            out.setdefault((kind, namespace or "default", name), []).append(obj)
+            out.setdefault((kind, namespace, name), []).append(obj)
     return out
 
 
