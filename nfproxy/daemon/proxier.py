@@ -1,7 +1,8 @@
 """The proxier: keeps one namespace's kernel rules in step with the service model.
 
-`Proxier.sync(state)` is one sync: it works out what changed since the last *successful* sync,
-asks the backend to express just that to the kernel (a partial sync) or everything (a full
+`Proxier.sync(state, touched=...)` is one sync: it works out what changed since the last
+*successful* sync (from the keys the source says it touched, checked one by one; a whole-state
+diff only for full syncs and when the chain of touched keys is broken), asks the backend to express just that to the kernel (a partial sync) or everything (a full
 sync: the first one, after a failure, after the node changed, and periodically), applies it
 as atomic transactions and only then remembers the new state. A failed apply therefore leaves
 the kernel with the previous rules (the transaction was refused as a whole) and the proxier
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 from nfproxy.backends import registry as backend_registry
 from nfproxy.backends.base import Backend, Plan
-from nfproxy.core.changes import Changes, diff
+from nfproxy.core.changes import Changes, ChangeTracker, Touched, diff
 from nfproxy.core.model import ClusterState, IPFamily
 from nfproxy.daemon import logs
 from nfproxy.kernel.base import Kernel, KernelFactory
@@ -33,6 +34,7 @@ from nfproxy.kernel.registry import KERNELS
 
 if TYPE_CHECKING:
     from nfproxy.sources import Source
+    from nfproxy.sources.manifests import LoadResult
 
 log = logging.getLogger("nfproxy.proxier")
 
@@ -165,6 +167,7 @@ class Proxier:
         self.kernels: dict[IPFamily, Kernel] = {f: kernels(f) for f in self.families}
         self.hooks = Hooks()
         self._last: ClusterState | None = None
+        self._tracker = ChangeTracker()
         self._needs_full = True
         self._synced: set[IPFamily] = set()  # families the backend holds a belief for
         self._lock = threading.Lock()
@@ -175,18 +178,34 @@ class Proxier:
         """The state of the last successful sync."""
         return self._last
 
-    def sync(self, state: ClusterState, *, full: bool = False) -> SyncResult:
-        """One sync; raises (KernelError, ValueError) when the kernel refused the transaction."""
+    def sync(
+        self, state: ClusterState, *, full: bool = False, touched: Touched | None = None
+    ) -> SyncResult:
+        """One sync; raises (KernelError, ValueError) when the kernel refused the transaction.
+
+        `touched` is what the source says may differ from the snapshot it handed over before
+        (`Source.snapshot_changes`); without it the whole state is diffed.
+        """
         with self._lock:
             start = time.perf_counter()
-            changes = diff(self._last, state)
+            self._tracker.add(state, touched)
+            if full or self._needs_full:
+                changes = diff(self._last, state)  # the fallback: full syncs never trust hints
+            else:
+                changes = self._tracker.changes(self._last, state)
+                if changes.node and self._tracker.tracking:
+                    changes = diff(self._last, state)  # a full sync: its hooks see every key
             do_full = full or self._needs_full or changes.node
             reason = "requested" if full else ("after failure or start" if self._needs_full else "node changed" if changes.node else "")
             if not do_full and changes.empty and not self.backend.pending():
+                # Equal in all the rules read: the new snapshot stands for the old from now on
+                # (touched keys then count from it, and the old one can be freed).
+                previous, self._last = self._last, state
+                self._tracker.synced(state)
                 result = SyncResult("noop", changes, 0, time.perf_counter() - start)
                 self.last_result = result
                 for hook in self.hooks.on_synced:
-                    hook(self._last, state, result)
+                    hook(previous, state, result)
                 return result
             try:
                 families = self._apply(state, changes, do_full)
@@ -202,6 +221,7 @@ class Proxier:
                 raise
             previous = self._last
             self._last = state
+            self._tracker.synced(state)
             self._needs_full = False
             kind = _overall_kind(families.values())
             result = SyncResult(
@@ -285,6 +305,14 @@ def _cleanup_due(proxier: Proxier, result: SyncResult) -> bool:
     return proxier.backend.pending()
 
 
+def _take(source: Source) -> tuple[LoadResult, Touched | None]:
+    """The source's snapshot, with the keys it touched when the source tracks them."""
+    take = getattr(source, "snapshot_changes", None)
+    if take is None:
+        return source.snapshot(), None
+    return take()
+
+
 def _overall_kind(families: Iterable[FamilySync]) -> SyncKind:
     kinds = {f.kind for f in families}
     return "full" if "full" in kinds else "partial" if "partial" in kinds else "noop"
@@ -361,8 +389,8 @@ class SyncLoop:
 
     def run_once(self) -> SyncResult:
         """One full sync of the source's current state (`--once`)."""
-        snap = self.source.snapshot()
-        return self.proxier.sync(snap.state, full=True)
+        snap, touched = _take(self.source)
+        return self.proxier.sync(snap.state, full=True, touched=touched)
 
     def _run(self) -> None:
         last_start = -1e18
@@ -394,8 +422,8 @@ class SyncLoop:
             last_start = time.monotonic()
             full = due_full
             try:
-                snap = self.source.snapshot()
-                result = self.proxier.sync(snap.state, full=full)
+                snap, touched = _take(self.source)
+                result = self.proxier.sync(snap.state, full=full, touched=touched)
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
                 retry_at = time.monotonic() + backoff

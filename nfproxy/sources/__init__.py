@@ -8,6 +8,11 @@ loop's job (bounded frequency), not the source's.
 A source may also carry `on_error: list[Callable[[str], None]]`: hooks it calls with its name
 ("manifests", "api") each time it holds back input it does not trust (a bad file, an empty
 state) instead of applying it; the daemon counts them in `nfproxy_source_errors_total`.
+
+A source may also offer `snapshot_changes() -> (LoadResult, core.changes.Touched)`: the snapshot
+with the service-port keys that may differ from the snapshot the previous call returned (only
+the sync loop calls it; `snapshot()` leaves the count alone). The proxier then checks just those
+keys instead of diffing the whole state (kube-proxy's change trackers).
 """
 
 from __future__ import annotations

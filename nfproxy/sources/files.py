@@ -22,6 +22,12 @@ config-management tool or replaced by garbage, so the source distrusts every *lo
 
 Objects that fail validation inside a readable file are reported through `snapshot().errors` and
 skipped, as everywhere else.
+
+Change tracking (`snapshot_changes`): the state is rebuilt from every good file, but only the
+Services whose objects differ (per file, then per object: a Service by its name, an
+EndpointSlice by the Service it is labelled for, and any other slice of the same name, which
+the duplicate check couples to it) are reported as touched, so the proxier checks their keys
+and no others.
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from nfproxy.core.model import ClusterState, NodeConfig
+from nfproxy.core.changes import Touched
+from nfproxy.core.model import ClusterState, NodeConfig, ServicePortKey
 from nfproxy.sources.manifests import (
     DEFAULT_MAX_BYTES,
+    SERVICE_NAME_LABEL,
     FileProblem,
     LoadResult,
     ManifestFile,
@@ -60,6 +69,57 @@ def _file_signature(path: Path) -> FileSignature:
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
+# (kind, namespace, name) of a Service or EndpointSlice; a Service's (namespace, name).
+ObjectIdentity = tuple[str, str, str]
+ServiceName = tuple[str, str]
+
+
+def _flat(contents: ManifestFile | None) -> Iterator[dict[str, Any]]:
+    """The file's objects, `*List` documents opened one level (as manifests reads them)."""
+    for doc in contents.documents if contents is not None else ():
+        obj = doc.obj
+        if not isinstance(obj, dict):
+            continue
+        kind = obj.get("kind")
+        items = obj.get("items")
+        if not (isinstance(kind, str) and kind.endswith("List") and "items" in obj):
+            yield obj
+        elif isinstance(items, list):
+            for item in items:
+                if isinstance(item, dict):
+                    yield item if "kind" in item else {**item, "kind": kind[: -len("List")]}
+
+
+def _identities(contents: ManifestFile | None) -> dict[ObjectIdentity, list[dict[str, Any]]]:
+    """Services and EndpointSlices by identity; objects without a usable one add no state."""
+    out: dict[ObjectIdentity, list[dict[str, Any]]] = {}
+    for obj in _flat(contents):
+        kind, meta = obj.get("kind"), obj.get("metadata")
+        if kind not in ("Service", "EndpointSlice") or not isinstance(meta, dict):
+            continue
+        # As manifests reads it: a missing or null namespace is `default`.
+        name, namespace = meta.get("name"), meta.get("namespace") or "default"
+        if isinstance(name, str) and isinstance(namespace, str):
+            out.setdefault((kind, namespace, name), []).append(obj)
+    return out
+
+
+def _service_of(identity: ObjectIdentity, obj: dict[str, Any]) -> ServiceName | None:
+    kind, namespace, name = identity
+    if kind == "Service":
+        return (namespace, name)
+    labels = obj["metadata"].get("labels")
+    service = labels.get(SERVICE_NAME_LABEL) if isinstance(labels, dict) else None
+    return (namespace, service) if isinstance(service, str) else None
+
+
+def _keys_by_service(state: ClusterState) -> dict[ServiceName, list[ServicePortKey]]:
+    out: dict[ServiceName, list[ServicePortKey]] = {}
+    for key in state.services:
+        out.setdefault((key[0].namespace, key[0].name), []).append(key)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +166,14 @@ class ManifestSource:
         self._object_errors: tuple[ObjectError, ...] = ()
         self._vanished = False
         self._empty_since: float | None = None
+        # Change tracking: identities per good file; Services touched since the state last
+        # applied (None: unknown); keys touched since the last `snapshot_changes` (None:
+        # unknown) and the state it returned.
+        self._identities: dict[Path, dict[ObjectIdentity, list[dict[str, Any]]]] = {}
+        self._touched_services: set[ServiceName] | None = None
+        self._keys: dict[ServiceName, list[ServicePortKey]] = {}
+        self._pending: set[ServicePortKey] | None = None
+        self._taken: ClusterState | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rescan()
@@ -165,6 +233,7 @@ class ManifestSource:
             del self._seen[path]
             if self._good.pop(path, None) is not None:
                 log.info("%s was removed: its objects go", path)
+                self._note(path, None)
                 changed = True
         self._missing -= listed  # back again
         for path in files:
@@ -187,6 +256,7 @@ class ManifestSource:
                     log.info("%s can be used again", path)
                 if self._good.get(path) != seen.contents:
                     self._good[path] = seen.contents
+                    self._note(path, seen.contents)
                     changed = True
                 continue
             assert seen.problem is not None
@@ -198,6 +268,41 @@ class ManifestSource:
             else:
                 self._error("%s", seen.problem)
         return changed
+
+    def _note(self, path: Path, contents: ManifestFile | None) -> None:
+        """Record the Services whose objects differ between the file's last good contents and
+        `contents` (None: the file is gone)."""
+        before = self._identities.pop(path, {})
+        after = _identities(contents)
+        if contents is not None:
+            self._identities[path] = after
+        touched = self._touched_services
+        if touched is None:
+            return
+        for identity in before.keys() | after.keys():
+            old, new = before.get(identity, []), after.get(identity, [])
+            if old == new:
+                continue
+            coupled = [old, new]
+            if identity[0] == "EndpointSlice":
+                # A duplicate slice name in another file: which one wins may change too.
+                coupled += [ids[identity] for ids in self._identities.values() if identity in ids]
+            for obj in (o for objs in coupled for o in objs):
+                service = _service_of(identity, obj)
+                if service is not None:
+                    touched.add(service)
+
+    def _applied(self, state: ClusterState) -> None:
+        """`state` replaces the last applied one: turn the touched Services into keys."""
+        keys = _keys_by_service(state)
+        touched, self._touched_services = self._touched_services, set()
+        if touched is None or self._pending is None:
+            self._pending = None
+        else:
+            for service in touched:
+                self._pending.update(self._keys.get(service, ()))
+                self._pending.update(keys.get(service, ()))
+        self._keys = keys
 
     def _problems(self) -> tuple[ObjectError, ...]:
         """File-level problems that matter (an empty file that never held anything does not)."""
@@ -237,6 +342,7 @@ class ManifestSource:
         with self._lock:
             if self._result is None and not self._good:
                 return False  # nothing good read yet: not ready, so the kernel is left alone
+            self._applied(result.state)
             self._result = result
             self._object_errors = object_errors
         return True
@@ -296,6 +402,16 @@ class ManifestSource:
             if self._result is None:
                 return LoadResult(ClusterState(node=self.node or NodeConfig()), ())
             return self._result
+
+    def snapshot_changes(self) -> tuple[LoadResult, Touched | None]:
+        """The snapshot, and the keys of the Services touched since the previous call (None
+        when unknown: before the first state, the proxier then diffs the whole state)."""
+        with self._lock:
+            result = self._result or LoadResult(ClusterState(node=self.node or NodeConfig()), ())
+            pending, self._pending = self._pending, set()
+            touched = None if pending is None else Touched(self._taken, frozenset(pending))
+            self._taken = result.state
+            return result, touched
 
     def ready(self) -> bool:
         with self._lock:

@@ -21,7 +21,10 @@ never through the client's models, which drop fields they do not know and cost m
 parse itself) and turned into a `ClusterState` by `manifests.load_objects`, the same validation
 the manifest files get. Snapshot cost matters at 10 000 services, so parsing is cached per
 *service group* (a Service with the EndpointSlices labelled for it): an event re-parses only its
-group. That decomposition is exact because slices only ever merge into their own service.
+group. That decomposition is exact because slices only ever merge into their own service. The
+merged state is patched per re-parsed group, and the keys of those groups (before and after)
+are what `snapshot_changes` reports as touched: the proxier checks them and no others, as
+kube-proxy's change trackers record the services and slices an event touched.
 
 Only the proxy's own Node is watched (field selector `metadata.name=<node>`). Heartbeats change
 a Node every few seconds; only what the proxy reads from it (labels, addresses, pod CIDRs) counts
@@ -50,8 +53,9 @@ from kubernetes.config import ConfigException, incluster_config, load_incluster_
 from kubernetes.config import load_kube_config
 from kubernetes.watch.watch import iter_resp_lines
 
-from nfproxy.core.model import ClusterState, NodeConfig
-from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, load_objects
+from nfproxy.core.changes import Touched
+from nfproxy.core.model import ClusterState, Endpoint, NodeConfig, ServicePort, ServicePortKey
+from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, ObjectError, load_objects
 from nfproxy.sources.validation import show
 
 log = logging.getLogger(__name__)
@@ -208,7 +212,15 @@ class ObjectCache:
         self._cidrs: dict[str, dict[str, Any]] = {}  # ServiceCIDRs by name
         self._cidrs_dirty = False
         self._parsed: dict[GroupKey, LoadResult] = {}
+        # The merged state of every parsed group (patched per re-parsed group), and the errors
+        # of the groups that have some.
+        self._services: dict[ServicePortKey, ServicePort] = {}
+        self._endpoints: dict[ServicePortKey, tuple[Endpoint, ...]] = {}
+        self._errors: dict[GroupKey, tuple[ObjectError, ...]] = {}
         self._last: tuple[dict[str, Any] | None, LoadResult] | None = None
+        # Keys re-parsed since the last `snapshot_changes`, and the state that call returned.
+        self._touched: set[ServicePortKey] = set()
+        self._taken: ClusterState | None = None
         # Per service, per address type: the newest last-change-trigger-time of its
         # EndpointSlices as of the last snapshot (network programming latency).
         self._triggers: dict[tuple[str, str], dict[str, float]] = {}
@@ -300,45 +312,75 @@ class ObjectCache:
 
     def snapshot(self) -> LoadResult:
         with self._snapshot_lock:
-            with self._lock:
-                dirty, self._dirty = self._dirty, set()
-                work = {
-                    group: [self._objects[k] for k in sorted(self._groups.get(group, ()))]
-                    for group in dirty
-                }
-                node_obj = self._node
-                cidr_objs = [self._cidrs[name] for name in sorted(self._cidrs)]
-                cidrs_dirty, self._cidrs_dirty = self._cidrs_dirty, False
-            if (
-                not work
-                and not cidrs_dirty
-                and self._last is not None
-                and _node_facts(self._last[0]) == _node_facts(node_obj)
-            ):
-                # Nothing changed: the very same state, so the sync loop's diff is O(1).
-                return self._last[1]
-            for group, objects in work.items():
-                if objects:
-                    self._parsed[group] = parsed = load_objects(objects, self._node_config)
-                    # Once per change of the group, as the file source logs a changed file's.
-                    for err in parsed.errors:
-                        log.warning("skipped: %s", err)
-                else:
-                    self._parsed.pop(group, None)
-                if group[0] == "service":
-                    self._triggers[group[1:]] = _trigger_times(objects)
-            node_result = load_objects(([node_obj] if node_obj else []) + cidr_objs, self._node_config)
-            services: dict[Any, Any] = {}
-            endpoints: dict[Any, Any] = {}
-            errors = list(node_result.errors)
-            for result in self._parsed.values():
-                services.update(result.state.services)
-                endpoints.update(result.state.endpoints)
-                errors.extend(result.errors)
-            state = ClusterState(node_result.state.node, services, endpoints)
-            result = LoadResult(state, tuple(errors))
-            self._last = (node_obj, result)
-            return result
+            return self._snapshot()
+
+    def snapshot_changes(self) -> tuple[LoadResult, Touched]:
+        """The snapshot, and the keys of the service groups re-parsed since the previous call:
+        what the sync loop hands the proxier, so it checks those keys and no others."""
+        with self._snapshot_lock:
+            result = self._snapshot()
+            touched = Touched(self._taken, frozenset(self._touched))
+            self._touched = set()
+            self._taken = result.state
+            return result, touched
+
+    def _snapshot(self) -> LoadResult:
+        """Re-parse the dirty groups only, and patch the merged state with their keys."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            work = {
+                group: [self._objects[k] for k in sorted(self._groups.get(group, ()))]
+                for group in dirty
+            }
+            node_obj = self._node
+            cidr_objs = [self._cidrs[name] for name in sorted(self._cidrs)]
+            cidrs_dirty, self._cidrs_dirty = self._cidrs_dirty, False
+        if (
+            not work
+            and not cidrs_dirty
+            and self._last is not None
+            and _node_facts(self._last[0]) == _node_facts(node_obj)
+        ):
+            # Nothing changed: the very same state, so the sync loop's diff is O(1).
+            return self._last[1]
+        for group, objects in work.items():
+            self._reparse(group, objects)
+        node_result = load_objects(([node_obj] if node_obj else []) + cidr_objs, self._node_config)
+        errors = list(node_result.errors)
+        for group_errors in self._errors.values():
+            errors.extend(group_errors)
+        # Copies (C-speed, no hashing) so the states already handed out stay as they were.
+        state = ClusterState(node_result.state.node, dict(self._services), dict(self._endpoints))
+        result = LoadResult(state, tuple(errors))
+        self._last = (node_obj, result)
+        return result
+
+    def _reparse(self, group: GroupKey, objects: list[dict[str, Any]]) -> None:
+        """One group's objects parsed again; its old keys leave the merged state, its new ones
+        enter, and all of them count as touched."""
+        before = self._parsed.pop(group, None)
+        if before is not None:
+            for key in before.state.services:
+                self._services.pop(key, None)
+                self._touched.add(key)
+            for key in before.state.endpoints:
+                self._endpoints.pop(key, None)
+                self._touched.add(key)
+        self._errors.pop(group, None)
+        if objects:
+            parsed = load_objects(objects, self._node_config)
+            self._parsed[group] = parsed
+            self._services.update(parsed.state.services)
+            self._endpoints.update(parsed.state.endpoints)
+            self._touched.update(parsed.state.services)
+            self._touched.update(parsed.state.endpoints)
+            if parsed.errors:
+                self._errors[group] = parsed.errors
+            # Once per change of the group, as the file source logs a changed file's.
+            for err in parsed.errors:
+                log.warning("skipped: %s", err)
+        if group[0] == "service":
+            self._triggers[group[1:]] = _trigger_times(objects)
 
     def trigger_times(self, namespace: str, service: str) -> dict[str, float]:
         """{"IPv4"|"IPv6": epoch seconds} from the service's EndpointSlices in the last snapshot."""
@@ -662,6 +704,9 @@ class KubeSource:
 
     def snapshot(self) -> LoadResult:
         return self.cache.snapshot()
+
+    def snapshot_changes(self) -> tuple[LoadResult, Touched]:
+        return self.cache.snapshot_changes()
 
     def ready(self) -> bool:
         return all(r.synced.is_set() for r in self.reflectors)
