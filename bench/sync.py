@@ -22,7 +22,6 @@ Changes go through `Proxier.sync(state, touched=...)` with the keys a tracking s
 
 Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5] [--shapes]
        [--skip-iptables-nft | --skip-iptables]
-
        sudo .venv/bin/python bench/sync.py --services 5000 --repeat 3 --compare-tree /tmp/old-checkout
 (--compare-tree: full syncs only, nft and iptables-legacy, this tree against OLD alternately.)
 
