@@ -16,6 +16,7 @@ Sampling can miss a short child's peak between two samples; VmHWM cannot miss th
 
 Usage: sudo .venv/bin/python bench/memory.py [--services 10000] [--endpoints 10]
        [--backends nft,iptables] [--root PATH] [--window 40] [--sync-period 20s]
+       [--iptables-flavour legacy]
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _watch_log(stream: object, samples: Samples, start: float, lines: list[str])
 
 
 def run_daemon(
-    backend: str, manifests: Path, root: Path, window: float, settle: float, sync_period: str
+    backend: str, manifests: Path, root: Path, window: float, settle: float, sync_period: str,
+    flavour: str = "legacy",
 ) -> dict[str, float]:
     with netns.throwaway("nfp-mem") as ns:
         cmd = [
@@ -118,6 +120,8 @@ def run_daemon(
             "--conntrack-tcp-timeout-established", "0", "--conntrack-tcp-timeout-close-wait", "0",
             "--max-manifest-bytes", "64Mi", "--v=2",
         ]
+        if backend == "iptables":
+            cmd += ["--iptables-flavour", flavour]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(root)})
@@ -189,6 +193,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=40.0, help="seconds sampled after the first sync")
     parser.add_argument("--settle", type=float, default=5.0, help="the steady median's last seconds")
     parser.add_argument("--sync-period", default="20s", help="the daemon's full resync interval")
+    parser.add_argument("--iptables-flavour", default="legacy", help="as the daemon's flag (kube-proxy: legacy)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -198,7 +203,7 @@ def main() -> None:
         write_manifests(args.services, args.endpoints, Path(tmp))
         for backend in args.backends.split(","):
             results[backend] = run_daemon(backend, Path(tmp), args.root.resolve(), args.window,
-                                          args.settle, args.sync_period)
+                                          args.settle, args.sync_period, args.iptables_flavour)
             print(f"{backend}: {results[backend]}", file=sys.stderr, flush=True)
     label = str(args.root.resolve())
     print(json.dumps(results) if args.json else table(results, label, args.services, args.endpoints))

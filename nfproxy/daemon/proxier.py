@@ -26,7 +26,7 @@ from nfproxy.backends import registry as backend_registry
 from nfproxy.backends.base import Backend, Plan
 from nfproxy.core.changes import Changes, diff
 from nfproxy.core.model import ClusterState, IPFamily
-from nfproxy.daemon import logs
+from nfproxy.daemon import heap, logs
 from nfproxy.kernel.base import Kernel, KernelFactory
 from nfproxy.kernel.iptables import Flavour
 from nfproxy.kernel.registry import KERNELS
@@ -216,6 +216,8 @@ class Proxier:
             result.log(log, self.backend_name)
             for hook in self.hooks.on_synced:
                 hook(previous, state, result)
+            if kind == "full":
+                heap.release()  # the full sync's hundreds of MiB, back to the system
             return result
 
     def _apply(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
