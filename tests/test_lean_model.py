@@ -135,3 +135,25 @@ def test_the_proxier_releases_memory_after_full_syncs_only(
     assert calls == [1]
     assert proxier.sync(state, full=True).kind == "full"
     assert calls == [1, 1]
+
+
+def test_the_iptables_belief_keeps_no_rule_text() -> None:
+    """A full plan's belief keeps chain names, rule counts and digests, not the ~50 MiB of rules
+    (at 10 000 x 10) that no later sync reads; a partial plan still sees what changed."""
+    from nfproxy.backends.iptables.plan import HeldChains, full_plan, held, partial_plan
+    from nfproxy.backends.iptables.render import render
+
+    state = uniform_cluster(4, 3)
+    plan = full_plan(state, IPFamily.V4, None)
+    assert plan.belief is not None and plan.belief.rules.service_chains == {}
+    assert all(type(h) is HeldChains for h in plan.belief.services.values())
+    rendered = render(state, IPFamily.V4).service_chains
+    assert {k: held(c) for k, c in rendered.items()} == dict(plan.belief.services)
+    key = sorted(state.endpoints)[0]
+    endpoints = dict(state.endpoints)
+    endpoints[key] = endpoints[key][:2]
+    changed = replace(state, endpoints=endpoints)
+    assert partial_plan(state, [key], IPFamily.V4, plan.belief) is None
+    partial = partial_plan(changed, [key], IPFamily.V4, plan.belief)
+    assert partial is not None and "-X KUBE-SEP-" in partial.payload.text  # type: ignore[attr-defined]
+    assert partial.belief is not None and partial.belief.services[key].rules < plan.belief.services[key].rules
