@@ -65,11 +65,20 @@ def _rss(pid: int) -> int:
 
 
 def _children(pid: int) -> list[int]:
+    """Children of every thread of `pid`: the daemon forks from its sync thread, whose children
+    /proc lists under that thread only."""
+    found: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return []
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return found
 
 
 def _tree_rss(pid: int) -> tuple[int, int]:

@@ -246,6 +246,10 @@ class Proxier:
             return plan, False
         mode = "nftables" if self.backend_name == "nft" else self.backend_name
         _dump_rules(mode, plan.family, lambda: _payload_text(plan.payload))
+        if plan.full:
+            # What rendering freed goes back before libnftables or iptables-restore needs its
+            # own few hundred MiB: the peak is then the payload's, not payload plus render.
+            heap.release()
         try:
             kernel.apply(plan.payload)
             return plan, False
