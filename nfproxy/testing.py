@@ -140,3 +140,76 @@ def clusters(max_services: int = 25, max_endpoints: int = 12) -> st.SearchStrate
         st.integers(1, max_services),
         st.just(max_endpoints),
     )
+
+
+def manifest_objects(state: ClusterState) -> list[dict]:
+    """`state`'s services as Service and EndpointSlice objects (camelCase, as `kubectl get -o
+    json`), so the manifest loader and the daemon can be fed a generated cluster.
+
+    One slice per service port and family, named after the port; node settings are not written
+    (give them as flags)."""
+    by_service: dict[tuple[str, str], list[ServicePort]] = {}
+    for sp in state.services.values():
+        by_service.setdefault((sp.name.namespace, sp.name.name), []).append(sp)
+    objects: list[dict] = []
+    for (namespace, name), ports in sorted(by_service.items()):
+        objects.append(_service_object(namespace, name, ports))
+        for sp in ports:
+            if sp.key in state.endpoints:
+                objects.append(_slice_object(sp, state.endpoints[sp.key]))
+    return objects
+
+
+def _service_object(namespace: str, name: str, ports: list[ServicePort]) -> dict:
+    first = ports[0]
+    ips = sorted({(sp.family, sp.cluster_ip) for sp in ports})
+    unique = {(sp.name.port, sp.name.protocol): sp for sp in ports}
+    spec: dict = {
+        "type": first.type.value,
+        "clusterIP": ips[0][1],
+        "clusterIPs": [ip for _, ip in ips],
+        "ipFamilies": [f"IPv{family.value}" for family, _ in ips],
+        "ports": [
+            {"name": sp.name.port, "protocol": sp.name.protocol.value, "port": sp.port,
+             **({"nodePort": sp.node_port} if sp.node_port else {})}
+            for sp in unique.values()
+        ],
+    }
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": namespace, "name": name}, "spec": spec}
+
+
+def _slice_object(sp: ServicePort, endpoints: tuple[Endpoint, ...]) -> dict:
+    port = endpoints[0].port if endpoints else sp.port
+    suffix = f"{sp.name.port or 'port'}-{sp.name.protocol.lower}-v{sp.family.value}"
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "namespace": sp.name.namespace,
+            "name": f"{sp.name.name}-{suffix}",
+            "labels": {"kubernetes.io/service-name": sp.name.name},
+        },
+        "addressType": f"IPv{sp.family.value}",
+        "ports": [{"name": sp.name.port, "protocol": sp.name.protocol.value, "port": port}],
+        "endpoints": [_endpoint_object(e) for e in endpoints],
+    }
+
+
+def _endpoint_object(e: Endpoint) -> dict:
+    obj: dict = {
+        "addresses": [e.ip],
+        "conditions": {"ready": e.ready, "serving": e.serving, "terminating": e.terminating},
+    }
+    if e.node_name:
+        obj["nodeName"] = e.node_name
+    if e.zone:
+        obj["zone"] = e.zone
+    hints = {}
+    if e.zone_hints:
+        hints["forZones"] = [{"name": z} for z in sorted(e.zone_hints)]
+    if e.node_hints:
+        hints["forNodes"] = [{"name": n} for n in sorted(e.node_hints)]
+    if hints:
+        obj["hints"] = hints
+    return obj

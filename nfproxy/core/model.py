@@ -9,7 +9,8 @@ sources validate once, the renderers then format 100 000 endpoints without conve
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -115,6 +116,37 @@ class ServicePort:
         )
 
 
+# Topology hints come in few distinct sets (a zone or two, a node): every endpoint that has the
+# same hints shares one frozenset, and every endpoint without hints the empty one. A model read
+# from 100 000 slice endpoints otherwise holds 200 000 frozensets (216 bytes each).
+NO_HINTS: frozenset[str] = frozenset()
+_HINT_SETS: dict[frozenset[str], frozenset[str]] = {}
+# Bounded so that hostile hint names cannot grow the table without end; past it sets are not shared.
+_MAX_HINT_SETS = 4096
+
+
+def shared(text: str) -> str:
+    """`text` as the one string object equal to it that the model shares.
+
+    Loaders build names, zones and namespaces from decoded JSON or YAML, which makes a new string
+    for every occurrence: 100 000 endpoints on one node each carry their own copy of its name.
+    Interned, they share one (sys.intern: interned strings are freed with their last user)."""
+    return sys.intern(text)
+
+
+def hint_set(names: Iterable[str]) -> frozenset[str]:
+    """The shared frozenset of the non-empty `names` (NO_HINTS when there is none)."""
+    found = frozenset(sys.intern(n) for n in names if n)
+    if not found:
+        return NO_HINTS
+    known = _HINT_SETS.get(found)
+    if known is not None:
+        return known
+    if len(_HINT_SETS) < _MAX_HINT_SETS:
+        _HINT_SETS[found] = found
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """One backend address of a service port, with the conditions categorisation needs."""
@@ -126,8 +158,8 @@ class Endpoint:
     terminating: bool = False
     node_name: str = ""
     zone: str = ""
-    zone_hints: frozenset[str] = frozenset()
-    node_hints: frozenset[str] = frozenset()
+    zone_hints: frozenset[str] = NO_HINTS
+    node_hints: frozenset[str] = NO_HINTS
     # Share of new connections relative to the other endpoints (0-1000; 0 = drained, no new
     # connections): docs/weights.md. Equal weights are the plain uniform choice.
     weight: int = 1

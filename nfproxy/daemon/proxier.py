@@ -27,7 +27,7 @@ from nfproxy.backends import registry as backend_registry
 from nfproxy.backends.base import Backend, Plan
 from nfproxy.core.changes import Changes, ChangeTracker, Touched, diff
 from nfproxy.core.model import ClusterState, IPFamily
-from nfproxy.daemon import logs
+from nfproxy.daemon import heap, logs
 from nfproxy.kernel.base import Kernel, KernelFactory
 from nfproxy.kernel.iptables import Flavour
 from nfproxy.kernel.registry import KERNELS
@@ -236,6 +236,8 @@ class Proxier:
             result.log(log, self.backend_name)
             for hook in self.hooks.on_synced:
                 hook(previous, state, result)
+            if kind == "full":
+                heap.release()  # the full sync's hundreds of MiB, back to the system
             return result
 
     def _apply(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
@@ -264,6 +266,10 @@ class Proxier:
             return plan, False
         mode = "nftables" if self.backend_name == "nft" else self.backend_name
         _dump_rules(mode, plan.family, lambda: _payload_text(plan.payload))
+        if plan.full:
+            # What rendering freed goes back before libnftables or iptables-restore needs its
+            # own few hundred MiB: the peak is then the payload's, not payload plus render.
+            heap.release()
         try:
             kernel.apply(plan.payload)
             return plan, False

@@ -151,7 +151,6 @@ class NftKernel:
         # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
         # None sends everything through libnftables.
         self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
-        self.last: Transaction | None = None
 
     def owned(self) -> Owned:
         found = self.session.object_names(self.nft_family, self.table)
@@ -165,7 +164,6 @@ class NftKernel:
         if not isinstance(payload, Transaction):
             raise TypeError(f"an nft kernel applies Transactions, not {type(payload).__name__}")
         payload.check()
-        self.last = payload
         if not payload:
             return
         if self.fast is not None:

@@ -47,6 +47,8 @@ from nfproxy.core.model import (
     ServicePortKey,
     ServicePortName,
     ServiceType,
+    hint_set,
+    shared,
     sort_endpoints,
 )
 from nfproxy.sources import validation as v
@@ -193,15 +195,17 @@ class FileProblem(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ManifestFile:
-    """The documents of one file, as read (not yet validated)."""
+    """One file's objects, each validated on its own, in file order; `build` joins files.
+
+    Parsed as soon as read rather than kept as decoded documents: a source that keeps every
+    file's last good contents (sources/files.py) would otherwise hold the whole cluster twice,
+    and decoded JSON or YAML is several times the size of the model built from it.
+    """
 
     path: Path
-    documents: tuple[_Document, ...]
-
-    @property
-    def objects(self) -> int:
-        """Top-level documents that are mappings: 0 for an empty, comment-only or scalar file."""
-        return sum(isinstance(d.obj, dict) for d in self.documents)
+    parsed: tuple[_Parsed | ObjectError, ...]
+    # Top-level documents that are mappings: 0 for an empty, comment-only or scalar file.
+    objects: int = 0
 
 
 def load(
@@ -243,8 +247,8 @@ def load(
 
 
 def build(files: Iterable[ManifestFile], node: NodeConfig | None = None) -> LoadResult:
-    """Validate the documents of files already read (in the order given) into one state."""
-    return _build((doc for f in files for doc in f.documents), node)
+    """Join the objects of files already read (in the order given) into one state."""
+    return _assemble((entry for f in files for entry in f.parsed), node)
 
 
 def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> LoadResult:
@@ -253,7 +257,7 @@ def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> Load
     Each object needs `apiVersion` and `kind`. The API leaves them out of list items, so the
     API source sets them; `kind: *List` objects here fill them in from the list's own kind.
     """
-    return _build((_Document(obj) for obj in objects), node)
+    return _assemble(_parse(_Document(obj) for obj in objects), node)
 
 
 def manifest_files(root: Path) -> list[Path]:
@@ -330,9 +334,11 @@ def read_bytes(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
 def read_manifest(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> ManifestFile:
     """One file's documents; raises FileProblem naming the file (and line) when it cannot be."""
     try:
-        return ManifestFile(path, tuple(_read_file(path, read_bytes(path, max_bytes))))
+        documents = _read_file(path, read_bytes(path, max_bytes))
     except _FileError as exc:
         raise FileProblem(path, str(exc), exc.line) from None
+    objects = sum(isinstance(d.obj, dict) for d in documents)
+    return ManifestFile(path, tuple(_parse(documents)), objects)
 
 
 class _FileError(Exception):
@@ -488,7 +494,7 @@ def _metadata(
     labels = r.get(meta, "labels", "metadata.labels", dict)
     if labels is None and meta.get("labels") is None:
         labels = {}
-    return namespace or "", name or "", labels
+    return shared(namespace or ""), shared(name or ""), labels
 
 
 def _optional(parent: dict[str, Any], key: str, default: T) -> Any:
@@ -696,6 +702,7 @@ def _port_identity(entry: dict[str, Any], path: str, r: _Report) -> tuple[str | 
     name = r.check(f"{path}.name", v.string, _optional(entry, "name", ""))
     if name:
         name = r.check(f"{path}.name", v.dns_label, name)
+        name = shared(name) if name is not None else None
     protocol = r.check(
         f"{path}.protocol", v.one_of, _optional(entry, "protocol", "TCP"), _PROTOCOLS
     )
@@ -764,12 +771,11 @@ def _service_ports(
 @dataclass(frozen=True, slots=True)
 class _Slice:
     namespace: str
-    name: str
     service: str
     family: IPFamily
     ports: tuple[tuple[str, Protocol, int], ...]
-    # Port numbers come from `ports`; these carry 0 until paired with one.
-    endpoints: tuple[Endpoint, ...]
+    # The endpoints once per port, with that port's number (the state shares these objects).
+    endpoints: tuple[tuple[Endpoint, ...], ...]
 
 
 def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | None:
@@ -825,16 +831,17 @@ def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | 
         seen[key] = path
         ports.append((port_name, Protocol(protocol), number))
 
-    endpoints = []
+    templates = []
     for path, entry in endpoint_entries:
         endpoint = _endpoint(entry, path, family, r)
         if endpoint is not None:
-            endpoints.append(endpoint)
-    weights = _weights(obj, family, {ep.ip for ep in endpoints}, r)
+            templates.append(endpoint)
+    weights = _weights(obj, family, {ep.ip for ep in templates}, r)
     if weights:
-        endpoints = [replace(ep, weight=weights.get(ep.ip, ep.weight)) for ep in endpoints]
+        templates = [replace(ep, weight=weights.get(ep.ip, ep.weight)) for ep in templates]
+    per_port = tuple(tuple(replace(t, port=number) for t in templates) for _, _, number in ports)
     return (namespace, name), _Slice(
-        namespace, name, service, family, tuple(ports), tuple(endpoints)
+        namespace, shared(service), family, tuple(ports), per_port
     )
 
 
@@ -923,10 +930,10 @@ def _endpoint(entry: dict[str, Any], path: str, family: IPFamily, r: _Report) ->
         ready=flags["ready"],
         serving=flags["serving"],
         terminating=flags["terminating"],
-        node_name=node_name or "",
-        zone=zone or "",
-        zone_hints=frozenset(h for h in zone_hints if h),
-        node_hints=frozenset(h for h in node_hints if h),
+        node_name=shared(node_name or ""),
+        zone=shared(zone or ""),
+        zone_hints=hint_set(h for h in zone_hints if h),
+        node_hints=hint_set(h for h in node_hints if h),
     )
 
 
@@ -1091,18 +1098,41 @@ def _not_ours(obj: dict[str, Any]) -> str | None:
     return next((label for label in _NOT_OURS_LABELS if label in labels), None)
 
 
-def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """One valid object, parsed on its own: what `_assemble` joins with the others."""
+
+    kind: str
+    identity: Any
+    value: Any
+    source: str
+
+
+def _parse(documents: Iterable[_Document]) -> Iterator[_Parsed | ObjectError]:
+    """Each object's problems, then the object itself if it is usable, in document order (so
+    problems are reported in the order the documents hold them)."""
+    out: list[_Parsed | ObjectError] = []
+    for obj, source in _objects(documents, out):  # type: ignore[arg-type]
+        parsed = _parse_object(obj, source, out)
+        if parsed is not None:
+            out.append(parsed)
+        yield from out
+        out.clear()
+    yield from out
+
+
+def _parse_object(obj: dict[str, Any], source: str, errors: list[Any]) -> _Parsed | None:
     kind, api_version = obj.get("kind"), obj.get("apiVersion")
     if kind is None:
-        into.errors.append(ObjectError("", "", "", "kind", "required field is missing", source))
-        return
+        errors.append(ObjectError("", "", "", "kind", "required field is missing", source))
+        return None
     if not isinstance(kind, str) or kind not in _GROUPS:
         log.debug("%s: ignoring object of kind %s", source or "object", show(kind))
-        return
+        return None
     if kind != "Node" and (label := _not_ours(obj)) is not None:
         log.debug("%s: %s labelled %s: left to another proxy", source or "object", kind, label)
-        return
-    r = _Report(kind, obj, source, into.errors)
+        return None
+    r = _Report(kind, obj, source, errors)
     if (api_version, kind) not in (_SERVICE, _SLICE, _NODE, _SERVICE_CIDR):
         # Same group, other version: ours, but a schema we would misread. Another group
         # (a Knative Service, say): not ours at all.
@@ -1119,27 +1149,42 @@ def _collect(obj: dict[str, Any], source: str, into: _Collected) -> None:
             log.debug(
                 "%s: ignoring %s of apiVersion %s", source or "object", kind, show(api_version)
             )
-        return
+        return None
 
     parsed: tuple[Any, Any] | None
-    table: dict[Any, Any]
     if kind == "Service":
-        parsed, table = _service(obj, r), into.services
+        parsed = _service(obj, r)
     elif kind == "EndpointSlice":
-        parsed, table = _slice(obj, r), into.slices
+        parsed = _slice(obj, r)
     elif kind == "ServiceCIDR":
-        parsed, table = _service_cidr(obj, r), into.service_cidrs
+        parsed = _service_cidr(obj, r)
     else:
-        parsed, table = _node(obj, r), into.nodes
+        parsed = _node(obj, r)
     if parsed is None:
-        return
-    identity, value = parsed
+        return None
+    return _Parsed(kind, parsed[0], parsed[1], source)
+
+
+def _collect(parsed: _Parsed, into: _Collected) -> None:
+    """Keep `parsed` unless an object of its kind and identity was kept before."""
+    table: dict[Any, Any] = {
+        "Service": into.services,
+        "EndpointSlice": into.slices,
+        "ServiceCIDR": into.service_cidrs,
+        "Node": into.nodes,
+    }[parsed.kind]
+    kind, identity = parsed.kind, parsed.identity
     if identity in table:
-        where = f" at {into.sources[kind, identity]}" if into.sources[kind, identity] else ""
-        r.add("metadata.name", f"duplicate {kind}: already defined{where}")
+        first = into.sources[kind, identity]
+        where = f" at {first}" if first else ""
+        namespace, name = identity if isinstance(identity, tuple) else ("", identity)
+        into.errors.append(ObjectError(
+            kind, show(namespace), show(name), "metadata.name",
+            f"duplicate {kind}: already defined{where}", parsed.source,
+        ))
         return
-    table[identity] = value
-    into.sources[kind, identity] = source
+    table[identity] = parsed.value
+    into.sources[kind, identity] = parsed.source
 
 
 def _pick_node(given: NodeConfig | None, nodes: dict[str, NodeInfo]) -> NodeInfo | None:
@@ -1166,24 +1211,28 @@ def _endpoints(
     them by name makes the winner reproducible.
     """
     merged: dict[ServicePortKey, dict[str, Endpoint]] = {}
+    # Keyed by the services' own key objects: one ServicePortName per port in the whole state.
+    keys = {key: key for key in services}
     for _, sl in sorted(slices.items()):
-        for port_name, protocol, number in sl.ports:
-            key = (ServicePortName(sl.namespace, sl.service, port_name, protocol), sl.family)
-            if key not in services:
+        for (port_name, protocol, _number), endpoints in zip(sl.ports, sl.endpoints):
+            key = keys.get((ServicePortName(sl.namespace, sl.service, port_name, protocol), sl.family))
+            if key is None:
                 continue
             bucket = merged.setdefault(key, {})
-            for template in sl.endpoints:
-                endpoint = replace(template, port=number)
+            for endpoint in endpoints:
                 local = bool(node_name) and endpoint.node_name == node_name
                 if local or endpoint.address not in bucket:
                     bucket[endpoint.address] = endpoint
     return {key: sort_endpoints(list(bucket.values())) for key, bucket in merged.items() if bucket}
 
 
-def _build(documents: Iterable[_Document], given: NodeConfig | None) -> LoadResult:
+def _assemble(entries: Iterable[_Parsed | ObjectError], given: NodeConfig | None) -> LoadResult:
     collected = _Collected()
-    for obj, source in _objects(documents, collected.errors):
-        _collect(obj, source, collected)
+    for entry in entries:
+        if isinstance(entry, ObjectError):
+            collected.errors.append(entry)
+        else:
+            _collect(entry, collected)
     node = merge_node(given, _pick_node(given, collected.nodes))
     if collected.service_cidrs:
         # ServiceCIDR objects, where the cluster has them, win over --service-cluster-ip-range.

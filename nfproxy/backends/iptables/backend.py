@@ -67,7 +67,7 @@ class IptablesBackend:
         for family, belief in self._believed.items():
             top = belief.rules
             nat = sum(len(r) for r in top.nat.values())
-            nat += sum(len(g.rules) for g in belief.services.values())
+            nat += sum(g.rules for g in belief.services.values())
             counts[family] = {"nat": nat, "filter": sum(len(r) for r in top.filter.values())}
         return counts
 
