@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,6 @@ from nfproxy.core.changes import Touched
 from nfproxy.core.model import ClusterState, NodeConfig, ServicePortKey
 from nfproxy.sources.manifests import (
     DEFAULT_MAX_BYTES,
-    SERVICE_NAME_LABEL,
     FileProblem,
     LoadResult,
     ManifestFile,
@@ -76,43 +75,24 @@ ObjectIdentity = tuple[str, str, str]
 ServiceName = tuple[str, str]
 
 
-def _flat(contents: ManifestFile | None) -> Iterator[dict[str, Any]]:
-    """The file's objects, `*List` documents opened one level (as manifests reads them)."""
-    for doc in contents.documents if contents is not None else ():
-        obj = doc.obj
-        if not isinstance(obj, dict):
+def _identities(contents: ManifestFile | None) -> dict[ObjectIdentity, list[Any]]:
+    """What each Service and EndpointSlice of the file parsed to, by identity (as manifests
+    reads them: a null namespace is `default`). Invalid objects and objects left to another
+    proxy add no state, so they are absent here: an object turning invalid is a change. Where
+    an object sits in the file is left out: moving it changes nothing."""
+    out: dict[ObjectIdentity, list[Any]] = {}
+    for parsed in contents.parsed if contents is not None else ():
+        if isinstance(parsed, ObjectError) or parsed.kind not in ("Service", "EndpointSlice"):
             continue
-        kind = obj.get("kind")
-        items = obj.get("items")
-        if not (isinstance(kind, str) and kind.endswith("List") and "items" in obj):
-            yield obj
-        elif isinstance(items, list):
-            for item in items:
-                if isinstance(item, dict):
-                    yield item if "kind" in item else {**item, "kind": kind[: -len("List")]}
-
-
-def _identities(contents: ManifestFile | None) -> dict[ObjectIdentity, list[dict[str, Any]]]:
-    """Services and EndpointSlices by identity; objects without a usable one add no state."""
-    out: dict[ObjectIdentity, list[dict[str, Any]]] = {}
-    for obj in _flat(contents):
-        kind, meta = obj.get("kind"), obj.get("metadata")
-        if kind not in ("Service", "EndpointSlice") or not isinstance(meta, dict):
-            continue
-        # As manifests reads it: a missing or null namespace is `default`.
-        name, namespace = meta.get("name"), meta.get("namespace") or "default"
-        if isinstance(name, str) and isinstance(namespace, str):
-            out.setdefault((kind, namespace, name), []).append(obj)
+        namespace, name = parsed.identity
+        out.setdefault((parsed.kind, namespace, name), []).append(parsed.value)
     return out
 
 
-def _service_of(identity: ObjectIdentity, obj: dict[str, Any]) -> ServiceName | None:
+def _service_of(identity: ObjectIdentity, value: Any) -> ServiceName:
+    """The Service an object's state belongs to: its own name, or a slice's service label."""
     kind, namespace, name = identity
-    if kind == "Service":
-        return (namespace, name)
-    labels = obj["metadata"].get("labels")
-    service = labels.get(SERVICE_NAME_LABEL) if isinstance(labels, dict) else None
-    return (namespace, service) if isinstance(service, str) else None
+    return (namespace, name) if kind == "Service" else (namespace, value.service)
 
 
 def _keys_by_service(state: ClusterState) -> dict[ServiceName, list[ServicePortKey]]:
@@ -169,7 +149,7 @@ class ManifestSource:
         # Change tracking: identities per good file; Services touched since the state last
         # applied (None: unknown); keys touched since the last `snapshot_changes` (None:
         # unknown) and the state it returned.
-        self._identities: dict[Path, dict[ObjectIdentity, list[dict[str, Any]]]] = {}
+        self._identities: dict[Path, dict[ObjectIdentity, list[Any]]] = {}
         self._touched_services: set[ServiceName] | None = None
         self._keys: dict[ServiceName, list[ServicePortKey]] = {}
         self._pending: set[ServicePortKey] | None = None
@@ -287,10 +267,8 @@ class ManifestSource:
             if identity[0] == "EndpointSlice":
                 # A duplicate slice name in another file: which one wins may change too.
                 coupled += [ids[identity] for ids in self._identities.values() if identity in ids]
-            for obj in (o for objs in coupled for o in objs):
-                service = _service_of(identity, obj)
-                if service is not None:
-                    touched.add(service)
+            for value in (v for values in coupled for v in values):
+                touched.add(_service_of(identity, value))
 
     def _applied(self, state: ClusterState) -> None:
         """`state` replaces the last applied one: turn the touched Services into keys."""
