@@ -80,7 +80,7 @@ class NftBackend:
             except nft_render.NeedsFullSync as exc:
                 log.info("IPv%d: partial sync impossible (%s): full sync", family.value, exc)
                 found = _held(belief)  # accurate: it is what the kernel accepted
-        return self._full(state, family, found)
+        return self._full(state, family, found, belief.ruleset if belief is not None else None)
 
     def _partial(
         self, belief: _Belief, state: ClusterState, keys: frozenset, family: IPFamily
@@ -122,9 +122,13 @@ class NftBackend:
         memo = _Belief(new, stale_chains, stale_sets, owned)
         return Plan(family, False, len(d.transaction), d.transaction, memo)
 
-    def _full(self, state: ClusterState, family: IPFamily, found: Owned | None) -> Plan:
-        new = nft_render.render(state, family)
-        tx = new.transaction()
+    def _full(
+        self, state: ClusterState, family: IPFamily, found: Owned | None, kept: NftRuleset | None = None
+    ) -> Plan:
+        """`kept`: the ruleset the kernel accepted last; the endpoint maps are then diffed
+        against it instead of flushed, so per-endpoint counters survive (render.transaction)."""
+        new = nft_render.render(state, family, keep=kept)
+        tx = new.transaction(kept)
         # Strays are emptied now and deleted by the next sync, like the stale chains of a
         # partial sync (a rule or element in flight may still name them).
         stray_chains, stray_sets = strays(new, found) if found is not None else ([], [])
