@@ -64,8 +64,10 @@ def strays(new: NftRuleset, found: Owned) -> tuple[list[str], list[str]]:
 class NftBackend:
     name = "nft"
 
-    def __init__(self) -> None:
+    def __init__(self, *, endpoint_counters: bool = True) -> None:
         self._beliefs: dict[IPFamily, _Belief] = {}
+        # Per-endpoint connection counters (render._Context.counters); off only to measure them.
+        self.endpoint_counters = endpoint_counters
 
     def render(self, state: ClusterState, family: IPFamily) -> NftRuleset:
         return nft_render.render(state, family)
@@ -127,7 +129,7 @@ class NftBackend:
     ) -> Plan:
         """`kept`: the ruleset the kernel accepted last; the endpoint maps are then diffed
         against it instead of flushed, so per-endpoint counters survive (render.transaction)."""
-        new = nft_render.render(state, family, keep=kept)
+        new = nft_render.render(state, family, endpoint_counters=self.endpoint_counters, keep=kept)
         tx = new.transaction(kept)
         # Strays are emptied now and deleted by the next sync, like the stale chains of a
         # partial sync (a rule or element in flight may still name them).
