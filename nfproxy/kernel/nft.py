@@ -184,6 +184,11 @@ class NftKernel:
         """The table as nft lists it, chains and sets in name order, elements sorted."""
         return canonical_listing(self.session._cmd(f"list table {self.nft_family} {self.table}"))
 
+    def counted_dump(self) -> dict[str, Any]:
+        """`nft -j list table` of our table, counters included (rule counters, named counters,
+        per-element counters of the endpoint maps), or an empty document without the table."""
+        return self.session.list_table(self.nft_family, self.table) or {"nftables": []}
+
     def close(self) -> None:
         if self.fast is not None:
             self.fast.close()
@@ -225,4 +230,6 @@ def _sorted_elements(body: list[str]) -> list[str]:
 
 def body_is_element(line: str) -> bool:
     """A continuation line of an `elements = { ... }` list (nft wraps long lists)."""
+    if line == "counter":  # the map's per-element counter flag
+        return False
     return not line.startswith(("type ", "typeof ", "flags ", "timeout ", "comment ", "size ", "policy ", "elements = "))

@@ -215,15 +215,22 @@ def block_size(n: int) -> int:
     return max(BLOCK_MIN, 1 << (max(n, 1) - 1).bit_length())
 
 
-def shard_of(base: int, proto: str) -> str:
+COUNTED = "counted-"
+
+
+def shard_of(base: int, proto: str, counted: bool = True) -> str:
     """The data map holding slot `base`. One set of shards per protocol: a map's data type
-    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port."""
-    return f"{SHARD_PREFIX}{proto}-{base // SHARD_SLOTS}"
+    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port.
+    Maps with per-element counters are named apart (`endpoints-counted-tcp-0`): nft refuses
+    to redeclare an existing map with another spec, so turning counters on or off (or
+    upgrading from an nfproxy without them) makes new maps and leaves the old ones to the
+    stray cleanup, instead of failing every full sync."""
+    return f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}-{base // SHARD_SLOTS}"
 
 
 def _shard_order(name: str) -> tuple[str, int]:
     proto, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
-    return proto, int(index)
+    return proto.removeprefix(COUNTED), int(index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +292,8 @@ class NftRuleset:
     cluster_ip_refs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # Named counters the static rules use (declared, never reset by a sync).
     counters: tuple[str, ...] = ()
+    # Per-endpoint connection counters (see _Context.counters).
+    endpoint_counters: bool = True
 
     @property
     def nft_family(self) -> str:
@@ -294,7 +303,8 @@ class NftRuleset:
         """Key: the numgen slot (a 32-bit integer: `type mark` is refused for a numgen key);
         data: address . port of the shard's protocol."""
         proto = _shard_order(name)[0]
-        return nft.Map(name, typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport")
+        counted = name.startswith(SHARD_PREFIX + COUNTED)
+        return nft.Map(name, typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport", counter=counted)
 
     def text(self) -> str:
         """This family's `nfproxy render` output (backends.base.Rendered)."""
@@ -304,7 +314,7 @@ class NftRuleset:
         """The full `nft -f` script (`nfproxy render`): the transaction, as text."""
         return nft_text.script(self.transaction())
 
-    def transaction(self) -> nft.Transaction:
+    def transaction(self, kept: NftRuleset | None = None) -> nft.Transaction:
         """A complete sync as one atomic transaction.
 
         Valid on a fresh namespace and over an existing `nfproxy` table alike: everything it owns
@@ -313,11 +323,18 @@ class NftRuleset:
         Affinity sets are added but never flushed, so client stickiness survives a resync.
         Chains of services that no longer exist are not known here and are left alone (unused,
         unreferenced); removing them needs the kernel's chain list and belongs to the sync.
+
+        `kept`: the ruleset the kernel holds (this one rendered with `keep=kept`). Its endpoint
+        maps are then not flushed: only the elements that changed or went are deleted, and
+        re-adding an unchanged element is a no-op, so its per-element counter survives the
+        full sync. Were the kernel's maps not what `kept` says, the transaction fails (a
+        delete of a missing element, an add over a different one) and the caller, forgetting
+        what it believed, falls back to the flushing form.
         """
         with gc_paused():  # 250 000 objects at 10 000 services: no reason to scan them
-            return self._transaction()
+            return self._transaction(kept)
 
-    def _transaction(self) -> nft.Transaction:
+    def _transaction(self, kept: NftRuleset | None = None) -> nft.Transaction:
         tx = nft.Transaction(self.nft_family, self.table)
         tx.add(nft.Table(self.nft_family, self.table, comment="rules for nfproxy"))
         for name in self.counters:
@@ -342,7 +359,13 @@ class NftRuleset:
         for name in sorted(self.shard_users, key=_shard_order):
             shard = self.shard_map(name)
             tx.add(shard)
-            tx.flush(shard)
+            if kept is None or name not in kept.shard_users:
+                tx.flush(shard)
+                continue
+            now = self.elements.get(name, {})
+            for key, el in kept.elements.get(name, {}).items():
+                if now.get(key) != el:
+                    tx.delete(nft.Element(name, key))
         for name, rules in self.chains.items():
             tx.add_rules(name, rules)
 
@@ -424,6 +447,9 @@ class _Context:
     from_pod: str
     not_from_pod: str
     mark: str
+    # Count each endpoint's new connections (docs/metrics.md): `counter` on the endpoint data
+    # maps (one per element, bumped by the lookup) and before each per-endpoint chain's DNAT.
+    counters: bool = True
 
 
 _IFNAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
@@ -442,7 +468,7 @@ def _pod_matches(ipx: str, match: PodMatch | None) -> tuple[str, str]:
     return f'iifname "{name}"', f'iifname != "{name}"'
 
 
-def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, ...]]:
+def _context(node: NodeConfig, family: IPFamily, counters: bool = True) -> tuple[_Context, tuple[str, ...]]:
     ipx = "ip" if family is IPFamily.V4 else "ip6"
     from_pod, not_from_pod = _pod_matches(ipx, pod_match(node, family))
     ctx = _Context(
@@ -453,6 +479,7 @@ def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, .
         from_pod=from_pod,
         not_from_pod=not_from_pod,
         mark=f"{node.masquerade_mark:#x}",
+        counters=counters,
     )
     return ctx, _collapse(node.service_cidrs_of(family))
 
@@ -696,7 +723,7 @@ def _render_service(
         block = slots.take(chain, len(values))
         blocks[chain] = block
         first = block[0]
-        shard = shard_of(first, proto)
+        shard = shard_of(first, proto, ctx.counters)
         shards.append(shard)
         if not kept_before and chain in slots.kept and not weighted(subset):
             # Weighted slots stay in runs: a run of consecutive slots is within 2^-32 of its
@@ -715,7 +742,7 @@ def _render_service(
     affinity_sets: dict[str, nft.Set] = {}
     svc_part = f"{spn.namespace}/{spn.name}/{proto}/{spn.port}__"
     hairpin_tail = f" jump {MARK_MASQ_CHAIN}"
-    dnat_head = f"meta l4proto {proto} dnat to "
+    dnat_head = f"meta l4proto {proto} {'counter ' if ctx.counters else ''}dnat to "
     update = f" {{ {ipx} saddr }}"
     addr_type, timeout = ctx.addr_type, svc.affinity_timeout
     sha256 = hashlib.sha256
@@ -845,21 +872,37 @@ def _service_order(key: ServicePortKey) -> tuple[str, str, str, str]:
     return (spn.namespace, spn.name, spn.port, spn.protocol)
 
 
-def render(state: ClusterState, family: IPFamily) -> NftRuleset:
-    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`."""
+def render(
+    state: ClusterState, family: IPFamily, *, endpoint_counters: bool = True, keep: NftRuleset | None = None
+) -> NftRuleset:
+    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`.
+    `endpoint_counters=False` leaves out the per-endpoint counters (to measure their cost).
+    `keep` (the ruleset the kernel holds) keeps each chain's slot block and each endpoint's
+    slot where they still fit, so that `transaction(kept=keep)` leaves those elements, and
+    their counters, alone."""
     with gc_paused():
-        return _render(state, family)
+        return _render(state, family, endpoint_counters, keep)
 
 
-def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
-    ctx, service_cidrs = _context(state.node, family)
+def _kept_slots(keep: NftRuleset | None) -> _Slots:
+    if keep is None or keep.allocator is None:
+        return _Slots(SlotAllocator())
+    blocks = {chain: block for svc in keep.services.values() for chain, block in svc.blocks.items()}
+    held = [e for svc in keep.services.values() for e in svc.elements if e[0].startswith(SHARD_PREFIX)]
+    return _Slots(keep.allocator, MappingProxyType(blocks), held)
+
+
+def _render(
+    state: ClusterState, family: IPFamily, endpoint_counters: bool = True, keep: NftRuleset | None = None
+) -> NftRuleset:
+    ctx, service_cidrs = _context(state.node, family, endpoint_counters)
     chains, sets, unused, elements = _static(ctx, service_cidrs)
 
     services: dict[ServicePortKey, ServiceRules] = {}
     all_endpoints = state.endpoints
     svc_map = state.services
     contested: set[tuple[str, str]] = set()
-    slots = _Slots(SlotAllocator())
+    slots = _kept_slots(keep)
     hairpin_refs: dict[str, int] = {}
     cluster_ip_refs: dict[str, int] = {}
     shard_users: dict[str, int] = {}
@@ -883,6 +926,7 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
                 contested.add((map_name, elem_key))
             else:
                 held[elem_key] = element
+    slots.release_unkept()
 
     return NftRuleset(
         family=family,
@@ -899,6 +943,7 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         allocator=slots.allocator,
         cluster_ip_refs=MappingProxyType(cluster_ip_refs),
         counters=(INVALID_DROP_COUNTER,) if state.node.drop_invalid else (),
+        endpoint_counters=endpoint_counters,
     )
 
 
@@ -923,7 +968,7 @@ def render_update(
     """
     with gc_paused():
         family = previous.family
-        ctx, _ = _context(state.node, family)
+        ctx, _ = _context(state.node, family, previous.endpoint_counters)
         services = previous.services.copy()  # MappingProxyType.copy: a dict copy, 10x dict(...)
         elements: dict[str, Mapping[str, Element]] = previous.elements.copy()
         copied: dict[str, dict[str, Element]] = {}
@@ -1009,6 +1054,7 @@ def render_update(
             allocator=allocator,
             cluster_ip_refs=MappingProxyType(cluster_ips),
             counters=previous.counters,
+            endpoint_counters=previous.endpoint_counters,
         )
 
 
