@@ -61,7 +61,6 @@ class CountLike(Protocol):
     service: str
     port: str
     protocol: str
-    family: str
     endpoint: str
     connections: int
 
@@ -134,9 +133,9 @@ def reading(
     """One reading from counters and the rules they were read with (one snapshot of both)."""
     per_port: dict[PortKey, dict[str, int]] = {}
     for c in counts:
-        key = PortKey(f"{c.namespace}/{c.service}:{c.port}" if c.port else f"{c.namespace}/{c.service}",
-                      c.protocol.lower(), c.family)
         ep = endpoint_label(c.endpoint)
+        key = PortKey(f"{c.namespace}/{c.service}:{c.port}" if c.port else f"{c.namespace}/{c.service}",
+                      c.protocol.lower(), "ip6" if ep.startswith("[") else "ip")
         per_port.setdefault(key, {})
         per_port[key][ep] = per_port[key].get(ep, 0) + c.connections
     selections: dict[PortKey, list[Selection]] = {}

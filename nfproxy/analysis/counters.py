@@ -1,55 +1,322 @@
-"""Per-endpoint new-connection counts read back from the kernel's rule counters.
+"""New connections per endpoint, from the kernel's own counters.
 
-INTERIM (task L2): the iptables half of helper L1's interface, so `nfproxy audit` can be built
-and tested before L1's branch (l-counters) lands; L1's module replaces this file whole.
+Public API: `EndpointCount`, `endpoint_counts_iptables(save_text)`,
+`endpoint_counts_nft(ruleset_json)`, `total_by_service(counts)`.
+
+In the nat table only a connection's first packet is evaluated, so the packets a counter at an
+endpoint's DNAT has seen are the connections that endpoint was given. iptables keeps one such
+counter per `KUBE-SEP-*` DNAT rule (`iptables-save -c` prints it); nfproxy's nft layout keeps
+one per element of the endpoint data maps (the maps carry the `counter` flag) and one on the
+DNAT rule of each per-endpoint chain (ClientIP affinity ports).
+
+Services and endpoints are read from the rules themselves, never from what a renderer meant
+(analysis does not import backends): iptables from the `ns/name:port` comment of the SEP chain
+(or the `ns/name:port -> ip:port` comments of the jumps to it), nft from the chain names
+(`kind-HASH-ns/name/proto/port`). A chain name nft had to hash and truncate (240 characters,
+far past any real Kubernetes name) cannot be read back and is left out.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from nfproxy.core.model import IPFamily
+
+_SEP = "KUBE-SEP-"
+_NFT_SELECTORS = ("service-", "local-")
+_NFT_ENDPOINT = "endpoint-"
 
 
 @dataclass(frozen=True, slots=True)
 class EndpointCount:
+    """One endpoint of one service port and the connections the kernel sent it."""
+
     namespace: str
     service: str
-    port: str
-    protocol: str
-    family: str
-    endpoint: str
+    port: str  # the service port's name ("" for an unnamed port)
+    protocol: str  # "tcp", "udp", "sctp"
+    family: IPFamily
+    endpoint: str  # ip:port, IPv6 bracketed (Endpoint.address)
     connections: int
 
+    @property
+    def service_port(self) -> str:
+        """kube-proxy's ServicePortName spelling: `ns/name:port`, or `ns/name`."""
+        base = f"{self.namespace}/{self.service}"
+        return f"{base}:{self.port}" if self.port else base
 
-def _rules(save_text: str) -> Iterator[tuple[int, list[str]]]:
+
+def _merge(counts: Iterable[EndpointCount]) -> tuple[EndpointCount, ...]:
+    """One count per (service port, protocol, family, endpoint), summed, in a stable order: an
+    endpoint may sit behind several counters (nft: its slot in the cluster chain's block and in
+    the local chain's)."""
+    total: dict[tuple[str, str, str, str, IPFamily, str], int] = {}
+    for c in counts:
+        key = (c.namespace, c.service, c.port, c.protocol, c.family, c.endpoint)
+        total[key] = total.get(key, 0) + c.connections
+    return tuple(
+        EndpointCount(ns, name, port, proto, fam, ep, n)
+        for (ns, name, port, proto, fam, ep), n in sorted(total.items(), key=lambda kv: (*kv[0][:4], kv[0][4].value, kv[0][5]))
+    )
+
+
+def total_by_service(counts: Iterable[EndpointCount]) -> dict[str, int]:
+    """Connections per service port (`ns/name:port`), all families and endpoints together."""
+    out: dict[str, int] = {}
+    for c in counts:
+        out[c.service_port] = out.get(c.service_port, 0) + c.connections
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# iptables
+
+
+def _split_service_port(text: str) -> tuple[str, str, str] | None:
+    """`ns/name:port` or `ns/name` -> (ns, name, port); None for anything else."""
+    ns, slash, rest = text.partition("/")
+    if not slash or not ns or not rest:
+        return None
+    name, _, port = rest.partition(":")
+    return (ns, name, port) if name else None
+
+
+def _family_of(endpoint: str) -> IPFamily:
+    return IPFamily.V6 if endpoint.startswith("[") else IPFamily.V4
+
+
+def _option(tokens: list[str], *names: str) -> str | None:
+    for i, tok in enumerate(tokens[:-1]):
+        if tok in names:
+            return tokens[i + 1]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _SepRule:
+    chain: str
+    packets: int
+    protocol: str
+    endpoint: str
+    comment: str
+
+
+def _nat_lines(save_text: str) -> Iterator[str]:
+    """The rule lines of every nat table in the text (iptables-save of several families may
+    follow each other)."""
     table = ""
-    for line in save_text.splitlines():
+    for raw in save_text.splitlines():
+        line = raw.strip()
         if line.startswith("*"):
             table = line[1:].strip()
-        if table != "nat" or not line.startswith("["):
+        elif table == "nat" and (line.startswith("[") or line.startswith("-A ")):
+            yield line
+
+
+def endpoint_counts_iptables(save_text: str) -> tuple[EndpointCount, ...]:
+    """The packet counter of every `KUBE-SEP-*` DNAT rule of `iptables-save -c` output (one or
+    both families). Text without counters counts zero. A SEP chain whose service port neither
+    its own comment nor a jump's comment names is left out."""
+    seps: list[_SepRule] = []
+    jump_labels: dict[str, str] = {}
+    for line in _nat_lines(save_text):
+        packets = 0
+        if line.startswith("["):
+            head, _, line = line.partition("]")
+            packets = int(head[1:].split(":", 1)[0] or 0)
+        tokens = shlex.split(line)
+        if len(tokens) < 2:
             continue
-        counters, _, rest = line.partition("]")
-        packets = int(counters[1:].split(":")[0])
-        yield packets, shlex.split(rest)
-
-
-def _option(tokens: list[str], name: str) -> str | None:
-    return tokens[tokens.index(name) + 1] if name in tokens and tokens.index(name) + 1 < len(tokens) else None
-
-
-def endpoint_counts_iptables(save_text: str) -> list[EndpointCount]:
-    """The packet counter of each KUBE-SEP-* DNAT rule (`iptables-save -c` text, nat table)."""
-    out = []
-    for packets, tokens in _rules(save_text):
-        chain = _option(tokens, "-A") or ""
-        target = _option(tokens, "-j")
-        dest = _option(tokens, "--to-destination")
+        chain = tokens[1]
+        target = _option(tokens, "-j", "--jump")
         comment = _option(tokens, "--comment") or ""
-        if not chain.startswith("KUBE-SEP-") or target != "DNAT" or dest is None:
+        if chain.startswith(_SEP) and target == "DNAT":
+            dest = _option(tokens, "--to-destination")
+            proto = (_option(tokens, "-p", "--protocol") or "").lower()
+            if dest:
+                seps.append(_SepRule(chain, packets, proto, dest, comment))
+        elif target and target.startswith(_SEP) and " -> " in comment:
+            jump_labels.setdefault(target, comment.split(" -> ", 1)[0])
+    out: list[EndpointCount] = []
+    for sep in seps:
+        label = sep.comment if _split_service_port(sep.comment) else jump_labels.get(sep.chain, "")
+        parts = _split_service_port(label)
+        if parts is None:
             continue
-        ns_name, _, port = comment.partition(":")
-        ns, _, name = ns_name.partition("/")
-        family = "ip6" if dest.startswith("[") else "ip"
-        out.append(EndpointCount(ns, name, port, (_option(tokens, "-p") or "tcp").lower(), family, dest, packets))
+        out.append(EndpointCount(*parts, sep.protocol, _family_of(sep.endpoint), sep.endpoint, sep.packets))
+    return _merge(out)
+
+
+# --------------------------------------------------------------------------------------------
+# nft
+
+
+def _nft_service_port(chain: str, prefixes: tuple[str, ...]) -> tuple[str, str, str, str] | None:
+    """`kind-HASH-ns/name/proto/port[__ip/port]` -> (ns, name, port, proto)."""
+    if not chain.startswith(prefixes):
+        return None
+    ident = chain.split("-", 2)[-1].split("__", 1)[0]
+    parts = ident.split("/")
+    if len(parts) != 4 or not all(parts[:3]):
+        return None
+    ns, name, proto, port = parts
+    return ns, name, port, proto
+
+
+def _endpoint_text(addr: Any, port: Any) -> str:
+    addr = str(addr)
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def _packets(counter: Any, named: Mapping[str, int]) -> int | None:
+    """A counter statement's packets: anonymous ({packets, bytes}) or a named counter."""
+    if isinstance(counter, dict):
+        return int(counter.get("packets", 0))
+    if isinstance(counter, str):
+        return named.get(counter)
+    return None
+
+
+def _documents(ruleset_json: Any) -> list[dict[str, Any]]:
+    if isinstance(ruleset_json, (str, bytes)):
+        ruleset_json = json.loads(ruleset_json)
+    items = ruleset_json.get("nftables", []) if isinstance(ruleset_json, dict) else []
+    return [i for i in items if isinstance(i, dict)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Slots:
+    table: tuple[str, str]
+    chain: str
+    first: int
+    n: int
+    map_name: str
+
+
+def _selection(expr: list[Any]) -> tuple[int, int, str] | None:
+    """(offset, mod, map) of `dnat to numgen random mod N offset K map @M`."""
+    for stmt in expr:
+        if not isinstance(stmt, dict) or "dnat" not in stmt:
+            continue
+        addr = stmt["dnat"].get("addr") if isinstance(stmt["dnat"], dict) else None
+        m = addr.get("map") if isinstance(addr, dict) else None
+        if not isinstance(m, dict):
+            continue
+        key, data = m.get("key"), m.get("data")
+        gen = key.get("numgen") if isinstance(key, dict) else None
+        if isinstance(gen, dict) and isinstance(data, str) and data.startswith("@"):
+            return int(gen.get("offset", 0)), int(gen["mod"]), data[1:]
+    return None
+
+
+def _direct_dnat(expr: list[Any], named: Mapping[str, int]) -> tuple[int, str] | None:
+    """(packets, endpoint) of a rule `counter ... dnat to ADDR:PORT` (a per-endpoint chain)."""
+    packets: int | None = None
+    for stmt in expr:
+        if not isinstance(stmt, dict):
+            continue
+        if "counter" in stmt:
+            packets = _packets(stmt["counter"], named)
+        elif "dnat" in stmt and isinstance(stmt["dnat"], dict) and packets is not None:
+            addr, port = stmt["dnat"].get("addr"), stmt["dnat"].get("port")
+            if isinstance(addr, str) and port is not None:
+                return packets, _endpoint_text(addr, port)
+    return None
+
+
+def _element_counts(body: dict[str, Any]) -> dict[int, tuple[int, str]]:
+    """slot -> (packets, endpoint) of an endpoint data map listed with its counters."""
+    out: dict[int, tuple[int, str]] = {}
+    for pair in body.get("elem", ()) or ():
+        if not isinstance(pair, list) or len(pair) != 2:
+            continue
+        key, data = pair
+        if not (isinstance(key, dict) and isinstance(key.get("elem"), dict)):
+            continue  # an element without a counter: nothing counted it
+        elem = key["elem"]
+        concat = data.get("concat") if isinstance(data, dict) else None
+        if not (isinstance(concat, list) and len(concat) == 2) or "counter" not in elem:
+            continue
+        out[int(elem["val"])] = (int(elem["counter"].get("packets", 0)), _endpoint_text(*concat))
     return out
+
+
+def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
+    """Per-endpoint counters of `nft -j list ruleset` (or `list table`) output, a parsed document
+    or its text. Endpoint maps without the `counter` flag and per-endpoint chains without a
+    counter before their DNAT contribute nothing (an older nfproxy, or counters turned off)."""
+    items = _documents(ruleset_json)
+    named: dict[str, int] = {}
+    maps: dict[tuple[str, str, str], dict[int, tuple[int, str]]] = {}
+    selections: list[_Slots] = []
+    out: list[EndpointCount] = []
+    for item in items:
+        if "counter" in item and isinstance(item["counter"], dict):
+            named[item["counter"].get("name", "")] = int(item["counter"].get("packets", 0))
+    for item in items:
+        if "map" in item and isinstance(item["map"], dict):
+            body = item["map"]
+            maps[(body.get("family", ""), body.get("table", ""), body.get("name", ""))] = _element_counts(body)
+    for item in items:
+        rule = item.get("rule")
+        if not isinstance(rule, dict):
+            continue
+        family, table, chain = rule.get("family", ""), rule.get("table", ""), rule.get("chain", "")
+        expr = rule.get("expr", [])
+        sel = _selection(expr) if chain.startswith(_NFT_SELECTORS) else None
+        if sel is not None:
+            selections.append(_Slots((family, table), chain, sel[0], sel[1], sel[2]))
+            continue
+        parts = _nft_service_port(chain, (_NFT_ENDPOINT,))
+        hit = _direct_dnat(expr, named) if parts else None
+        if parts and hit:
+            ns, name, port, proto = parts
+            out.append(EndpointCount(ns, name, port, proto, _family_of(hit[1]), hit[1], hit[0]))
+    for s in selections:
+        parts = _nft_service_port(s.chain, _NFT_SELECTORS)
+        elements = maps.get((*s.table, s.map_name), {})
+        if parts is None:
+            continue
+        ns, name, port, proto = parts
+        for slot in range(s.first, s.first + s.n):
+            if slot in elements:
+                packets, ep = elements[slot]
+                out.append(EndpointCount(ns, name, port, proto, _family_of(ep), ep, packets))
+    return _merge(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Live
+
+
+def read_live_counts(backend: str, netns: str | None) -> tuple[EndpointCount, ...]:
+    """The counters a backend's rules hold now in `netns` (None: this namespace), both
+    families; iptables in whichever flavour (legacy, nft) holds KUBE-* rules. Reading never
+    writes to the kernel."""
+    from nfproxy.kernel.process import KernelError
+
+    if backend == "nft":
+        from nfproxy.kernel.nft import NftSession
+        from nfproxy.nftables import TABLE
+
+        session = NftSession(netns)
+        docs = [session.list_table(fam, TABLE) for fam in ("ip", "ip6")]
+        return _merge(c for doc in docs if doc for c in endpoint_counts_nft(doc))
+    if backend != "iptables":
+        raise ValueError(f"unknown backend {backend!r}")
+    from nfproxy.kernel.iptables import Flavour, IptablesRunner
+
+    texts: list[str] = []
+    for flavour in (Flavour.LEGACY, Flavour.NFT):
+        for family in IPFamily:
+            try:
+                text = IptablesRunner(family, netns, flavour).save("nat", counters=True)
+            except KernelError:
+                continue
+            if "KUBE-SEP-" in text:
+                texts.append(text)
+    return endpoint_counts_iptables("\n".join(texts))

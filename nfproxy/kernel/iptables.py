@@ -113,8 +113,9 @@ class IptablesRunner:
         argv = [self.restore_cmd, "-w", "5"] + (["--noflush"] if noflush else [])
         run(argv, netns=self.netns, stdin=payload)
 
-    def save(self, table: str | None = None) -> str:
-        argv = [self.save_cmd] + (["-t", table] if table else [])
+    def save(self, table: str | None = None, *, counters: bool = False) -> str:
+        """`iptables-save` (`counters`: with `-c`, each rule's [packets:bytes] before it)."""
+        argv = [self.save_cmd] + (["-c"] if counters else []) + (["-t", table] if table else [])
         return run(argv, netns=self.netns)
 
     def chains(self, table: str | None = None) -> dict[str, list[str]]:
@@ -255,6 +256,12 @@ class IptablesKernel:
 
     def dump(self) -> str:
         return canonical_save(self.runner.save("filter") + self.runner.save("nat"))
+
+    def counted_dump(self) -> str:
+        """The nat table with every rule's packet and byte counters (`iptables-save -c`): the
+        KUBE-SEP DNAT rules' packets are the connections each endpoint got
+        (analysis/counters.py)."""
+        return self.runner.save("nat", counters=True)
 
 
 def canonical_save(text: str) -> str:

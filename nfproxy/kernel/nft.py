@@ -175,6 +175,11 @@ class NftKernel:
         """The table as nft lists it, chains and sets in name order, elements sorted."""
         return canonical_listing(self.session._cmd(f"list table {self.nft_family} {self.table}"))
 
+    def counted_dump(self) -> dict[str, Any]:
+        """`nft -j list table` of our table, counters included (rule counters, named counters,
+        per-element counters of the endpoint maps), or an empty document without the table."""
+        return self.session.list_table(self.nft_family, self.table) or {"nftables": []}
+
     def close(self) -> None:
         if self.fast is not None:
             self.fast.close()

@@ -78,15 +78,14 @@ def _read_iptables(netns: str | None, node_ips: list[str], mode: str) -> Any:
     from nfproxy.analysis.ir import Ruleset
     from nfproxy.core.model import IPFamily
     from nfproxy.kernel.iptables import Flavour, IptablesRunner
-    from nfproxy.kernel.process import KernelError, run
+    from nfproxy.kernel.process import KernelError
 
     tables, counts = [], []
     pins: dict = {}
     for flavour in (Flavour.LEGACY, Flavour.NFT):
         for family in IPFamily:
             try:
-                runner = IptablesRunner(family, netns, flavour)
-                text = run([runner.save_cmd, "-c"], netns=netns)
+                text = IptablesRunner(family, netns, flavour).save(counters=True)
             except KernelError:
                 continue
             if "KUBE-" not in text:
