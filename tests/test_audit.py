@@ -380,3 +380,27 @@ def test_report_json_shape() -> None:
     assert not math.isnan(svc["endpoints"][0]["expected_share"])
     text = format_report(report, "head")
     assert "ns/three:p/tcp (ip): ok, 300 connections" in text and text.endswith("no skewed service ports")
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 9, 10, 63, 64, 999, 1000])
+def test_chi_square_survival_is_scipys(df: int) -> None:
+    for x in (0.001, 0.5, 1.0, df * 0.5, float(df), df + 3 * math.sqrt(2 * df), 3.0 * df + 50, 800.0):
+        want = scipy_stats.chi2.sf(x, df)
+        got = A.chi_square_sf(x, df)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-300), (x, df)
+
+
+def test_audit_needs_no_scipy() -> None:
+    """The node image has no scipy: the audit must run without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['scipy'] = None\n"
+        "from fractions import Fraction\n"
+        "from nfproxy.analysis import audit as A\n"
+        "sel = [A.Selection('s', (('a', Fraction(1, 2)), ('b', Fraction(1, 2)))), A.Selection('l', (('a', Fraction(1)),))]\n"
+        "print(A.fit({'a': 300, 'b': 100}, sel[:1], 0.001).p, A.fit({'a': 300, 'b': 100}, sel, 0.001).p)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert float(out[0]) < 1e-20 and float(out[1]) == 1.0

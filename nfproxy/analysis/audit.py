@@ -259,47 +259,62 @@ def _outcomes(n: int, k: int) -> int:
     return math.comb(n + k - 1, k - 1)
 
 
-def _chi_square(counts: Sequence[int], expected: Sequence[float], fitted: int) -> float:
-    from scipy import stats as scipy_stats
+def chi_square_sf(x: float, df: int) -> float:
+    """P(X >= x) for X chi-square with `df` degrees of freedom: the regularized upper incomplete
+    gamma Q(df/2, x/2) by its finite series for integer df, summed in log space so that large
+    df and x neither underflow nor overflow.
 
+    Why not scipy: the node image leaves the lab extra's scipy out (over 100 MB installed) and
+    `audit` runs on nodes. The tests check this against scipy.stats.chi2.sf."""
+    if x <= 0:
+        return 1.0
+    y = x / 2
+    if df % 2 == 0:
+        logs = [-y + i * math.log(y) - math.lgamma(i + 1) for i in range(df // 2)]
+        head = 0.0
+    else:
+        logs = [-y + (i - 0.5) * math.log(y) - math.lgamma(i + 0.5) for i in range(1, (df - 1) // 2 + 1)]
+        head = math.erfc(math.sqrt(y))
+    if not logs:
+        return min(1.0, head)
+    top = max(logs)
+    return min(1.0, head + math.exp(top) * math.fsum(math.exp(v - top) for v in logs))
+
+
+def _chi_square(counts: Sequence[int], probs: Sequence[float], fitted: int) -> float:
     n = sum(counts)
-    total = sum(expected)
-    f_exp = [e / total * n for e in expected]
-    result = scipy_stats.chisquare(list(counts), f_exp, ddof=fitted)
-    return float(result.pvalue)
+    total = sum(probs)
+    statistic = math.fsum((c - p / total * n) ** 2 / (p / total * n) for c, p in zip(counts, probs))
+    return chi_square_sf(statistic, len(counts) - 1 - fitted)
 
 
 def _mixture(observed: Mapping[str, int], selections: Sequence[Selection]) -> tuple[dict[str, float], int]:
-    """The mixture of the chains' splits that best explains the counts (maximum likelihood):
-    (share per endpoint, number of fitted proportions)."""
-    from scipy import optimize
-
+    """The mixture of the chains' splits that best explains the counts (maximum likelihood,
+    by EM on the proportions: the log-likelihood is concave in them, EM climbs it
+    monotonically): (share per endpoint, number of fitted proportions)."""
     endpoints = sorted({e for s in selections for e, _ in s.shares} | set(observed))
     tables = []
     for s in selections:
         total = sum(p for _, p in s.shares)
         shares = dict(s.shares)
         tables.append([float(shares.get(e, 0) / total) for e in endpoints])
-    m = len(tables)
-
-    def mix(theta: Sequence[float]) -> list[float]:
-        top = max(theta, default=0.0)
-        w = [math.exp(t - top) for t in (*theta, 0.0)]
-        z = sum(w)
-        return [sum(w[j] / z * tables[j][i] for j in range(m)) for i in range(len(endpoints))]
-
-    def nll(theta: Sequence[float]) -> float:
-        probs = mix(theta)
-        out = 0.0
-        for e, p in zip(endpoints, probs):
+    m, n = len(tables), sum(observed.values())
+    weights = [1.0 / m] * m
+    for _ in range(5000):
+        new = [0.0] * m
+        for i, e in enumerate(endpoints):
             c = observed.get(e, 0)
-            if c:
-                out -= c * math.log(max(p, 1e-300))
-        return out
-
-    best = optimize.minimize(nll, [0.0] * (m - 1), method="Nelder-Mead",
-                             options={"xatol": 1e-8, "fatol": 1e-10, "maxiter": 4000})
-    return dict(zip(endpoints, mix(list(best.x)))), m - 1
+            mix = sum(weights[j] * tables[j][i] for j in range(m))
+            if c and mix > 0:
+                for j in range(m):
+                    new[j] += c * weights[j] * tables[j][i] / mix
+        new = [w / n for w in new] if n else weights
+        done = max(abs(a - b) for a, b in zip(new, weights)) < 1e-12
+        weights = new
+        if done:
+            break
+    shares = {e: sum(weights[j] * tables[j][i] for j in range(m)) for i, e in enumerate(endpoints)}
+    return shares, m - 1
 
 
 def fit(observed: Mapping[str, int], selections: Sequence[Selection], alpha: float) -> Fit:
