@@ -79,14 +79,14 @@ NFT_DOC = {
         {"metainfo": {"version": "1.0.6"}},
         {"table": {"family": "ip", "name": "nfproxy", "handle": 1}},
         {"counter": {"family": "ip", "name": "ep-named", "table": "nfproxy", "packets": 9, "bytes": 540}},
-        {"map": {"family": "ip", "name": "endpoints-tcp-0", "table": "nfproxy", "type": "integer", "map": "ipv4_addr . inet_service",
+        {"map": {"family": "ip", "name": "endpoints-counted-tcp-0", "table": "nfproxy", "type": "integer", "map": "ipv4_addr . inet_service",
                  "elem": [_elem(0, 5, "10.0.0.1", 80), _elem(1, 7, "10.0.0.2", 80), _elem(2, 1, "10.0.0.3", 80),
                           _elem(16, 3, "10.0.0.1", 80), _elem(32, 4, "10.0.9.9", 99)],
                  "stmt": [{"counter": None}]}},
         {"map": {"family": "ip", "name": "endpoints-udp-0", "table": "nfproxy", "type": "integer", "map": "ipv4_addr . inet_service",
                  "elem": [_elem(0, None, "10.0.1.1", 53)]}},
-        _rule("service-AAAA-ns1/web/tcp/http", _numgen(3, 0, "endpoints-tcp-0")),
-        _rule("local-AAAA-ns1/web/tcp/http", _numgen(1, 16, "endpoints-tcp-0")),
+        _rule("service-AAAA-ns1/web/tcp/http", _numgen(3, 0, "endpoints-counted-tcp-0")),
+        _rule("local-AAAA-ns1/web/tcp/http", _numgen(1, 16, "endpoints-counted-tcp-0")),
         _rule("service-CCCC-ns1/dns/udp/", _numgen(1, 0, "endpoints-udp-0")),
         _rule("endpoint-BBBB-ns2/sticky/tcp/__10.0.2.1/80", [
             {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
@@ -98,9 +98,9 @@ NFT_DOC = {
             {"dnat": {"addr": "10.0.2.2", "port": 80}},
         ]),
         _rule("endpoint-EEEE-ns2/sticky/tcp/__10.0.2.3/80", [{"dnat": {"addr": "10.0.2.3", "port": 80}}]),
-        {"map": {"family": "ip6", "name": "endpoints-tcp-0", "table": "nfproxy", "type": "integer", "map": "ipv6_addr . inet_service",
+        {"map": {"family": "ip6", "name": "endpoints-counted-tcp-0", "table": "nfproxy", "type": "integer", "map": "ipv6_addr . inet_service",
                  "elem": [_elem(0, 2, "fd00::1", 80)]}},
-        _rule("service-FFFF-ns1/web/tcp/http", _numgen(1, 0, "endpoints-tcp-0", "ip6"), "ip6"),
+        _rule("service-FFFF-ns1/web/tcp/http", _numgen(1, 0, "endpoints-counted-tcp-0", "ip6"), "ip6"),
     ]
 }
 

@@ -434,7 +434,7 @@ def test_structure_is_split_per_service() -> None:
         "service-42NFTM6N-ns2/svc2/tcp/p80": (0, 16),
         "local-42NFTM6N-ns2/svc2/tcp/p80": (16, 16),
     }
-    assert owned.shards == ("endpoints-tcp-0", "endpoints-tcp-0")
+    assert owned.shards == ("endpoints-counted-tcp-0", "endpoints-counted-tcp-0")
     assert set(owned.hairpin) == {"10.180.0.2", "10.180.0.3"}
     assert rs.elements["service-nodeports"] == {
         "tcp . 3001": Element("service-nodeports", "tcp . 3001", "goto external-42NFTM6N-ns2/svc2/tcp/p80")

@@ -774,6 +774,10 @@ class _RuleCompiler:
             if t == "update":
                 i = self.update(toks, i + 1)
                 continue
+            if t == "counter":  # an anonymous rule counter (per-endpoint chains' DNAT)
+                self.exprs.append(_expr("counter", ("NFTA_COUNTER_BYTES", 0), ("NFTA_COUNTER_PACKETS", 0)))
+                i += 1
+                continue
             found = self.selectors(toks, i)
             if found is None:
                 raise self.fail(f"{t!r} is outside the netlink vocabulary")

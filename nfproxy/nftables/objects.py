@@ -100,6 +100,7 @@ class Map:
     typeof: str | None = None
     flags: tuple[str, ...] = ()
     comment: str | None = None
+    counter: bool = False  # a packet/byte counter on every element, updated by each lookup
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,7 @@ def _object(kind: str, family: str, table: str, rest: str, lineno: int, source: 
         flags = tuple(f for f in fields.get("flags", "").split(",") if f)
         comment = _comment(fields.get("comment"))
         if kind == "map":
-            return Map(name, fields.get("type"), fields.get("typeof"), flags, comment)
+            return Map(name, fields.get("type"), fields.get("typeof"), flags, comment, "counter" in fields)
         timeout = fields.get("timeout")
         return Set(name, fields.get("type"), fields.get("typeof"), flags, int(timeout.rstrip("s")) if timeout else None, comment)
     except ValueError as exc:

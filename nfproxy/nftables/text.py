@@ -15,6 +15,8 @@ def set_spec(obj: Set | Map) -> str:
     parts = [f"type {obj.type}" if obj.type is not None else f"typeof {obj.typeof}"]
     if obj.flags:
         parts.append(f"flags {','.join(obj.flags)}")
+    if isinstance(obj, Map) and obj.counter:
+        parts.append("counter")
     if isinstance(obj, Set) and obj.timeout is not None:
         parts.append(f"timeout {obj.timeout}s")
     if obj.comment:

@@ -211,15 +211,22 @@ def block_size(n: int) -> int:
     return max(BLOCK_MIN, 1 << (max(n, 1) - 1).bit_length())
 
 
-def shard_of(base: int, proto: str) -> str:
+COUNTED = "counted-"
+
+
+def shard_of(base: int, proto: str, counted: bool = True) -> str:
     """The data map holding slot `base`. One set of shards per protocol: a map's data type
-    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port."""
-    return f"{SHARD_PREFIX}{proto}-{base // SHARD_SLOTS}"
+    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port.
+    Maps with per-element counters are named apart (`endpoints-counted-tcp-0`): nft refuses
+    to redeclare an existing map with another spec, so turning counters on or off (or
+    upgrading from an nfproxy without them) makes new maps and leaves the old ones to the
+    stray cleanup, instead of failing every full sync."""
+    return f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}-{base // SHARD_SLOTS}"
 
 
 def _shard_order(name: str) -> tuple[str, int]:
     proto, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
-    return proto, int(index)
+    return proto.removeprefix(COUNTED), int(index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +288,8 @@ class NftRuleset:
     cluster_ip_refs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # Named counters the static rules use (declared, never reset by a sync).
     counters: tuple[str, ...] = ()
+    # Per-endpoint connection counters (see _Context.counters).
+    endpoint_counters: bool = True
 
     @property
     def nft_family(self) -> str:
@@ -290,7 +299,8 @@ class NftRuleset:
         """Key: the numgen slot (a 32-bit integer: `type mark` is refused for a numgen key);
         data: address . port of the shard's protocol."""
         proto = _shard_order(name)[0]
-        return nft.Map(name, typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport")
+        counted = name.startswith(SHARD_PREFIX + COUNTED)
+        return nft.Map(name, typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport", counter=counted)
 
     def text(self) -> str:
         """This family's `nfproxy render` output (backends.base.Rendered)."""
@@ -423,6 +433,9 @@ class _Context:
     from_pod: str
     not_from_pod: str
     mark: str
+    # Count each endpoint's new connections (docs/metrics.md): `counter` on the endpoint data
+    # maps (one per element, bumped by the lookup) and before each per-endpoint chain's DNAT.
+    counters: bool = True
 
 
 _IFNAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
@@ -441,7 +454,7 @@ def _pod_matches(ipx: str, match: PodMatch | None) -> tuple[str, str]:
     return f'iifname "{name}"', f'iifname != "{name}"'
 
 
-def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, ...]]:
+def _context(node: NodeConfig, family: IPFamily, counters: bool = True) -> tuple[_Context, tuple[str, ...]]:
     ipx = "ip" if family is IPFamily.V4 else "ip6"
     from_pod, not_from_pod = _pod_matches(ipx, pod_match(node, family))
     ctx = _Context(
@@ -452,6 +465,7 @@ def _context(node: NodeConfig, family: IPFamily) -> tuple[_Context, tuple[str, .
         from_pod=from_pod,
         not_from_pod=not_from_pod,
         mark=f"{node.masquerade_mark:#x}",
+        counters=counters,
     )
     return ctx, _collapse(node.service_cidrs_of(family))
 
@@ -674,7 +688,7 @@ def _render_service(
         block = slots.take(chain, len(subset))
         blocks[chain] = block
         first = block[0]
-        shard = shard_of(first, proto)
+        shard = shard_of(first, proto, ctx.counters)
         shards.append(shard)
         values = [f"{ep.ip} . {ep.port}" for ep in subset]
         if not kept_before and chain in slots.kept:
@@ -690,7 +704,7 @@ def _render_service(
     affinity_sets: dict[str, nft.Set] = {}
     svc_part = f"{spn.namespace}/{spn.name}/{proto}/{spn.port}__"
     hairpin_tail = f" jump {MARK_MASQ_CHAIN}"
-    dnat_head = f"meta l4proto {proto} dnat to "
+    dnat_head = f"meta l4proto {proto} {'counter ' if ctx.counters else ''}dnat to "
     update = f" {{ {ipx} saddr }}"
     addr_type, timeout = ctx.addr_type, svc.affinity_timeout
     sha256 = hashlib.sha256
@@ -819,14 +833,15 @@ def _service_order(key: ServicePortKey) -> tuple[str, str, str, str]:
     return (spn.namespace, spn.name, spn.port, spn.protocol)
 
 
-def render(state: ClusterState, family: IPFamily) -> NftRuleset:
-    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`."""
+def render(state: ClusterState, family: IPFamily, *, endpoint_counters: bool = True) -> NftRuleset:
+    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`.
+    `endpoint_counters=False` leaves out the per-endpoint counters (to measure their cost)."""
     with gc_paused():
-        return _render(state, family)
+        return _render(state, family, endpoint_counters)
 
 
-def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
-    ctx, service_cidrs = _context(state.node, family)
+def _render(state: ClusterState, family: IPFamily, endpoint_counters: bool = True) -> NftRuleset:
+    ctx, service_cidrs = _context(state.node, family, endpoint_counters)
     chains, sets, unused, elements = _static(ctx, service_cidrs)
 
     services: dict[ServicePortKey, ServiceRules] = {}
@@ -873,6 +888,7 @@ def _render(state: ClusterState, family: IPFamily) -> NftRuleset:
         allocator=slots.allocator,
         cluster_ip_refs=MappingProxyType(cluster_ip_refs),
         counters=(INVALID_DROP_COUNTER,) if state.node.drop_invalid else (),
+        endpoint_counters=endpoint_counters,
     )
 
 
@@ -897,7 +913,7 @@ def render_update(
     """
     with gc_paused():
         family = previous.family
-        ctx, _ = _context(state.node, family)
+        ctx, _ = _context(state.node, family, previous.endpoint_counters)
         services = previous.services.copy()  # MappingProxyType.copy: a dict copy, 10x dict(...)
         elements: dict[str, Mapping[str, Element]] = previous.elements.copy()
         copied: dict[str, dict[str, Element]] = {}
@@ -983,6 +999,7 @@ def render_update(
             allocator=allocator,
             cluster_ip_refs=MappingProxyType(cluster_ips),
             counters=previous.counters,
+            endpoint_counters=previous.endpoint_counters,
         )
 
 
