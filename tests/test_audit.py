@@ -404,3 +404,35 @@ def test_audit_needs_no_scipy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert float(out[0]) < 1e-20 and float(out[1]) == 1.0
+
+
+def _affinity_rule(ep: str, packets: int | None) -> dict:
+    chain = f"endpoint-X-ns/sticky/tcp/p__{ep}/8080"
+    expr: list[dict] = [{"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                                   "right": f"@affinity-X-ns/sticky/tcp/p__{ep}/8080"}}]
+    if packets is not None:
+        expr.append({"counter": {"packets": packets, "bytes": packets * 60}})
+    expr.append({"goto": {"target": chain}})
+    return {"rule": {"family": "ip", "table": "nfproxy", "chain": "service-Y-ns/sticky/tcp/p", "expr": expr}}
+
+
+def test_nft_pins_from_counted_affinity_rules() -> None:
+    doc = {"nftables": [_affinity_rule("10.244.0.1", 7), _affinity_rule("10.244.0.2", 0)]}
+    key = PortKey("ns/sticky:p", "tcp", "ip")
+    assert A.nft_pins(doc) == {key: {"10.244.0.1:8080": 7, "10.244.0.2:8080": 0}}
+    # Without counters on those rules, pins are unknown, not zero.
+    assert A.nft_pins({"nftables": [_affinity_rule("10.244.0.1", None)]}) is None
+
+
+def test_identical_splits_are_one_mixture_component() -> None:
+    cluster = _uniform("service-X", EPS3)
+    local = Selection("local-X", ((EPS3[0], Fraction(1)),))
+    external = Selection("external-X", ((EPS3[0], Fraction(1)),))
+    draws = _draw(11, 600, EPS3)
+    counts = {EPS3[0]: draws[EPS3[0]] + 300, EPS3[1]: draws[EPS3[1]], EPS3[2]: draws[EPS3[2]]}
+    (p,) = A.audit(None, _reading({THREE: counts}, {THREE: (cluster, local, external)})).ports
+    assert p.verdict == A.EXPLAINED and "3 selection chains" in p.explanations[0]
+    assert "their 2 distinct splits" in p.explanations[0]
+    # One fitted proportion: 3 endpoints - 1 - 1 = 1 degree of freedom.
+    (two,) = A.audit(None, _reading({THREE: counts}, {THREE: (cluster, local)})).ports
+    assert p.p == pytest.approx(two.p)

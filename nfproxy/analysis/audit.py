@@ -412,7 +412,9 @@ def _judge(key: PortKey, port: WindowPort, alpha: float, pinned_clients: int) ->
                          method="not tested", verdict=CHANGED, p_plain=plain.p), False
     explanations: list[str] = []
     tested = observed
-    selections = port.selections
+    # Chains with the same split are one component of a mixture (nft's external-* chain of a
+    # Local port picks as its local-* chain does): fitting both would waste a degree of freedom.
+    selections = tuple({s.shares: s for s in port.selections}.values())
     affinity = max(s.affinity_timeout for s in selections)
     pinned = sum(port.pins.values()) if port.pins is not None else 0
     if affinity and pinned:
@@ -421,9 +423,9 @@ def _judge(key: PortKey, port: WindowPort, alpha: float, pinned_clients: int) ->
         explanations.append(f"ClientIP affinity ({affinity}s): {pinned} of {n} connections followed a client's pin; "
                             f"the random choice is tested on the other {n - pinned}")
     if len(selections) > 1:
-        explanations.append(f"{len(selections)} selection chains share these endpoints "
-                            f"({', '.join(s.chain for s in selections)}; Local traffic policy): tested against "
-                            "the best mixture of their splits")
+        explanations.append(f"{len(port.selections)} selection chains share these endpoints "
+                            f"({', '.join(s.chain for s in port.selections)}; Local traffic policy): tested against "
+                            f"the best mixture of their {len(selections)} distinct splits")
     result = fit(tested, selections, alpha) if explanations else plain
     if affinity and port.pins is None and pinned_clients and plain.p is not None and plain.p <= alpha:
         explanations.append(f"ClientIP affinity ({affinity}s): {pinned_clients} clients pinned; connections "
@@ -514,3 +516,50 @@ def nft_pinned_clients(ruleset: Ruleset, selections: Mapping[PortKey, tuple[Sele
                 if sdef.dynamic and sdef.name.startswith("affinity-") and ident in sdef.name:
                     out[key] = out.get(key, 0) + len(sdef.elements)
     return out
+
+
+def nft_pins(ruleset_json: object) -> dict[PortKey, dict[str, int]] | None:
+    """Connections that followed an affinity pin, per endpoint, from the counters of nft's
+    affinity lookup rules (`ip saddr @affinity-… counter goto endpoint-…`); None when no such
+    rule carries a counter (the split of affinity ports then cannot be separated)."""
+    doc = ruleset_json if isinstance(ruleset_json, dict) else {}
+    pins: dict[PortKey, dict[str, int]] = {}
+    counted = False
+    for item in doc.get("nftables", []):
+        rule = item.get("rule") if isinstance(item, dict) else None
+        if not isinstance(rule, dict) or not str(rule.get("chain", "")).startswith(("service-", "local-")):
+            continue
+        packets, target, lookup = None, "", False
+        for stmt in rule.get("expr", []):
+            if not isinstance(stmt, dict):
+                continue
+            if "match" in stmt and str(stmt["match"].get("right", "")).startswith("@affinity-"):
+                lookup = True
+            elif "counter" in stmt and isinstance(stmt["counter"], dict):
+                packets = int(stmt["counter"].get("packets", 0))
+            elif "goto" in stmt or "jump" in stmt:
+                target = str((stmt.get("goto") or stmt.get("jump") or {}).get("target", ""))
+        if not lookup or not target.startswith("endpoint-"):
+            continue
+        key, endpoint = _nft_endpoint_chain(target, rule.get("family", "ip"))
+        if key is None:
+            continue
+        pins.setdefault(key, {}).setdefault(endpoint, 0)
+        if packets is not None:
+            counted = True
+            pins[key][endpoint] += packets
+    return pins if counted else None
+
+
+def _nft_endpoint_chain(chain: str, family: str) -> tuple[PortKey | None, str]:
+    """`endpoint-HASH-ns/name/proto/port__ip/port` -> (its port, `ip:port`)."""
+    ident = chain.split("-", 2)[-1]
+    head, sep, tail = ident.partition("__")
+    parts = head.split("/")
+    ip, _, port = tail.rpartition("/")
+    if not sep or len(parts) != 4 or not ip:
+        return None, ""
+    ns, name, proto, port_name = parts
+    label = f"{ns}/{name}:{port_name}" if port_name else f"{ns}/{name}"
+    endpoint = endpoint_label(f"{ip}:{port}")
+    return PortKey(label, proto, "ip6" if endpoint.startswith("[") else "ip"), endpoint

@@ -59,16 +59,11 @@ def read(backend: str, netns: str | None, node_ips: list[str], mode: str) -> Any
         from nfproxy.analysis.dump import IPTABLES_TABLES
         from nfproxy.kernel.nft import NftSession
 
-        counts_of = getattr(counters, "endpoint_counts_nft", None)
-        if counts_of is None:
-            raise AuditError("the nft backend's per-endpoint counters are not in this build")
         doc = NftSession(netns).list_ruleset()
         rs = nft_json.parse(doc)
         rs = Ruleset(tuple(t for t in rs.tables if t.name not in IPTABLES_TABLES))
-        first = audit.reading(rs, counts_of(doc), node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
-        pins = getattr(counters, "affinity_hits_nft", None)
-        return audit.Reading(first.counts, first.selections,
-                             pins(doc) if pins is not None else None,
+        first = audit.reading(rs, counters.endpoint_counts_nft(doc), node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
+        return audit.Reading(first.counts, first.selections, audit.nft_pins(doc),
                              audit.nft_pinned_clients(rs, first.selections))
     return _read_iptables(netns, node_ips, mode)
 
