@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import os
@@ -299,7 +300,30 @@ def _report() -> lab.Report:
             by = {b: lab.Measured(exp, {("refused", None): p.count}, 0.1)
                   for b in ("iptables", "nft")}
         results.append(lab.ProbeResult(p, by))
-    return lab.Report(plan, ("iptables", "nft"), tuple(results), 12.5, {"iptables": 0.05})
+    counted = {b: dict(lab.client_counts(results, b)) for b in ("iptables", "nft")}
+    return lab.Report(plan, ("iptables", "nft"), tuple(results), 12.5, {"iptables": 0.05},
+                      counted=counted)
+
+
+def test_kernel_counts_must_equal_what_the_clients_saw() -> None:
+    report = _report()
+    assert report.passed and report.count_mismatches() == []
+    rows = report.counts("nft")
+    services = {p.service for p in report.plan.distributions}
+    assert {r.service for r in rows} == services and len(rows) == 3 * len(services)
+    assert all(r.seen == r.counted for r in rows)
+    assert "Kernel counters" in lab_cmd.table(report, "examples/")
+    # One connection counted at the wrong endpoint, one counted where no client saw it.
+    (svc, ep), n = next(iter(report.counted["nft"].items()))
+    wrong = {**report.counted["nft"], (svc, ep): n - 1, ("shop/cart:http", "10.244.9.9:80"): 1}
+    bad = dataclasses.replace(report, counted={**report.counted, "nft": wrong})
+    assert not bad.passed
+    assert [(b, r.service, r.endpoint, r.seen, r.counted) for b, r in bad.count_mismatches()] == [
+        ("nft", svc, ep, n, n - 1), ("nft", "shop/cart:http", "10.244.9.9:80", 0, 1)]
+    text = lab_cmd.table(bad, "examples/")
+    assert "SOME TRAFFIC DID NOT BEHAVE" in text and text.count("MISMATCH on nft") == 2
+    doc = lab_cmd.document(bad, "examples/")
+    assert {"service": "shop/cart:http", "endpoint": "10.244.9.9:80", "seen": 0, "counted": 1} in doc["kernel_counts"]["nft"]
 
 
 def _numbers(value: object) -> list[float]:
@@ -516,6 +540,14 @@ def test_lab_cli_json_plot_and_exact_expectations(tmp_path: Path) -> None:
             ("10.244.0.31:8443", lb["source"])]
     blocked = next(c for c in doc["checks"] if c["class"] == lab.Check.LB_BLOCKED.value)
     assert {o["outcome"] for b in ("iptables", "nft") for o in blocked["observed"][b]} == {"timeout"}
+    # The kernel counted every connection once, at the endpoint the client saw (affinity too).
+    for backend in ("iptables", "nft"):
+        rows = doc["kernel_counts"][backend]
+        assert rows and all(r["seen"] == r["counted"] for r in rows), rows
+        for name in ("shop/catalog:http", "shop/search:grpc"):
+            assert sum(r["counted"] for r in rows if r["service"] == name) == 300
+        assert sum(r["counted"] for r in rows if r["service"] == "shop/cart:http") == sum(
+            c["connections"] for c in doc["checks"] if c["service"] == "shop/cart:http")
 
 
 @pytest.mark.kernel
@@ -553,4 +585,11 @@ def test_dual_stack_cluster_on_both_backends() -> None:
     drop = next(r for r in report.checks if r.probe.check is lab.Check.NO_LOCAL_ENDPOINTS)
     for m in drop.by_backend.values():
         assert dict(m.seen) == {("timeout", None): drop.probe.count}
+    # Per-endpoint kernel counters of both families equal the clients' counts exactly.
+    for backend in ("iptables", "nft"):
+        rows = report.counts(backend)
+        assert {r.endpoint.startswith("[") for r in rows} == {True, False}
+        assert all(r.seen == r.counted for r in rows), rows
+        assert sum(r.counted for r in rows) == sum(
+            n for r in report.results for (_, src), n in r.by_backend[backend].seen.items() if src)
     assert _mine(os.getpid()) == []

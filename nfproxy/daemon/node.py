@@ -40,6 +40,8 @@ class DaemonConfig:
     health_check_node_ports: bool = True
     # --bind-address-hard-fail: a taken healthz/metrics port is fatal instead of retried.
     bind_address_hard_fail: bool = False
+    # --metrics-endpoint-connections: nfproxy_endpoint_new_connections_total, read when scraped.
+    endpoint_connections_metric: bool = False
 
 
 class NoLocalEndpoints:
@@ -135,6 +137,10 @@ class Daemon:
             from nfproxy.daemon.invalid_drops import InvalidDropCollector, reader
 
             self.metrics.registry.register(InvalidDropCollector(reader(config.backend)))
+        if config.endpoint_connections_metric:
+            from nfproxy.daemon.endpoint_connections import EndpointConnectionsCollector, reader as counts
+
+            self.metrics.registry.register(EndpointConnectionsCollector(counts(config.backend, config.netns)))
         # kube-proxy: healthz fails when a queued update waits longer than 2 x sync period.
         self.health = ProxierHealth(max(2 * config.sync_period, 1.0))
         self.health_checks = ServiceHealthServer(config.netns, health=self.health)

@@ -365,6 +365,40 @@ def measure(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen,
     return Measured(expected, seen, seconds, judge(probe, expected, seen))
 
 
+EndpointKey = tuple[str, str]
+"""(service port `ns/name:port`, endpoint `ip:port`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CountRow:
+    """One endpoint of one service port: what the clients saw answer, and the connections the
+    kernel's counter at its DNAT says it sent there. They must be equal: every connection the
+    rules DNAT is counted once, and each one the lab opens reaches the endpoint it was given."""
+
+    service: str
+    endpoint: str
+    seen: int
+    counted: int
+
+
+def client_counts(results: Iterable[ProbeResult], backend: str) -> Counter[EndpointKey]:
+    """Connections per (service port, endpoint) the clients saw answer, over every probe."""
+    out: Counter[EndpointKey] = Counter()
+    for r in results:
+        m = r.by_backend.get(backend)
+        if m is None:
+            continue
+        for (label, src), n in m.seen.items():
+            if src is not None:  # an answer: the label is the endpoint that gave it
+                out[(r.probe.service, label)] += n
+    return out
+
+
+def count_rows(seen: Mapping[EndpointKey, int], counted: Mapping[EndpointKey, int]) -> tuple[CountRow, ...]:
+    keys = sorted(set(seen) | {k for k, v in counted.items() if v})
+    return tuple(CountRow(svc, ep, seen.get((svc, ep), 0), counted.get((svc, ep), 0)) for svc, ep in keys)
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     plan: Plan
@@ -373,6 +407,17 @@ class Report:
     seconds: float
     apply_seconds: Mapping[str, float] = field(default_factory=dict)
     alpha: float = ALPHA
+    counted: Mapping[str, Mapping[EndpointKey, int]] = field(default_factory=dict)
+    """Per backend, the kernel's per-endpoint connection counters after the run."""
+
+    def counts(self, backend: str) -> tuple[CountRow, ...]:
+        """Clients' view beside the kernel's, per endpoint; empty without counters read."""
+        if backend not in self.counted:
+            return ()
+        return count_rows(client_counts(self.results, backend), self.counted[backend])
+
+    def count_mismatches(self) -> list[tuple[str, CountRow]]:
+        return [(b, row) for b in self.backends for row in self.counts(b) if row.seen != row.counted]
 
     @property
     def distributions(self) -> tuple[ProbeResult, ...]:
@@ -384,7 +429,7 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(r.passed(b) for r in self.results for b in self.backends)
+        return all(r.passed(b) for r in self.results for b in self.backends) and not self.count_mismatches()
 
     def low_p(self) -> list[tuple[ProbeResult, str, Test]]:
         """Distribution tests below alpha: (result, backend or "two-sample", test)."""
@@ -500,6 +545,18 @@ def read_back(backend: str, ns: str, family: IPFamily) -> Any:
         raise LabError(f"cannot parse the {backend} rules read back (IPv{family.value}): {exc}") from None
 
 
+def kernel_counts(backend: str, ns: str) -> dict[EndpointKey, int]:
+    """The per-endpoint connection counters the node namespace's kernel holds
+    (analysis/counters.py), keyed as the clients' counts are."""
+    from nfproxy.analysis.counters import read_live_counts
+
+    out: dict[EndpointKey, int] = {}
+    for c in read_live_counts(backend, ns):
+        key = (c.service_port, c.endpoint)
+        out[key] = out.get(key, 0) + c.connections
+    return out
+
+
 def expectation(ruleset: Any, probe: Probe, node_ips: Sequence[str]) -> dict[Seen, Fraction]:
     """The exact share of each outcome the rules give a fresh connection of this probe, from
     the interpreter in kernel mode (the kernel's quantised probabilities, not 1/n)."""
@@ -554,6 +611,7 @@ def run(
     done = 0
     measured: dict[Probe, dict[str, Measured]] = {p: {} for p in the_plan.probes}
     applied: dict[str, float] = {}
+    counted: dict[str, Mapping[EndpointKey, int]] = {}
     for backend in backends:
         sb = Sandbox(the_plan.spec)
         try:
@@ -575,8 +633,9 @@ def run(
                         progress(done, total, f"{backend}: {p.service}")
                 measured[p][backend] = measure(p, expected, observed(outcomes),
                                                time.perf_counter() - t0)
+            counted[backend] = kernel_counts(backend, sb.node_ns)
         finally:
             with uninterrupted():
                 sb.close()
     results = tuple(ProbeResult(p, measured[p]) for p in the_plan.probes)
-    return Report(the_plan, tuple(backends), results, time.perf_counter() - started, applied, alpha)
+    return Report(the_plan, tuple(backends), results, time.perf_counter() - started, applied, alpha, counted)

@@ -143,6 +143,7 @@ def table(report: Report, manifests: str) -> str:
                              f"{_outcomes(dict(r.by_backend[x].expected), _short)}")
         for x in b:
             lines.append(f"      {x + ':':<9} {_outcomes(dict(r.by_backend[x].seen), str)}")
+    lines += _count_lines(report)
     lines.append("")
     if plan.skipped:
         lines += [f"skipped: {s}" for s in plan.skipped] + [""]
@@ -153,6 +154,29 @@ def table(report: Report, manifests: str) -> str:
     lines.append("all traffic classes behaved as the rules say" if report.passed
                  else "SOME TRAFFIC DID NOT BEHAVE AS THE RULES SAY")
     return "\n".join(lines) + "\n"
+
+
+def _count_lines(report: Report) -> list[str]:
+    """Per endpoint, the connections the clients saw answer beside the ones the kernel's
+    counter at the endpoint's DNAT counted: every probe of a service port together."""
+    b = [x for x in report.backends if x in report.counted]
+    if not b:
+        return []
+    rows = {x: {(r.service, r.endpoint): r for r in report.counts(x)} for x in b}
+    keys = sorted({k for x in b for k in rows[x]})
+    lines = ["", "Kernel counters: new connections per endpoint as the clients saw them and as "
+             "the kernel counted them at the DNAT (they must be equal)",
+             f"  {'service port':<28} {'endpoint':<24}" + "".join(f" {x + ' seen':>14} {'counted':>8}" for x in b)]
+    for key in keys:
+        row = f"  {key[0]:<28} {key[1]:<24}"
+        for x in b:
+            r = rows[x].get(key)
+            seen, counted = (r.seen, r.counted) if r else (0, 0)
+            row += f" {seen:>14} {counted:>8}" + ("" if seen == counted else " MISMATCH")
+        lines.append(row)
+    for x, r in report.count_mismatches():
+        lines.append(f"  MISMATCH on {x}: {r.service} {r.endpoint}: clients saw {r.seen}, kernel counted {r.counted}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,6 +255,11 @@ def document(report: Report, manifests: str) -> dict[str, Any]:
         "apply_seconds": dict(report.apply_seconds),
         "services": services,
         "checks": checks,
+        "kernel_counts": {
+            x: [{"service": r.service, "endpoint": r.endpoint, "seen": r.seen, "counted": r.counted}
+                for r in report.counts(x)]
+            for x in b if x in report.counted
+        },
         "skipped": list(report.plan.skipped),
         "passed": report.passed,
     }

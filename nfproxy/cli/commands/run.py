@@ -176,6 +176,7 @@ def _daemon_config(args: argparse.Namespace, min_sync: float, sync_period: float
         "metrics_bind_address": args.metrics_bind_address,
         "conntrack": not args.no_conntrack_cleanup,
         "bind_address_hard_fail": bool(args.bind_address_hard_fail),
+        "endpoint_connections_metric": bool(getattr(args, "metrics_endpoint_connections", False)),
     }
     return DaemonConfig(**{**fields, **more})  # type: ignore[arg-type]
 
@@ -190,6 +191,8 @@ def _dry_run(args: argparse.Namespace, min_sync: float, sync_period: float) -> i
 
     if args.netns:
         raise FlagError("--dry-run: programs no namespace; drop --netns")
+    if getattr(args, "metrics_endpoint_connections", False):
+        raise FlagError("--metrics-endpoint-connections: a dry run has no kernel counters to read; drop it")
     config = _daemon_config(args, min_sync, sync_period, conntrack=False, health_check_node_ports=False)
     proxier = Proxier(args.backend, kernels=kernels(args.backend))
     source = _source(args)
@@ -282,6 +285,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="/healthz and /livez (default 0.0.0.0:10256; empty: off)")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT",
                    help="/metrics (default 127.0.0.1:10249; empty: off)")
+    p.add_argument("--metrics-endpoint-connections", action="store_true",
+                   help="export nfproxy_endpoint_new_connections_total, each endpoint's new "
+                   "connections from the kernel's counters, read at every scrape (a series per endpoint)")
     p.add_argument("--bind-address-hard-fail", type=go_bool, nargs="?", const=True, default=False,
                    metavar="BOOL", help="a port that cannot be bound is fatal (default: logged and retried)")
     p.add_argument("--bind-address", default="0.0.0.0", metavar="IP",
