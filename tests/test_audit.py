@@ -436,3 +436,30 @@ def test_identical_splits_are_one_mixture_component() -> None:
     # One fitted proportion: 3 endpoints - 1 - 1 = 1 degree of freedom.
     (two,) = A.audit(None, _reading({THREE: counts}, {THREE: (cluster, local)})).ports
     assert p.p == pytest.approx(two.p)
+
+
+def test_metrics_file_holds_the_latest_p_values(tmp_path) -> None:  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nfproxy.cli.commands.audit import _write_metrics
+
+    five = tuple(f"10.244.2.{i}:8080" for i in range(5))
+    counts = {THREE: _draw(1, 900, EPS3), FIVE: _draw(2, 3000, five, weights=(0.6, 0.1, 0.1, 0.1, 0.1)),
+              PortKey("ns/idle:p", "tcp", "ip"): {EPS3[0]: 0}}
+    report = A.audit(None, _reading(counts))
+    path = tmp_path / "audit.prom"
+    _write_metrics(str(path), report)
+    samples = {(s.name, s.labels["service"]): s for f in text_string_to_metric_families(path.read_text()) for s in f.samples}
+    three = samples[("nfproxy_audit_p_value", "three")]
+    assert three.labels == {"namespace": "ns", "service": "three", "port": "p", "protocol": "tcp", "family": "ip"}
+    assert three.value == pytest.approx(next(p.p_adjusted for p in report.ports if p.key == THREE))
+    assert samples[("nfproxy_audit_p_value", "five")].value < 1e-6
+    assert math.isnan(samples[("nfproxy_audit_p_value", "idle")].value)
+    assert [samples[("nfproxy_audit_skewed", s)].value for s in ("three", "five", "idle")] == [0, 1, 0]
+
+
+def test_metrics_file_in_a_missing_directory_is_a_clear_error(tmp_path) -> None:  # noqa: ANN001
+    from nfproxy.cli.commands.audit import AuditError, _write_metrics
+
+    with pytest.raises(AuditError, match="--metrics-file .*/missing/audit.prom: No such file"):
+        _write_metrics(str(tmp_path / "missing" / "audit.prom"), A.audit(None, _reading({})))

@@ -54,13 +54,18 @@ def _service(name: str, ip: str, ips: list[str], **fields: object) -> tuple[Serv
     return sp, sort_endpoints([Endpoint(i, 8080, node_name="node-a") for i in ips])
 
 
+LOCAL, REMOTE = ["10.244.0.21", "10.244.0.22"], ["10.244.1.23", "10.244.1.24"]
+WEB = ServicePort(ServicePortName("audit", "web", "http", Protocol.TCP), IPFamily.V4, ServiceType.NODE_PORT,
+                  "10.96.0.7", 80, node_port=30080, external_policy_local=True)
 SERVICES = [
     _service("three", "10.96.0.3", THREE),
     _service("five", "10.96.0.5", FIVE),
     _service("sticky", "10.96.0.6", THREE, affinity_timeout=600),
+    (WEB, sort_endpoints([Endpoint(i, 8080, node_name="node-a") for i in LOCAL]
+                         + [Endpoint(i, 8080, node_name="node-b") for i in REMOTE])),
 ]
 STATE = ClusterState(NODE, {sp.key: sp for sp, _ in SERVICES}, {sp.key: e for sp, e in SERVICES})
-KEY = {name: PortKey(f"audit/{name}:http", "tcp", "ip") for name in ("three", "five", "sticky")}
+KEY = {name: PortKey(f"audit/{name}:http", "tcp", "ip") for name in ("three", "five", "sticky", "web")}
 
 
 @pytest.fixture(params=["iptables", "nft"])
@@ -70,15 +75,15 @@ def node(request: pytest.FixtureRequest) -> Iterator[tuple[str, Sandbox]]:
     spec = SandboxSpec.of(
         node_ips=["192.168.0.2"],
         clients={"outside": "203.0.113.10", **STICKY_CLIENTS},
-        endpoints={ip: [(8080, "tcp")] for ip in THREE + FIVE},
+        endpoints={ip: [(8080, "tcp")] for ip in THREE + FIVE + LOCAL + REMOTE},
     )
     with Sandbox(spec) as sb:
         (apply_iptables if request.param == "iptables" else apply_nft)(STATE, sb.node_ns)
         yield request.param, sb
 
 
-def _connect(sb: Sandbox, client: str, ip: str, n: int) -> dict[str, int]:
-    outcomes = sb.connect(client, ip, 80, "tcp", count=n, timeout=3.0)
+def _connect(sb: Sandbox, client: str, ip: str, n: int, port: int = 80) -> dict[str, int]:
+    outcomes = sb.connect(client, ip, port, "tcp", count=n, timeout=3.0)
     seen = summarize(outcomes)
     assert sum(seen.values()) == n and all(o.ok for o in outcomes), seen
     return dict(seen)
@@ -172,3 +177,17 @@ def test_client_ip_affinity_is_explained(node: tuple[str, Sandbox]) -> None:
     assert "ClientIP affinity" in port.explanations[0]
     if backend == "iptables":
         assert sum(port.tested.values()) == 2  # each client's first connection, the random choice
+
+
+def test_local_traffic_policy_is_explained(node: tuple[str, Sandbox]) -> None:
+    backend, sb = node
+    first = read(backend, sb.node_ns, ["192.168.0.2"], "kernel")
+    seen = _connect(sb, "outside", "10.96.0.7", 600)  # cluster IP: all four endpoints
+    for ep, n in _connect(sb, "outside", "192.168.0.2", 600, port=30080).items():  # node port: local only
+        seen[ep] = seen.get(ep, 0) + n
+    second = read(backend, sb.node_ns, ["192.168.0.2"], "kernel")
+    (port,) = audit(first, second, alpha=HONEST_ALPHA, only="audit/web").ports
+    assert port.connections == 1200 and {e: c for e, c in port.observed.items() if c} == seen
+    assert port.p_plain is not None and port.p_plain < 1e-6  # against the cluster split alone
+    assert port.verdict == EXPLAINED and port.p is not None and port.p > HONEST_ALPHA, port
+    assert "Local traffic policy" in port.explanations[0]

@@ -113,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
     if args.service is not None and not report.ports:
         return fail(f"audit: --service {args.service}: no rules or counters for this service")
     if args.metrics_file:
-        _write_metrics(args.metrics_file, report)
+        try:
+            _write_metrics(args.metrics_file, report)
+        except AuditError as exc:
+            return fail(f"audit: {exc}")
     where = f"netns {args.netns}" if args.netns else "this node"
     span = "since each endpoint's counter was created" if interval is None else f"in {interval:g}s"
     if args.json:
@@ -177,18 +180,27 @@ def to_json(report: Any, backend: str, where: str, interval: float | None) -> di
     }
 
 
+METRIC_P = "nfproxy_audit_p_value"
+METRIC_SKEWED = "nfproxy_audit_skewed"
+METRIC_LABELS = ("namespace", "service", "port", "protocol", "family")
+
+
 def _write_metrics(path: str, report: Any) -> None:
-    """The latest p-value per service port, in Prometheus text format, for node_exporter's
-    textfile collector: the daemon runs no audits, so this is how a dashboard gets them."""
+    """The latest audit per service port, in Prometheus text format, for node_exporter's
+    textfile collector: the daemon runs no audits (each takes a window of traffic), so a
+    periodic `nfproxy audit --metrics-file` is how a dashboard gets them. The labels start as
+    nfproxy_endpoint_new_connections_total's, so the two join on namespace, service, port."""
     from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
     registry = CollectorRegistry()
-    gauge = Gauge("nfproxy_audit_p_value", "p-value of the latest `nfproxy audit` per service port (Holm-adjusted; NaN: not tested)",
-                  ["namespace", "service", "port", "protocol", "family", "verdict"], registry=registry)
+    p_value = Gauge(METRIC_P, "p-value of the latest nfproxy audit per service port, Holm-adjusted (NaN: not tested)",
+                    METRIC_LABELS, registry=registry)
+    skewed = Gauge(METRIC_SKEWED, "1 when the latest nfproxy audit found the service port skewed, else 0",
+                   METRIC_LABELS, registry=registry)
     for a in report.ports:
-        ns, name, port = a.key.namespace_service_port
-        value = a.p_adjusted if a.p_adjusted is not None else math.nan
-        gauge.labels(ns, name, port, a.key.protocol, a.key.family, a.verdict).set(value)
+        labels = (*a.key.namespace_service_port, a.key.protocol, a.key.family)
+        p_value.labels(*labels).set(a.p_adjusted if a.p_adjusted is not None else math.nan)
+        skewed.labels(*labels).set(1 if a.verdict == "skewed" else 0)
     try:
         write_to_textfile(path, registry)
     except OSError as exc:
