@@ -431,7 +431,7 @@ def _judge(key: PortKey, port: WindowPort, alpha: float, pinned_clients: int) ->
         explanations.append(f"ClientIP affinity ({affinity}s): {pinned_clients} clients pinned; connections "
                             "that followed a pin are not counted apart, so the split cannot be tested")
         return PortAudit(**base, expected=plain.expected, tested=observed, p=None, p_adjusted=None,
-                         method=plain.method, verdict=EXPLAINED, explanations=tuple(explanations),
+                         method="not tested", verdict=EXPLAINED, explanations=tuple(explanations),
                          p_plain=plain.p), False
     explained = bool(explanations) and plain.p is not None and plain.p <= alpha
     verdict = OK if result.p is not None else EXPLAINED if explained else TOO_FEW

@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fmt_p(p: float | None) -> str:
-    return "-" if p is None else f"{p:.3g}"
+    if p is None:
+        return "-"
+    return "<1e-300" if p == 0 else f"{p:.3g}"  # 0.0 is an underflow, not a certainty
 
 
 def format_report(report: Any, head: str) -> str:
