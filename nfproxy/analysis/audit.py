@@ -410,22 +410,11 @@ def _judge(key: PortKey, port: WindowPort, alpha: float, pinned_clients: int) ->
     if port.changes:
         return PortAudit(**base, expected=plain.expected, tested=observed, p=None, p_adjusted=None,
                          method="not tested", verdict=CHANGED, p_plain=plain.p), False
-    explanations: list[str] = []
-    tested = observed
     # Chains with the same split are one component of a mixture (nft's external-* chain of a
     # Local port picks as its local-* chain does): fitting both would waste a degree of freedom.
     selections = tuple({s.shares: s for s in port.selections}.values())
     affinity = max(s.affinity_timeout for s in selections)
-    pinned = sum(port.pins.values()) if port.pins is not None else 0
-    if affinity and pinned:
-        assert port.pins is not None
-        tested = {e: c - port.pins.get(e, 0) for e, c in observed.items()}
-        explanations.append(f"ClientIP affinity ({affinity}s): {pinned} of {n} connections followed a client's pin; "
-                            f"the random choice is tested on the other {n - pinned}")
-    if len(selections) > 1:
-        explanations.append(f"{len(port.selections)} selection chains share these endpoints "
-                            f"({', '.join(s.chain for s in port.selections)}; Local traffic policy): tested against "
-                            f"the best mixture of their {len(selections)} distinct splits")
+    tested, explanations = _explain(port, selections, observed, affinity)
     result = fit(tested, selections, alpha) if explanations else plain
     if affinity and port.pins is None and pinned_clients and plain.p is not None and plain.p <= alpha:
         explanations.append(f"ClientIP affinity ({affinity}s): {pinned_clients} clients pinned; connections "
@@ -438,6 +427,25 @@ def _judge(key: PortKey, port: WindowPort, alpha: float, pinned_clients: int) ->
     return PortAudit(**base, expected=result.expected, tested=tested, p=result.p, p_adjusted=None,
                      method=result.method, verdict=verdict, explanations=tuple(explanations),
                      p_plain=plain.p), result.p is not None
+
+
+def _explain(
+    port: WindowPort, selections: tuple[Selection, ...], observed: dict[str, int], affinity: int
+) -> tuple[dict[str, int], list[str]]:
+    """The counts to test and the causes of legitimate skew the rules and counters show."""
+    explanations: list[str] = []
+    tested = observed
+    n = sum(observed.values())
+    pinned = sum(port.pins.values()) if port.pins is not None else 0
+    if affinity and port.pins is not None and pinned:
+        tested = {e: c - port.pins.get(e, 0) for e, c in observed.items()}
+        explanations.append(f"ClientIP affinity ({affinity}s): {pinned} of {n} connections followed a client's pin; "
+                            f"the random choice is tested on the other {n - pinned}")
+    if len(selections) > 1:
+        explanations.append(f"{len(port.selections)} selection chains share these endpoints "
+                            f"({', '.join(s.chain for s in port.selections)}; Local traffic policy): tested against "
+                            f"the best mixture of their {len(selections)} distinct splits")
+    return tested, explanations
 
 
 def audit(
