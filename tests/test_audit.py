@@ -418,8 +418,7 @@ def _affinity_rule(ep: str, packets: int | None) -> dict:
 
 def test_nft_pins_from_counted_affinity_rules() -> None:
     doc = {"nftables": [_affinity_rule("10.244.0.1", 7), _affinity_rule("10.244.0.2", 0)]}
-    key = PortKey("ns/sticky:p", "tcp", "ip")
-    assert A.nft_pins(doc) == {key: {"10.244.0.1:8080": 7, "10.244.0.2:8080": 0}}
+    assert A.nft_pins(doc) == {"service-Y-ns/sticky/tcp/p": {"10.244.0.1:8080": 7, "10.244.0.2:8080": 0}}
     # Without counters on those rules, pins are unknown, not zero.
     assert A.nft_pins({"nftables": [_affinity_rule("10.244.0.1", None)]}) is None
 
@@ -463,3 +462,28 @@ def test_metrics_file_in_a_missing_directory_is_a_clear_error(tmp_path) -> None:
 
     with pytest.raises(AuditError, match="--metrics-file .*/missing/audit.prom: No such file"):
         _write_metrics(str(tmp_path / "missing" / "audit.prom"), A.audit(None, _reading({})))
+
+
+def test_iptables_pins_without_comments_in_large_cluster_mode() -> None:
+    """Above 1000 endpoints the rules carry no per-endpoint comments (kube-proxy's large-cluster
+    mode): pins are found from the chains, and named as `check` names the chain."""
+    import dataclasses
+
+    from nfproxy.testing import uniform_cluster
+
+    state = uniform_cluster(110, 10)
+    key = sorted(state.services)[0]
+    state = dataclasses.replace(state, services={**state.services, key: dataclasses.replace(state.services[key], affinity_timeout=600)})
+    text = render_text("iptables", state).split("# IPv6")[0]
+    assert "--comment" not in next(line for line in text.splitlines() if "-j DNAT" in line)
+    sp = state.services[key]
+    save = _counted(text, {})
+    rcheck = next(line for line in save.splitlines() if "--rcheck" in line)
+    save = save.replace(rcheck, rcheck.replace("[0:0]", "[41:0]", 1))
+    pins = A.iptables_pins(save)
+    assert sum(n for per in pins.values() for n in per.values()) == 41
+    r = A.reading(read_text(save).ruleset, [], pins)
+    name = f"{sp.name.namespace}/{sp.name.name}:{sp.name.port}"
+    port = PortKey(name, "tcp", "ip")
+    assert r.pins is not None and sum(r.pins[port].values()) == 41
+    assert set(r.pins[port]) <= {e for s in r.selections[port] for e, _ in s.shares}

@@ -124,13 +124,15 @@ def _family(table_family: str, endpoint: str) -> str:
 def reading(
     ruleset: Ruleset,
     counts: Iterable[CountLike],
-    pins: Mapping[PortKey, Mapping[str, int]] | None = None,
+    pins: Mapping[str, Mapping[str, int]] | None = None,
     pinned_clients: Mapping[PortKey, int] | None = None,
     *,
     node_ips: Sequence[str] = (),
     mode: Mode = "kernel",
 ) -> Reading:
-    """One reading from counters and the rules they were read with (one snapshot of both)."""
+    """One reading from counters and the rules they were read with (one snapshot of both).
+    `pins`: connections that followed an affinity pin per selection chain and endpoint
+    (`iptables_pins`, `nft_pins`); None when the backend does not count them."""
     per_port: dict[PortKey, dict[str, int]] = {}
     for c in counts:
         ep = endpoint_label(c.endpoint)
@@ -149,9 +151,24 @@ def reading(
     return Reading(
         counts=per_port,
         selections={k: tuple(v) for k, v in selections.items()},
-        pins=pins,
+        pins=None if pins is None else _pins_by_port(pins, selections),
         pinned_clients=dict(pinned_clients or {}),
     )
+
+
+def _pins_by_port(
+    pins: Mapping[str, Mapping[str, int]], selections: Mapping[PortKey, list[Selection]]
+) -> dict[PortKey, dict[str, int]]:
+    """Pinned connections per selection chain, summed per port (a Local port's cluster and
+    local chains each look up the pins)."""
+    out: dict[PortKey, dict[str, int]] = {}
+    for key, chains in selections.items():
+        per = out.setdefault(key, {})
+        for s in chains:
+            for ep, n in pins.get(s.chain, {}).items():
+                if ep.startswith("[") == (key.family == "ip6"):  # ip and ip6 share chain names
+                    per[ep] = per.get(ep, 0) + n
+    return out
 
 
 # ---- the window
@@ -475,42 +492,53 @@ def _replace(a: PortAudit, **changes: object) -> PortAudit:
     return dataclasses.replace(a, **changes)  # type: ignore[arg-type]
 
 
-def iptables_pins(save_text: str) -> dict[PortKey, dict[str, int]]:
-    """Connections that followed an affinity pin, per endpoint: the packet counters of the
-    `-m recent --rcheck` rules (`iptables-save -c`), which jump to the pinned endpoint's chain
-    ahead of the random choice. Keyed like the DNAT counts, whose rules give the protocol."""
+def iptables_pins(save_text: str) -> dict[str, dict[str, int]]:
+    """Connections that followed an affinity pin, per selection chain and endpoint: the packet
+    counters of the `-m recent --rcheck` rules (`iptables-save -c`), which jump to the pinned
+    endpoint's chain ahead of the random choice. Keyed by the chain holding them, which
+    `reading` maps to its service port as `check` names it: above 1000 endpoints the rules
+    carry no per-endpoint comments (kube-proxy's large-cluster mode), so a comment cannot be
+    relied on. Only the rcheck rules and the chains they jump to are tokenised: shlex is slow,
+    and a node with 10 000 services has 100 000 other rules."""
     import shlex
-
-    rules: list[tuple[int, list[str]]] = []
-    table = ""
-    for line in save_text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-        if table == "nat" and line.startswith("["):
-            counters, _, rest = line.partition("]")
-            rules.append((int(counters[1:].split(":")[0]), shlex.split(rest)))
 
     def opt(tokens: list[str], name: str) -> str | None:
         i = tokens.index(name) + 1 if name in tokens else 0
         return tokens[i] if 0 < i < len(tokens) else None
 
-    endpoint_of: dict[str, tuple[PortKey, str]] = {}
-    for _, tokens in rules:
-        chain, dest = opt(tokens, "-A") or "", opt(tokens, "--to-destination")
-        if chain.startswith("KUBE-SEP-") and opt(tokens, "-j") == "DNAT" and dest is not None:
-            family = "ip6" if dest.startswith("[") else "ip"
-            key = PortKey(opt(tokens, "--comment") or "", (opt(tokens, "-p") or "tcp").lower(), family)
-            endpoint_of[chain] = (key, endpoint_label(dest))
-    pins: dict[PortKey, dict[str, int]] = {}
-    for packets, tokens in rules:
-        target = opt(tokens, "-j") or ""
-        if "--rcheck" in tokens and target in endpoint_of:
-            key, ep = endpoint_of[target]
-            pins.setdefault(key, {})
-            pins[key][ep] = pins[key].get(ep, 0) + packets
-    for key, ep in endpoint_of.values():
-        pins.setdefault(key, {}).setdefault(ep, 0)
+    def counted(line: str) -> tuple[int, list[str]]:
+        counters, _, rest = line.partition("]")
+        return int(counters[1:].split(":")[0]), shlex.split(rest)
+
+    nat = _nat_rule_lines(save_text)
+    hits = [counted(line) for line in nat if "--rcheck" in line]
+    targets = {opt(tokens, "-j") or "" for _, tokens in hits}
+    endpoint_of: dict[str, str] = {}
+    for line in nat:
+        chain = line.split("-A ", 1)[-1].split(" ", 1)[0]
+        if chain in targets and "DNAT" in line:
+            _, tokens = counted(line)
+            dest = opt(tokens, "--to-destination")
+            if opt(tokens, "-j") == "DNAT" and dest is not None:
+                endpoint_of[chain] = endpoint_label(dest)
+    pins: dict[str, dict[str, int]] = {}
+    for packets, tokens in hits:
+        chain, target = opt(tokens, "-A") or "", opt(tokens, "-j") or ""
+        if target in endpoint_of:
+            per = pins.setdefault(chain, {})
+            per[endpoint_of[target]] = per.get(endpoint_of[target], 0) + packets
     return pins
+
+
+def _nat_rule_lines(save_text: str) -> list[str]:
+    """The counted rule lines (`[packets:bytes] -A …`) of every nat table in the text."""
+    out, table = [], ""
+    for line in save_text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif table == "nat" and line.startswith("["):
+            out.append(line)
+    return out
 
 
 def nft_pinned_clients(ruleset: Ruleset, selections: Mapping[PortKey, tuple[Selection, ...]]) -> dict[PortKey, int]:
@@ -526,16 +554,17 @@ def nft_pinned_clients(ruleset: Ruleset, selections: Mapping[PortKey, tuple[Sele
     return out
 
 
-def nft_pins(ruleset_json: object) -> dict[PortKey, dict[str, int]] | None:
-    """Connections that followed an affinity pin, per endpoint, from the counters of nft's
-    affinity lookup rules (`ip saddr @affinity-… counter goto endpoint-…`); None when no such
-    rule carries a counter (the split of affinity ports then cannot be separated)."""
+def nft_pins(ruleset_json: object) -> dict[str, dict[str, int]] | None:
+    """Connections that followed an affinity pin, per selection chain and endpoint, from the
+    counters of nft's affinity lookup rules (`ip saddr @affinity-… counter goto endpoint-…`);
+    None when no such rule carries a counter (the split of affinity ports then cannot be
+    separated from the pins)."""
     doc = ruleset_json if isinstance(ruleset_json, dict) else {}
-    pins: dict[PortKey, dict[str, int]] = {}
+    pins: dict[str, dict[str, int]] = {}
     counted = False
     for item in doc.get("nftables", []):
         rule = item.get("rule") if isinstance(item, dict) else None
-        if not isinstance(rule, dict) or not str(rule.get("chain", "")).startswith(("service-", "local-")):
+        if not isinstance(rule, dict):
             continue
         packets, target, lookup = None, "", False
         for stmt in rule.get("expr", []):
@@ -547,27 +576,20 @@ def nft_pins(ruleset_json: object) -> dict[PortKey, dict[str, int]] | None:
                 packets = int(stmt["counter"].get("packets", 0))
             elif "goto" in stmt or "jump" in stmt:
                 target = str((stmt.get("goto") or stmt.get("jump") or {}).get("target", ""))
-        if not lookup or not target.startswith("endpoint-"):
+        endpoint = _nft_endpoint(target)
+        if not lookup or endpoint is None:
             continue
-        key, endpoint = _nft_endpoint_chain(target, rule.get("family", "ip"))
-        if key is None:
-            continue
-        pins.setdefault(key, {}).setdefault(endpoint, 0)
+        per = pins.setdefault(str(rule.get("chain", "")), {})
+        per.setdefault(endpoint, 0)
         if packets is not None:
             counted = True
-            pins[key][endpoint] += packets
+            per[endpoint] += packets
     return pins if counted else None
 
 
-def _nft_endpoint_chain(chain: str, family: str) -> tuple[PortKey | None, str]:
-    """`endpoint-HASH-ns/name/proto/port__ip/port` -> (its port, `ip:port`)."""
-    ident = chain.split("-", 2)[-1]
-    head, sep, tail = ident.partition("__")
-    parts = head.split("/")
-    ip, _, port = tail.rpartition("/")
-    if not sep or len(parts) != 4 or not ip:
-        return None, ""
-    ns, name, proto, port_name = parts
-    label = f"{ns}/{name}:{port_name}" if port_name else f"{ns}/{name}"
-    endpoint = endpoint_label(f"{ip}:{port}")
-    return PortKey(label, proto, "ip6" if endpoint.startswith("[") else "ip"), endpoint
+def _nft_endpoint(chain: str) -> str | None:
+    """`endpoint-HASH-ns/name/proto/port__ip/port` -> `ip:port`."""
+    if not chain.startswith("endpoint-"):
+        return None
+    ip, _, port = chain.partition("__")[2].rpartition("/")
+    return endpoint_label(f"{ip}:{port}") if ip and port else None
