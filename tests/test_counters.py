@@ -120,3 +120,31 @@ def test_nft_counts_from_map_elements_and_endpoint_chains() -> None:
 
     assert endpoint_counts_nft(json.dumps(NFT_DOC)) == counts
     assert endpoint_counts_nft({"nftables": []}) == ()
+
+
+def test_iptables_without_comments_names_seps_through_the_jumps() -> None:
+    """Above 1 000 endpoints the SVC and SEP rules carry no comment: only KUBE-SERVICES' do."""
+    text = """\
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-X - [0:0]
+:KUBE-EXT-X - [0:0]
+:KUBE-SVL-X - [0:0]
+:KUBE-SEP-A - [0:0]
+:KUBE-SEP-B - [0:0]
+:KUBE-SEP-C - [0:0]
+[0:0] -A KUBE-SERVICES -d 172.30.0.1/32 -p tcp -m comment --comment "ns/web:http cluster IP" -m tcp --dport 80 -j KUBE-SVC-X
+[0:0] -A KUBE-SERVICES -d 203.0.113.1/32 -p tcp -m comment --comment "ns/web:http external IP" -m tcp --dport 80 -j KUBE-EXT-X
+[0:0] -A KUBE-SVC-X -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-A
+[0:0] -A KUBE-SVC-X -j KUBE-SEP-B
+[0:0] -A KUBE-EXT-X -m comment --comment "masquerade traffic for ns/web:http external destinations" -j KUBE-MARK-MASQ
+[0:0] -A KUBE-EXT-X -j KUBE-SVL-X
+[0:0] -A KUBE-SVL-X -j KUBE-SEP-C
+[3:180] -A KUBE-SEP-A -p tcp -m tcp -j DNAT --to-destination 10.0.0.1:8080
+[4:240] -A KUBE-SEP-B -p tcp -m tcp -j DNAT --to-destination 10.0.0.2:8080
+[5:300] -A KUBE-SEP-C -p tcp -m tcp -j DNAT --to-destination 10.0.0.3:8080
+COMMIT
+"""
+    counts = endpoint_counts_iptables(text)
+    assert [(c.service_port, c.endpoint, c.connections) for c in counts] == [
+        ("ns/web:http", "10.0.0.1:8080", 3), ("ns/web:http", "10.0.0.2:8080", 4), ("ns/web:http", "10.0.0.3:8080", 5)]

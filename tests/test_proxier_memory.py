@@ -17,11 +17,13 @@ import time
 import pytest
 
 from nfproxy.backends.nft import render as nft_render
+from nfproxy.core.changes import NO_CHANGES
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
 from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Element, Rule, Transaction, Verb
+from nfproxy.nftables import text as nft_text
 from nfproxy.testing import random_cluster, uniform_cluster
 
 V4 = IPFamily.V4
@@ -292,7 +294,37 @@ def test_stale_objects_left_by_a_killed_run_go_with_the_next_full_sync(how: str)
     assert proxier.backend.pending()  # strays emptied, deleted by the next sync
     proxier.sync(removed)
     assert not proxier.backend.pending()
-    assert kernels[V4].dump() == fresh_dump(removed)[V4]
+    if how == "restart":
+        assert kernels[V4].dump() == fresh_dump(removed)[V4]
+    else:
+        # A periodic full sync keeps the endpoint slots the kernel holds (so their per-endpoint
+        # counters survive it): the same table as a fresh one but for slot numbering.
+        assert resolved(kernels[V4]) == fresh(removed)[V4]
+
+
+def test_a_full_sync_keeps_endpoint_slots_and_rewrites_only_changed_elements() -> None:
+    """A periodic full sync diffs the endpoint maps against what the kernel holds instead of
+    flushing them: unchanged elements are re-added (a no-op that keeps their counters), changed
+    ones deleted first; after a restart (nothing believed) the maps are flushed."""
+    state = affinity_cluster()
+    proxier, kernels = memory_proxier()
+    proxier.sync(state)
+    moved = moved_endpoint(state)
+    proxier.sync(moved)
+    proxier.sync(moved)
+    before = {n: dict(kernels[V4].elements(n)) for n in kernels[V4].table.sets if n.startswith(nft_render.SHARD_PREFIX)}
+    plan = proxier.backend.plan(moved, NO_CHANGES, V4, full=True, found=None)
+    assert plan is not None and plan.full
+    text = nft_text.script(plan.payload)
+    assert before and not any(f"flush map ip nfproxy {n}" in text for n in before)
+    assert "delete element ip nfproxy" not in text  # nothing changed: nothing deleted
+    proxier.sync(moved, full=True)
+    after = {n: dict(kernels[V4].elements(n)) for n in before}
+    assert after == before
+    assert resolved(kernels[V4]) == fresh(moved)[V4]
+    restarted, _ = memory_proxier(kernels)
+    plan = restarted.backend.plan(moved, NO_CHANGES, V4, full=True, found=None)
+    assert all(f"flush map ip nfproxy {n}" in nft_text.script(plan.payload) for n in before)
 
 
 def test_a_removed_service_leaves_no_empty_chain_through_a_restart() -> None:

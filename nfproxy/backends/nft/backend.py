@@ -64,8 +64,10 @@ def strays(new: NftRuleset, found: Owned) -> tuple[list[str], list[str]]:
 class NftBackend:
     name = "nft"
 
-    def __init__(self) -> None:
+    def __init__(self, *, endpoint_counters: bool = True) -> None:
         self._beliefs: dict[IPFamily, _Belief] = {}
+        # Per-endpoint connection counters (render._Context.counters); off only to measure them.
+        self.endpoint_counters = endpoint_counters
 
     def render(self, state: ClusterState, family: IPFamily) -> NftRuleset:
         return nft_render.render(state, family)
@@ -80,7 +82,7 @@ class NftBackend:
             except nft_render.NeedsFullSync as exc:
                 log.info("IPv%d: partial sync impossible (%s): full sync", family.value, exc)
                 found = _held(belief)  # accurate: it is what the kernel accepted
-        return self._full(state, family, found)
+        return self._full(state, family, found, belief.ruleset if belief is not None else None)
 
     def _partial(
         self, belief: _Belief, state: ClusterState, keys: frozenset, family: IPFamily
@@ -122,9 +124,13 @@ class NftBackend:
         memo = _Belief(new, stale_chains, stale_sets, owned)
         return Plan(family, False, len(d.transaction), d.transaction, memo)
 
-    def _full(self, state: ClusterState, family: IPFamily, found: Owned | None) -> Plan:
-        new = nft_render.render(state, family)
-        tx = new.transaction()
+    def _full(
+        self, state: ClusterState, family: IPFamily, found: Owned | None, kept: NftRuleset | None = None
+    ) -> Plan:
+        """`kept`: the ruleset the kernel accepted last; the endpoint maps are then diffed
+        against it instead of flushed, so per-endpoint counters survive (render.transaction)."""
+        new = nft_render.render(state, family, endpoint_counters=self.endpoint_counters, keep=kept)
+        tx = new.transaction(kept)
         # Strays are emptied now and deleted by the next sync, like the stale chains of a
         # partial sync (a rule or element in flight may still name them).
         stray_chains, stray_sets = strays(new, found) if found is not None else ([], [])

@@ -310,7 +310,7 @@ class NftRuleset:
         """The full `nft -f` script (`nfproxy render`): the transaction, as text."""
         return nft_text.script(self.transaction())
 
-    def transaction(self) -> nft.Transaction:
+    def transaction(self, kept: NftRuleset | None = None) -> nft.Transaction:
         """A complete sync as one atomic transaction.
 
         Valid on a fresh namespace and over an existing `nfproxy` table alike: everything it owns
@@ -319,11 +319,18 @@ class NftRuleset:
         Affinity sets are added but never flushed, so client stickiness survives a resync.
         Chains of services that no longer exist are not known here and are left alone (unused,
         unreferenced); removing them needs the kernel's chain list and belongs to the sync.
+
+        `kept`: the ruleset the kernel holds (this one rendered with `keep=kept`). Its endpoint
+        maps are then not flushed: only the elements that changed or went are deleted, and
+        re-adding an unchanged element is a no-op, so its per-element counter survives the
+        full sync. Were the kernel's maps not what `kept` says, the transaction fails (a
+        delete of a missing element, an add over a different one) and the caller, forgetting
+        what it believed, falls back to the flushing form.
         """
         with gc_paused():  # 250 000 objects at 10 000 services: no reason to scan them
-            return self._transaction()
+            return self._transaction(kept)
 
-    def _transaction(self) -> nft.Transaction:
+    def _transaction(self, kept: NftRuleset | None = None) -> nft.Transaction:
         tx = nft.Transaction(self.nft_family, self.table)
         tx.add(nft.Table(self.nft_family, self.table, comment="rules for nfproxy"))
         for name in self.counters:
@@ -348,7 +355,13 @@ class NftRuleset:
         for name in sorted(self.shard_users, key=_shard_order):
             shard = self.shard_map(name)
             tx.add(shard)
-            tx.flush(shard)
+            if kept is None or name not in kept.shard_users:
+                tx.flush(shard)
+                continue
+            now = self.elements.get(name, {})
+            for key, el in kept.elements.get(name, {}).items():
+                if now.get(key) != el:
+                    tx.delete(nft.Element(name, key))
         for name, rules in self.chains.items():
             for body in rules:
                 tx.add(nft.Rule(name, body))
@@ -833,14 +846,29 @@ def _service_order(key: ServicePortKey) -> tuple[str, str, str, str]:
     return (spn.namespace, spn.name, spn.port, spn.protocol)
 
 
-def render(state: ClusterState, family: IPFamily, *, endpoint_counters: bool = True) -> NftRuleset:
+def render(
+    state: ClusterState, family: IPFamily, *, endpoint_counters: bool = True, keep: NftRuleset | None = None
+) -> NftRuleset:
     """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`.
-    `endpoint_counters=False` leaves out the per-endpoint counters (to measure their cost)."""
+    `endpoint_counters=False` leaves out the per-endpoint counters (to measure their cost).
+    `keep` (the ruleset the kernel holds) keeps each chain's slot block and each endpoint's
+    slot where they still fit, so that `transaction(kept=keep)` leaves those elements, and
+    their counters, alone."""
     with gc_paused():
-        return _render(state, family, endpoint_counters)
+        return _render(state, family, endpoint_counters, keep)
 
 
-def _render(state: ClusterState, family: IPFamily, endpoint_counters: bool = True) -> NftRuleset:
+def _kept_slots(keep: NftRuleset | None) -> _Slots:
+    if keep is None or keep.allocator is None:
+        return _Slots(SlotAllocator())
+    blocks = {chain: block for svc in keep.services.values() for chain, block in svc.blocks.items()}
+    held = [e for svc in keep.services.values() for e in svc.elements if e[0].startswith(SHARD_PREFIX)]
+    return _Slots(keep.allocator, MappingProxyType(blocks), held)
+
+
+def _render(
+    state: ClusterState, family: IPFamily, endpoint_counters: bool = True, keep: NftRuleset | None = None
+) -> NftRuleset:
     ctx, service_cidrs = _context(state.node, family, endpoint_counters)
     chains, sets, unused, elements = _static(ctx, service_cidrs)
 
@@ -848,7 +876,7 @@ def _render(state: ClusterState, family: IPFamily, endpoint_counters: bool = Tru
     all_endpoints = state.endpoints
     svc_map = state.services
     contested: set[tuple[str, str]] = set()
-    slots = _Slots(SlotAllocator())
+    slots = _kept_slots(keep)
     hairpin_refs: dict[str, int] = {}
     cluster_ip_refs: dict[str, int] = {}
     shard_users: dict[str, int] = {}
@@ -872,6 +900,7 @@ def _render(state: ClusterState, family: IPFamily, endpoint_counters: bool = Tru
                 contested.add((map_name, elem_key))
             else:
                 held[elem_key] = element
+    slots.release_unkept()
 
     return NftRuleset(
         family=family,
