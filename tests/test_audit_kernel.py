@@ -191,3 +191,13 @@ def test_local_traffic_policy_is_explained(node: tuple[str, Sandbox]) -> None:
     assert port.p_plain is not None and port.p_plain < 1e-6  # against the cluster split alone
     assert port.verdict == EXPLAINED and port.p is not None and port.p > HONEST_ALPHA, port
     assert "Local traffic policy" in port.explanations[0]
+
+
+def test_the_window_is_the_time_between_snapshots(node: tuple[str, Sandbox]) -> None:
+    backend, sb = node
+    _connect(sb, "outside", "10.96.0.3", 50)  # before the window: not in it
+    status, doc = _cli_json(backend, sb.node_ns, "--interval", "1s")
+    assert status == 0 and doc["since_creation"] is False and doc["interval_seconds"] >= 1.0
+    services = {s["service"]: s for s in doc["services"] if s["family"] == "ip"}
+    assert services["audit/three:http"]["connections"] == 0
+    assert {s["verdict"] for s in services.values()} == {"too few connections"}

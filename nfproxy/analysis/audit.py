@@ -103,6 +103,9 @@ class Reading:
     """Connections that arrived through an affinity lookup, per endpoint; None: not counted."""
     pinned_clients: Mapping[PortKey, int] = field(default_factory=dict)
     """Clients held in a port's affinity sets (nft sets list their elements), when known."""
+    taken_at: float | None = None
+    """When the kernel was read (time.monotonic()): the window is the time between snapshots,
+    not the sleep between readings (parsing a large ruleset takes minutes)."""
 
 
 def endpoint_label(endpoint: str) -> str:
@@ -129,6 +132,7 @@ def reading(
     *,
     node_ips: Sequence[str] = (),
     mode: Mode = "kernel",
+    taken_at: float | None = None,
 ) -> Reading:
     """One reading from counters and the rules they were read with (one snapshot of both).
     `pins`: connections that followed an affinity pin per selection chain and endpoint
@@ -153,6 +157,7 @@ def reading(
         selections={k: tuple(v) for k, v in selections.items()},
         pins=None if pins is None else _pins_by_port(pins, selections),
         pinned_clients=dict(pinned_clients or {}),
+        taken_at=taken_at,
     )
 
 

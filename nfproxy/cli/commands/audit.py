@@ -60,11 +60,12 @@ def read(backend: str, netns: str | None, node_ips: list[str], mode: str) -> Any
         from nfproxy.kernel.nft import NftSession
 
         doc = NftSession(netns).list_ruleset()
+        taken = time.monotonic()
         rs = nft_json.parse(doc)
         rs = Ruleset(tuple(t for t in rs.tables if t.name not in IPTABLES_TABLES))
         first = audit.reading(rs, counters.endpoint_counts_nft(doc), node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
         return audit.Reading(first.counts, first.selections, audit.nft_pins(doc),
-                             audit.nft_pinned_clients(rs, first.selections))
+                             audit.nft_pinned_clients(rs, first.selections), taken)
     return _read_iptables(netns, node_ips, mode)
 
 
@@ -75,23 +76,26 @@ def _read_iptables(netns: str | None, node_ips: list[str], mode: str) -> Any:
     from nfproxy.kernel.iptables import Flavour, IptablesRunner
     from nfproxy.kernel.process import KernelError
 
-    tables, counts = [], []
-    pins: dict = {}
+    texts = []
     for flavour in (Flavour.LEGACY, Flavour.NFT):
         for family in IPFamily:
             try:
-                text = IptablesRunner(family, netns, flavour).save(counters=True)
+                texts.append((family, IptablesRunner(family, netns, flavour).save(counters=True)))
             except KernelError:
                 continue
-            if "KUBE-" not in text:
-                continue
-            tables.extend(iptables_save.parse(text, family).tables)
-            counts.extend(counters.endpoint_counts_iptables(text))
-            for key, per in audit.iptables_pins(text).items():
-                pins.setdefault(key, {}).update(per)
+    taken = time.monotonic()
+    tables, counts = [], []
+    pins: dict = {}
+    for family, text in texts:
+        if "KUBE-" not in text:
+            continue
+        tables.extend(iptables_save.parse(text, family).tables)
+        counts.extend(counters.endpoint_counts_iptables(text))
+        for chain, per in audit.iptables_pins(text).items():
+            pins.setdefault(chain, {}).update(per)  # ip and ip6 share chain names, not endpoints
     if not tables:
         raise AuditError(f"no KUBE-* iptables rules in {netns or 'the current namespace'}")
-    return audit.reading(Ruleset(tuple(tables)), counts, pins, node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
+    return audit.reading(Ruleset(tuple(tables)), counts, pins, node_ips=node_ips, mode=mode, taken_at=taken)  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
         first = None
         if interval is not None:
             first = read(backend, args.netns, args.node_ip, args.mode)
-            time.sleep(interval)
+            time.sleep(max(0.0, first.taken_at + interval - time.monotonic()))
         second = read(backend, args.netns, args.node_ip, args.mode)
+        if first is not None:
+            interval = second.taken_at - first.taken_at  # what the counters really spanned
         report = audit(first, second, alpha=args.alpha, only=args.service)
     except (AuditError, KernelError, InterpretError, ValueError) as exc:
         return fail(f"audit: {args.netns + ': ' if args.netns else ''}{exc}")
@@ -118,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         except AuditError as exc:
             return fail(f"audit: {exc}")
     where = f"netns {args.netns}" if args.netns else "this node"
-    span = "since each endpoint's counter was created" if interval is None else f"in {interval:g}s"
+    span = "since each endpoint's counter was created" if interval is None else f"in {interval:.1f}s"
     if args.json:
         json.dump(to_json(report, backend, where, interval), sys.stdout, indent=2)
         print()
