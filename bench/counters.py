@@ -35,6 +35,7 @@ from nfproxy.analysis.counters import read_live_counts  # noqa: E402
 from nfproxy.core.model import ClusterState, Endpoint, sort_endpoints  # noqa: E402
 from nfproxy.daemon.proxier import Proxier  # noqa: E402
 from nfproxy.kernel import netns  # noqa: E402
+from nfproxy.kernel.iptables import Flavour  # noqa: E402
 from nfproxy.testing import uniform_cluster  # noqa: E402
 from nfproxy.verify.sandbox import Sandbox, SandboxSpec  # noqa: E402
 
@@ -42,7 +43,8 @@ MED = statistics.median
 
 
 def _proxier(backend: str, ns: str, counters: bool) -> Proxier:
-    proxier = Proxier(backend, netns=ns)
+    # iptables-legacy: iptables-nft-restore takes minutes at 10 000 services (docs/benchmarks.md).
+    proxier = Proxier(backend, netns=ns, flavour=Flavour.LEGACY if backend == "iptables" else None)
     if backend == "nft":
         proxier.backend.endpoint_counters = counters  # type: ignore[attr-defined]
     return proxier
@@ -96,7 +98,7 @@ def first_connections(state: ClusterState, counters: bool, backend: str, n: int)
 
 def iptables_read(state: ClusterState) -> float:
     with netns.throwaway("nfp-bench") as ns:
-        Proxier("iptables", netns=ns).sync(state)
+        _proxier("iptables", ns, True).sync(state)
         t0 = time.perf_counter()
         counted = read_live_counts("iptables", ns)
         elapsed = time.perf_counter() - t0
@@ -110,7 +112,8 @@ def main() -> int:
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--changes", type=int, default=7)
-    ap.add_argument("--connections", type=int, default=300)
+    ap.add_argument("--connections", type=int, default=300, help="per first-connection measure; 0: skip them")
+    ap.add_argument("--iptables", action="store_true", help="also time iptables-legacy's first connections")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/counters.py: needs root (network namespaces)", file=sys.stderr)
@@ -130,10 +133,13 @@ def main() -> int:
             if on:
                 reads.append(rd)
             print(f"  counters {'on ' if on else 'off'}: full {f:.2f} s, change {MED(c) * 1000:.1f} ms", flush=True)
-            for size, state in ((1, one), (S, big)):
+            for size, state in ((1, one), (S, big)) if args.connections else ():
                 conn.setdefault(("nft", size, on), []).append(first_connections(state, on, "nft", args.connections))
+                print(f"  counters {'on ' if on else 'off'}: first connection at {size}: "
+                      f"{conn[('nft', size, on)][-1] * 1e6:.0f} us", flush=True)
     ipt_read = iptables_read(big)
-    for size, state in ((1, one), (S, big)):
+    print(f"  iptables-legacy: reading the counters {ipt_read * 1e3:.0f} ms", flush=True)
+    for size, state in ((1, one), (S, big)) if args.connections and args.iptables else ():
         conn[("iptables", size, True)] = [first_connections(state, True, "iptables", args.connections)]
 
     def ratio(d: dict[bool, list[float]]) -> float:
@@ -144,12 +150,12 @@ def main() -> int:
     print("|---|---|---|---|")
     print(f"| full sync {S} x {N} (s) | {MED(full[True]):.2f} | {MED(full[False]):.2f} | {ratio(full):.3f} |")
     print(f"| one-service change at {S} (ms) | {MED(change[True]) * 1e3:.1f} | {MED(change[False]) * 1e3:.1f} | {ratio(change):.3f} |")
-    for size in (1, S):
+    for size in (1, S) if args.connections else ():
         on, off = MED(conn[("nft", size, True)]), MED(conn[("nft", size, False)])
         print(f"| first connection, {size} services (us) | {on * 1e6:.0f} | {off * 1e6:.0f} | {on / off:.3f} |")
     print()
     print(f"reading every counter back at {S} x {N}: nft {MED(reads) * 1e3:.0f} ms, iptables {ipt_read * 1e3:.0f} ms")
-    for size in (1, S):
+    for size in (1, S) if args.connections and args.iptables else ():
         print(f"iptables first connection, {size} services: {MED(conn[('iptables', size, True)]) * 1e6:.0f} us (reference)")
     return 0
 

@@ -141,7 +141,7 @@ def slots_resolved(dump: str) -> str:
             current = None
         elif current is not None and line.startswith("\telement "):
             slot, value = line.removeprefix("\telement ").split(" : ", 1)
-            current[int(slot)] = value
+            current[int(slot.split()[0])] = value  # "K" or "K counter packets P bytes B"
     out, skip = [], False
     for line in dump.splitlines():
         if line.startswith("map endpoints-"):

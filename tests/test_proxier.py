@@ -48,7 +48,8 @@ def nft_snapshot(ns: str) -> dict[str, object]:
         for obj in doc["nftables"]:
             body = obj.get("map")
             if body and body["name"].startswith(nft_backend.SHARD_PREFIX):
-                slots[body["name"]] = {k: v for k, v in body.get("elem", [])}
+                # With per-element counters a key is {"elem": {"val": K, "counter": ...}}.
+                slots[body["name"]] = {k["elem"]["val"] if isinstance(k, dict) else k: v for k, v in body.get("elem", [])}
         for obj in doc["nftables"]:
             if "chain" in obj:
                 chains.setdefault(obj["chain"]["name"], [])

@@ -221,4 +221,6 @@ def _sorted_elements(body: list[str]) -> list[str]:
 
 def body_is_element(line: str) -> bool:
     """A continuation line of an `elements = { ... }` list (nft wraps long lists)."""
+    if line == "counter":  # the map's per-element counter flag
+        return False
     return not line.startswith(("type ", "typeof ", "flags ", "timeout ", "comment ", "size ", "policy ", "elements = "))

@@ -296,15 +296,19 @@ def set_(family: str, table: str, s: Set | Map, elements: list[Element], handle:
         out["comment"] = s.comment
     if kind == "map":
         out["map"] = data_field
+    counted = isinstance(s, Map) and s.counter
     if elements:
-        out["elem"] = [_element(e, key_types, data_types, kind) for e in elements]
+        out["elem"] = [_element(e, key_types, data_types, kind, counted) for e in elements]
+    if counted:  # per-element counters, as fresh (nothing counted in memory)
+        out["stmt"] = [{"counter": None}]
     return {kind: out}
 
 
-def _element(e: Element, key_types: list[str], data_types: list[str], kind: str) -> Any:
+def _element(e: Element, key_types: list[str], data_types: list[str], kind: str, counted: bool = False) -> Any:
     key: Any = _concat(e.key.split(" . "), key_types)  # type: ignore[arg-type]
-    if e.comment:
-        key = {"elem": {"val": key, "comment": e.comment}}
+    if e.comment or counted:
+        key = {"elem": {"val": key, **({"comment": e.comment} if e.comment else {}),
+                        **({"counter": {"packets": 0, "bytes": 0}} if counted else {})}}
     if kind == "set":
         return key
     if data_types == ["verdict"]:

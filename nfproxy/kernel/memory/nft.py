@@ -54,7 +54,7 @@ class _Table:
 
 def _declaration(obj: Set | Map) -> tuple[object, ...]:
     """What must agree when an existing set is added again (the comment may differ)."""
-    return (type(obj), obj.type, obj.typeof, obj.flags, getattr(obj, "timeout", None))
+    return (type(obj), obj.type, obj.typeof, obj.flags, getattr(obj, "timeout", None), getattr(obj, "counter", False))
 
 
 class MemoryNft:
