@@ -1,0 +1,231 @@
+"""`nfproxy audit`: is the split on this node, right now, what the rules promise?
+
+Two readings of the kernel's per-endpoint counters and the live rules, `--interval` apart (or one,
+`--once`: counts since each counter was created); the statistics are in nfproxy.analysis.audit.
+Exit status: 0 nothing skewed, 1 some service port skewed, 2 bad flags or unreadable rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli.commands.trace import fail
+
+DEFAULT_INTERVAL = "30s"
+
+
+class AuditError(ValueError):
+    """A flag or the kernel's state does not allow an audit; printed as it is, exit 2."""
+
+
+def _interval(args: argparse.Namespace) -> float:
+    from nfproxy.cli.duration import DurationError, parse
+
+    text = args.interval if args.interval is not None else DEFAULT_INTERVAL
+    try:
+        ns = parse(text)
+    except DurationError as exc:
+        raise AuditError(f"--interval {text!r}: {exc}") from None
+    if ns <= 0:
+        raise AuditError(f"--interval {text!r}: must be positive")
+    return ns / 1e9
+
+
+def _check_flags(args: argparse.Namespace) -> float | None:
+    if not (0 < args.alpha < 1) or math.isnan(args.alpha):
+        raise AuditError(f"--alpha {args.alpha}: must be between 0 and 1 (exclusive)")
+    if args.service is not None:
+        ns, sep, name = args.service.partition("/")
+        if not sep or not ns or not name or "/" in name:
+            raise AuditError(f"--service {args.service!r}: expected NAMESPACE/NAME")
+    if args.once and args.interval is not None:
+        raise AuditError("--once and --interval exclude each other")
+    return None if args.once else _interval(args)
+
+
+def read(backend: str, netns: str | None, node_ips: list[str], mode: str) -> Any:
+    """One reading of counters and rules, from one snapshot of the kernel."""
+    from nfproxy.analysis import audit, counters
+    from nfproxy.analysis.ir import Ruleset
+
+    if backend == "nft":
+        from nfproxy.analysis import nft_json
+        from nfproxy.analysis.dump import IPTABLES_TABLES
+        from nfproxy.kernel.nft import NftSession
+
+        doc = NftSession(netns).list_ruleset()
+        taken = time.monotonic()
+        rs = nft_json.parse(doc)
+        rs = Ruleset(tuple(t for t in rs.tables if t.name not in IPTABLES_TABLES))
+        first = audit.reading(rs, counters.endpoint_counts_nft(doc), node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
+        return audit.Reading(first.counts, first.selections, audit.nft_pins(doc),
+                             audit.nft_pinned_clients(rs, first.selections), taken)
+    return _read_iptables(netns, node_ips, mode)
+
+
+def _read_iptables(netns: str | None, node_ips: list[str], mode: str) -> Any:
+    from nfproxy.analysis import audit, counters, iptables_save
+    from nfproxy.analysis.ir import Ruleset
+    from nfproxy.core.model import IPFamily
+    from nfproxy.kernel.iptables import Flavour, IptablesRunner
+    from nfproxy.kernel.process import KernelError
+
+    texts = []
+    for flavour in (Flavour.LEGACY, Flavour.NFT):
+        for family in IPFamily:
+            try:
+                texts.append((family, IptablesRunner(family, netns, flavour).save(counters=True)))
+            except KernelError:
+                continue
+    taken = time.monotonic()
+    tables, counts = [], []
+    pins: dict = {}
+    for family, text in texts:
+        if "KUBE-" not in text:
+            continue
+        tables.extend(iptables_save.parse(text, family).tables)
+        counts.extend(counters.endpoint_counts_iptables(text))
+        for chain, per in audit.iptables_pins(text).items():
+            pins.setdefault(chain, {}).update(per)  # ip and ip6 share chain names, not endpoints
+    if not tables:
+        raise AuditError(f"no KUBE-* iptables rules in {netns or 'the current namespace'}")
+    return audit.reading(Ruleset(tuple(tables)), counts, pins, node_ips=node_ips, mode=mode, taken_at=taken)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    from nfproxy.analysis.audit import audit
+    from nfproxy.analysis.interpret import InterpretError
+    from nfproxy.kernel.process import KernelError
+
+    try:
+        interval = _check_flags(args)
+        backend = args.backend or "nft"
+        first = None
+        if interval is not None:
+            first = read(backend, args.netns, args.node_ip, args.mode)
+            time.sleep(max(0.0, first.taken_at + interval - time.monotonic()))
+        second = read(backend, args.netns, args.node_ip, args.mode)
+        if first is not None:
+            interval = second.taken_at - first.taken_at  # what the counters really spanned
+        report = audit(first, second, alpha=args.alpha, only=args.service)
+    except (AuditError, KernelError, InterpretError, ValueError) as exc:
+        return fail(f"audit: {args.netns + ': ' if args.netns else ''}{exc}")
+    if args.service is not None and not report.ports:
+        return fail(f"audit: --service {args.service}: no rules or counters for this service")
+    if args.metrics_file:
+        try:
+            _write_metrics(args.metrics_file, report)
+        except AuditError as exc:
+            return fail(f"audit: {exc}")
+    where = f"netns {args.netns}" if args.netns else "this node"
+    span = "since each endpoint's counter was created" if interval is None else f"in {interval:.1f}s"
+    if args.json:
+        json.dump(to_json(report, backend, where, interval), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_report(report, f"{backend} rules of {where}, new connections {span}"))
+    return 1 if report.skewed else 0
+
+
+def _fmt_p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return "<1e-300" if p == 0 else f"{p:.3g}"  # 0.0 is an underflow, not a certainty
+
+
+def format_report(report: Any, head: str) -> str:
+    lines = [f"{head}, alpha {report.alpha:g} (Holm-corrected across {sum(p.p_adjusted is not None for p in report.ports)} tested ports)"]
+    for a in report.ports:
+        lines.append(f"{a.key}: {a.verdict}, {a.connections} connections, p {_fmt_p(a.p)}"
+                     f" (adjusted {_fmt_p(a.p_adjusted)}), {a.method}")
+        for ep in sorted(set(a.observed) | set(a.expected)):
+            n = a.observed.get(ep, 0)
+            seen = n / a.connections if a.connections else 0.0
+            tested = f"  random {a.tested.get(ep, 0)}" if a.tested is not a.observed else ""
+            lines.append(f"    {ep:<28} {n:>8}  observed {seen:.4f}  expected {a.expected.get(ep, 0.0):.4f}{tested}")
+        lines.extend(f"    explained: {e}" for e in a.explanations)
+        lines.extend(f"    changed: {c}" for c in a.changes)
+    skewed = len(report.skewed)
+    lines.append(f"{skewed} skewed service port(s)" if skewed else "no skewed service ports")
+    return "\n".join(lines)
+
+
+def to_json(report: Any, backend: str, where: str, interval: float | None) -> dict:
+    return {
+        "backend": backend,
+        "where": where,
+        "interval_seconds": interval,
+        "since_creation": report.since_creation,
+        "alpha": report.alpha,
+        "skewed": len(report.skewed),
+        "services": [
+            {
+                "service": a.key.name,
+                "protocol": a.key.protocol,
+                "family": a.key.family,
+                "verdict": a.verdict,
+                "connections": a.connections,
+                "p": a.p,
+                "p_adjusted": a.p_adjusted,
+                "p_plain": a.p_plain,
+                "method": a.method,
+                "endpoints": [
+                    {"endpoint": ep, "connections": a.observed.get(ep, 0), "tested": a.tested.get(ep, 0),
+                     "expected_share": a.expected.get(ep, 0.0)}
+                    for ep in sorted(set(a.observed) | set(a.expected))
+                ],
+                "explanations": list(a.explanations),
+                "changes": list(a.changes),
+            }
+            for a in report.ports
+        ],
+    }
+
+
+METRIC_P = "nfproxy_audit_p_value"
+METRIC_SKEWED = "nfproxy_audit_skewed"
+METRIC_LABELS = ("namespace", "service", "port", "protocol", "family")
+
+
+def _write_metrics(path: str, report: Any) -> None:
+    """The latest audit per service port, in Prometheus text format, for node_exporter's
+    textfile collector: the daemon runs no audits (each takes a window of traffic), so a
+    periodic `nfproxy audit --metrics-file` is how a dashboard gets them. The labels start as
+    nfproxy_endpoint_new_connections_total's, so the two join on namespace, service, port."""
+    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+    registry = CollectorRegistry()
+    p_value = Gauge(METRIC_P, "p-value of the latest nfproxy audit per service port, Holm-adjusted (NaN: not tested)",
+                    METRIC_LABELS, registry=registry)
+    skewed = Gauge(METRIC_SKEWED, "1 when the latest nfproxy audit found the service port skewed, else 0",
+                   METRIC_LABELS, registry=registry)
+    for a in report.ports:
+        labels = (*a.key.namespace_service_port, a.key.protocol, a.key.family)
+        p_value.labels(*labels).set(a.p_adjusted if a.p_adjusted is not None else math.nan)
+        skewed.labels(*labels).set(1 if a.verdict == "skewed" else 0)
+    try:
+        write_to_textfile(path, registry)
+    except OSError as exc:
+        raise AuditError(f"--metrics-file {path}: {exc.strerror or exc}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit", help="test the new connections per endpoint against the shares the rules promise")
+    p.add_argument("--backend", choices=BACKENDS, help="which rules and counters to read (default nft)")
+    p.add_argument("--netns", metavar="NAME", help="audit this network namespace")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--interval", metavar="DURATION", help=f"time between the two readings (default {DEFAULT_INTERVAL})")
+    when.add_argument("--once", action="store_true", help="one reading: counts since each endpoint's counter was created")
+    p.add_argument("--service", metavar="NS/NAME", help="audit only this service's ports")
+    p.add_argument("--alpha", type=float, default=0.001, help="significance across all service ports, Holm-corrected (default 0.001)")
+    p.add_argument("--node-ip", action="append", default=[], metavar="IP", help="a node IP, as for `check`")
+    p.add_argument("--mode", choices=("kernel", "ideal"), default="kernel", help="expected shares: the kernel's arithmetic (default) or as written")
+    p.add_argument("--metrics-file", metavar="PATH", help="also write the p-values as a Prometheus textfile (node_exporter)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
