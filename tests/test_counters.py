@@ -148,3 +148,10 @@ COMMIT
     counts = endpoint_counts_iptables(text)
     assert [(c.service_port, c.endpoint, c.connections) for c in counts] == [
         ("ns/web:http", "10.0.0.1:8080", 3), ("ns/web:http", "10.0.0.2:8080", 4), ("ns/web:http", "10.0.0.3:8080", 5)]
+
+
+def test_nft_slot_drawn_by_two_rules_is_counted_once() -> None:
+    """A slot's element counter counts every lookup of it: a second rule drawing from the same
+    slots (another chain of ours or a foreign rule reusing them) must not count it again."""
+    doc = {"nftables": [*NFT_DOC["nftables"], _rule("service-AAAA-ns1/web/tcp/http", _numgen(3, 0, "endpoints-counted-tcp-0"))]}
+    assert endpoint_counts_nft(doc) == endpoint_counts_nft(NFT_DOC)

@@ -324,6 +324,9 @@ def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
         if parts and hit:
             ns, name, port, proto = parts
             out.append(EndpointCount(ns, name, port, proto, _family_of(hit[1]), hit[1], hit[0]))
+    # A slot's counter counts every lookup of it, whichever rule made it: read it once, even
+    # when two rules draw from the same slots (a foreign rule reusing ours, say).
+    counted: set[tuple[str, str, str, int]] = set()
     for s in selections:
         parts = _nft_service_port(s.chain, _NFT_SELECTORS)
         elements = maps.get((*s.table, s.map_name), {})
@@ -331,6 +334,9 @@ def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
             continue
         ns, name, port, proto = parts
         for slot in range(s.first, s.first + s.n):
+            if (*s.table, s.map_name, slot) in counted:
+                continue
+            counted.add((*s.table, s.map_name, slot))
             if slot in elements:
                 packets, ep = elements[slot]
                 out.append(EndpointCount(ns, name, port, proto, _family_of(ep), ep, packets))
