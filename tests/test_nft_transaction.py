@@ -181,7 +181,8 @@ def test_object_names_tells_a_missing_table_from_an_empty_one() -> None:
         session.apply("add table ip other\nadd chain ip other c\nadd set ip other s { type ipv4_addr ; }\n")
         assert session.object_names("ip", "nfproxy") is None
         session.apply("add table ip nfproxy\n")
-        assert session.object_names("ip", "nfproxy") == (set(), set())
+        assert session.object_names("ip", "nfproxy") == (set(), set(), set())
         session.apply("add chain ip nfproxy x\nadd rule ip nfproxy x accept\n"
-                      "add set ip nfproxy m { type ipv4_addr ; }\n")
-        assert session.object_names("ip", "nfproxy") == ({"x"}, {"m"})
+                      "add set ip nfproxy m { type ipv4_addr ; }\n"
+                      "add map ip nfproxy d { type ipv4_addr : ipv4_addr ; }\nadd counter ip nfproxy k\n")
+        assert session.object_names("ip", "nfproxy") == ({"x"}, {"m", "d"}, {"k"})
