@@ -139,3 +139,19 @@ def run_cli_forked(argv: list[str], timeout: float = 60.0) -> tuple[int, str, st
         out.seek(0)
         err.seek(0)
         return int(proc.exitcode or 0), out.read(), err.read()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM and SIGHUP (a CI timeout, a closed terminal) stop the run as Ctrl-C does: by an
+    exception, so that every `with` block and fixture of the running test still removes its
+    namespaces. Their default action would end the process on the spot and leave them."""
+    import signal
+
+    from nfproxy.kernel.netns import Interrupted
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, interrupt)
