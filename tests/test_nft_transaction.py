@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from nfproxy.backends import gc_paused
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.nftables import Chain, Element, Elements, Map, Rule, Transaction, Verb
 from nfproxy.nftables import text as nft_text
 

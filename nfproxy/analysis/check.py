@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis import quantize
 from nfproxy.analysis.interpret import InterpretError, Mode, Packet, walk_chain
 from nfproxy.analysis.weights import Weights, intended_shares
@@ -182,6 +183,7 @@ def _probe(table: Table) -> tuple[str, str]:
     return "203.0.113.254", "203.0.113.253"
 
 
+@gc_paused()  # every service walked: memos and paths, no cycles
 def check(
     ruleset: Ruleset, *, node_ips: Sequence[str] = (), mode: Mode = "kernel", weights: Weights | None = None
 ) -> Report:

@@ -17,8 +17,10 @@ import ipaddress
 import re
 from collections.abc import Iterator
 
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis import quantize
 from nfproxy.analysis.ir import (
+    address,
     AnonSet,
     Bitwise,
     Chain,
@@ -136,6 +138,7 @@ class _TableBuilder:
         return Table(family, self.name, "iptables", chains, sets)
 
 
+@gc_paused()  # as nft_json.parse
 def parse(text: str, family: object = IPFamily.V4) -> Ruleset:
     """A table must end with COMMIT: a dump cut short (a truncated file, a killed save) is an
     error, not a smaller ruleset that looks clean."""
@@ -454,7 +457,7 @@ def _dnat(dest: str) -> Statement:
         ip, port = dest, ""
     if "-" in ip or "-" in port:
         return Unknown(f"-j DNAT --to-destination {dest}")
-    addr = Const(ipaddress.ip_address(ip))
+    addr = Const(address(ip))
     return Dnat(addr, Const(int(port)) if port else None)
 
 

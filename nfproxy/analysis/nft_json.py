@@ -15,7 +15,9 @@ import ipaddress
 import json
 from typing import Any
 
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis.ir import (
+    address,
     AnonSet,
     Bitwise,
     Chain,
@@ -77,6 +79,7 @@ _MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, Recur
 _FAMILIES = ("ip", "ip6", "inet", "arp", "bridge", "netdev")
 
 
+@gc_paused()  # a 10 000-service dump: 1.2 million objects, no cycles
 def parse(doc: dict[str, Any] | str) -> Ruleset:
     if isinstance(doc, str):
         try:
@@ -211,27 +214,49 @@ def _kinds(type_: Any) -> tuple[Kind, ...]:
 def _set(kind: str, obj: dict[str, Any]) -> SetDef:
     key_kinds = _kinds(obj.get("type"))
     data_kinds = _kinds(obj.get("map")) if kind == "map" else ()
-    elements = tuple(_element(e, key_kinds, data_kinds) for e in obj.get("elem", []))
+    memo: _Memo = {}
+    elements = tuple(_element(e, key_kinds, data_kinds, memo) for e in obj.get("elem", []))
     flags = obj.get("flags", [])
     flags = frozenset([flags] if isinstance(flags, str) else flags)
     return SetDef(obj["name"], kind, key_kinds, data_kinds, elements, flags, int(obj.get("timeout", 0)))  # type: ignore[arg-type]
 
 
-def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...]) -> Element:
+# Constants already read in this set, by (kind, type, printed value): a 10 000-service map
+# repeats its protocols, ports and verdicts in every element; each is read once.
+_Memo = dict[tuple[Any, ...], Any]
+
+
+def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: _Memo) -> Element:
     data: Verdict | Const | None = None
     if data_kinds:
         if not (isinstance(raw, list) and len(raw) == 2):
             raise ValueError(f"map element {raw!r} is not a [key, data] pair")
         raw, raw_data = raw
-        data = _verdict(raw_data) if data_kinds == ("verdict",) else _data_const(raw_data, data_kinds)
+        if data_kinds == ("verdict",):
+            data = _memo_verdict(raw_data, memo)
+        else:
+            data = _data_const(raw_data, data_kinds, memo)
     comment = ""
     if isinstance(raw, dict) and "elem" in raw:
         comment = raw["elem"].get("comment", "")
         raw = raw["elem"]["val"]
-    return Element(_key(raw, key_kinds), data, comment)
+    return Element(_key(raw, key_kinds, memo), data, comment)
 
 
-def _key(raw: Any, kinds: tuple[Kind, ...]) -> tuple[Const | Prefix | Range, ...]:
+def _memo_verdict(raw: Any, memo: _Memo) -> Verdict:
+    if isinstance(raw, dict) and len(raw) == 1:
+        ((kind, body),) = raw.items()
+        target = body.get("target") if isinstance(body, dict) else None
+        if kind in ("jump", "goto") and isinstance(target, str):
+            key = ("verdict", kind, target)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = _verdict(raw)
+            return found  # type: ignore[no-any-return]
+    return _verdict(raw)
+
+
+def _key(raw: Any, kinds: tuple[Kind, ...], memo: _Memo | None = None) -> tuple[Const | Prefix | Range, ...]:
     if isinstance(raw, dict) and "elem" in raw:
         raw = raw["elem"]["val"]
     if isinstance(raw, dict) and "concat" in raw:
@@ -240,7 +265,19 @@ def _key(raw: Any, kinds: tuple[Kind, ...]) -> tuple[Const | Prefix | Range, ...
         parts = [raw]
     if len(parts) != len(kinds):
         raise ValueError(f"element {raw!r} does not fit type {kinds}")
-    return tuple(_value(p, k) for p, k in zip(parts, kinds))
+    if memo is None:
+        return tuple(_value(p, k) for p, k in zip(parts, kinds))
+    return tuple(_memo_value(p, k, memo) for p, k in zip(parts, kinds))
+
+
+def _memo_value(raw: Any, kind: Kind, memo: _Memo) -> Const | Prefix | Range:
+    if not isinstance(raw, (str, int)):
+        return _value(raw, kind)
+    key = (kind, type(raw), raw)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _value(raw, kind)
+    return found  # type: ignore[no-any-return]
 
 
 def _value(raw: Any, kind: Kind) -> Const | Prefix | Range:
@@ -258,15 +295,25 @@ def _value(raw: Any, kind: Kind) -> Const | Prefix | Range:
     return Const(canonical(raw, kind))
 
 
-def _data_const(raw: Any, kinds: tuple[Kind, ...]) -> Const:
+def _data_const(raw: Any, kinds: tuple[Kind, ...], memo: _Memo) -> Const:
     if isinstance(raw, dict) and "concat" in raw:
         parts = raw["concat"]
     else:
         parts = [raw]
     if len(parts) != len(kinds):
         raise ValueError(f"map data {raw!r} does not fit type {kinds}")
-    values = tuple(canonical(p, k) for p, k in zip(parts, kinds))
+    values = tuple(_memo_canonical(p, k, memo) for p, k in zip(parts, kinds))
     return Const(values if len(values) > 1 else values[0])
+
+
+def _memo_canonical(raw: Any, kind: Kind, memo: _Memo) -> object:
+    if not isinstance(raw, (str, int)):
+        return canonical(raw, kind)
+    key = ("canonical", kind, type(raw), raw)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = canonical(raw, kind)
+    return found
 
 
 def _verdict(raw: Any) -> Verdict:
@@ -408,7 +455,7 @@ def _generic_scalar(raw: Any) -> Const | Prefix | Range:
     if isinstance(raw, int):
         return Const(raw)
     try:
-        return Const(ipaddress.ip_address(raw))
+        return Const(address(raw))
     except ValueError:
         return Const(canonical(raw, "proto") if raw.lower() in ("tcp", "udp", "sctp", "icmp", "icmpv6") else str(raw).lower())
 
@@ -460,7 +507,7 @@ def _dnat(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
         return Unknown(json.dumps({"dnat": body}))
     addr_raw = body["addr"]
     if isinstance(addr_raw, str):
-        addr: Expr = Const(ipaddress.ip_address(addr_raw))
+        addr: Expr = Const(address(addr_raw))
     else:
         addr = _expr(addr_raw)
     port: Expr | None = None

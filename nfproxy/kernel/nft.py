@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
 from nfproxy.kernel import netns as netns_mod
@@ -70,7 +71,7 @@ class NftSession:
             if "No such file or directory" in str(exc):
                 return None
             raise
-        return json.loads(out)
+        return _loads(out)
 
     def object_names(self, family: str, table: str) -> tuple[set[str], set[str], set[str]] | None:
         """Names of the chains, of the sets/maps and of the named counters in one table, without
@@ -118,7 +119,7 @@ class NftSession:
         return None
 
     def list_ruleset(self) -> dict[str, Any]:
-        return json.loads(self._cmd("list ruleset", json_output=True))
+        return _loads(self._cmd("list ruleset", json_output=True))
 
     def list_text(self) -> str:
         return self._cmd("list ruleset")
@@ -233,3 +234,10 @@ def body_is_element(line: str) -> bool:
     if line == "counter":  # the map's per-element counter flag
         return False
     return not line.startswith(("type ", "typeof ", "flags ", "timeout ", "comment ", "size ", "policy ", "elements = "))
+
+
+def _loads(text: str) -> dict[str, Any]:
+    """json.loads of a whole listing (25 MB at 10 000 services): 2.5x faster without the
+    collections its million dicts and strings trigger."""
+    with gc_paused():
+        return json.loads(text)  # type: ignore[no-any-return]

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis import iptables_save, nft_json
 from nfproxy.analysis.interpret import Origin, Outcome, interpret_both
 from nfproxy.analysis.ir import Ruleset
@@ -245,6 +246,7 @@ def families(state: ClusterState) -> list[IPFamily]:
     return sorted({k[1] for k in state.services}, key=lambda f: f.value)
 
 
+@gc_paused()  # both rule sets read back and every probe walked
 def compare(state: ClusterState) -> Comparison:
     results: list[Agreement] = []
     for family in families(state):

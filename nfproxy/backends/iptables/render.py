@@ -25,7 +25,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from nfproxy.backends import gc_paused
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.core.categorize import (
     cascade_order,
     cascade_probabilities,

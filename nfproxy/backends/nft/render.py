@@ -27,7 +27,7 @@ from itertools import repeat
 from types import MappingProxyType
 
 from nfproxy import nftables as nft
-from nfproxy.backends import gc_paused
+from nfproxy.core.gc_pause import gc_paused
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import check_comment, check_name, quote_comment
 from nfproxy.core.categorize import (
