@@ -995,3 +995,25 @@ def test_services_meant_for_another_proxy_get_no_rules_from_the_api(api, start_s
     services = source.snapshot().state.services
     assert spn("default", "web") in services
     assert spn("default", "other") not in services
+
+
+def test_the_cache_keeps_no_managed_fields():
+    """Server-side apply writes managedFields into every object; no rule reads them, and at
+    10 000 services they were most of the API source's memory."""
+    managed = [{"manager": "kubectl", "operation": "Apply", "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:spec": {"f:ports": {}}}}]
+    cache = ObjectCache(NodeConfig(name=NODE))
+    listed = service("a", "10.96.0.1")
+    listed["metadata"]["managedFields"] = managed
+    cache.replace(SERVICES, [listed])
+    watched = service("b", "10.96.0.2")
+    watched["metadata"]["managedFields"] = managed
+    assert cache.apply(SERVICES, "ADDED", watched)
+    stored = cache._objects.values()
+    assert len(stored) == 2 and all("managedFields" not in o["metadata"] for o in stored)
+    assert listed["metadata"]["managedFields"] == managed, "the caller's object is not changed"
+    assert set(cache.snapshot().state.services) == {spn("default", "a"), spn("default", "b")}
+    # Only managedFields differ: no change.
+    again = service("b", "10.96.0.2")
+    again["metadata"]["managedFields"] = managed + managed
+    assert not cache.apply(SERVICES, "MODIFIED", again)

@@ -193,6 +193,16 @@ def _node_facts(obj: dict[str, Any] | None) -> object:
     )
 
 
+def _stored(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object as the cache keeps it: without `metadata.managedFields`, which no rule reads
+    and which is often the largest part of an object from a server-side-applying client
+    (kube-proxy's informers drop it too)."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict) and "managedFields" in meta:
+        return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+    return obj
+
+
 class ObjectCache:
     """The objects the reflectors have seen, and the parsed state cached per service group.
 
@@ -235,7 +245,7 @@ class ObjectCache:
             if key is None:
                 log.warning("%s without a name in a list response: ignored", kind.kind)
                 continue
-            fresh[key] = obj
+            fresh[key] = _stored(obj)
         with self._lock:
             if kind is NODES:
                 old = self._node
@@ -258,6 +268,7 @@ class ObjectCache:
         key = _object_key(kind, obj)
         if key is None:
             raise _StreamError(f"{event} event for a {kind.kind} without a name")
+        obj = _stored(obj)
         with self._lock:
             if kind is NODES:
                 old = self._node
