@@ -48,7 +48,10 @@ sys.path.insert(0, os.environ.get("NFPROXY_TREE") or str(Path(__file__).resolve(
 
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.kernel.iptables import Flavour  # noqa: E402
-from nfproxy.core.changes import Touched  # noqa: E402
+try:  # trees from before change tracking (--compare-tree OLD) have no Touched: full syncs only
+    from nfproxy.core.changes import Touched  # noqa: E402
+except ImportError:
+    Touched = None  # type: ignore[assignment,misc]
 from nfproxy.core.model import ClusterState, Endpoint, ServicePortKey, sort_endpoints  # noqa: E402
 from nfproxy.daemon.proxier import Proxier  # noqa: E402
 from nfproxy.testing import uniform_cluster  # noqa: E402
@@ -91,7 +94,7 @@ def _rebuilt(state: ClusterState, key: ServicePortKey) -> ClusterState:
     return ClusterState(dataclasses.replace(state.node), services, endpoints)
 
 
-def _timed(proxier: Proxier, state: ClusterState, touched: Touched) -> tuple[float, object]:
+def _timed(proxier: Proxier, state: ClusterState, touched: "Touched") -> tuple[float, object]:
     gc.collect()
     start = time.perf_counter()
     result = proxier.sync(state, touched=touched)

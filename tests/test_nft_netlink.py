@@ -363,3 +363,32 @@ def test_the_proxier_sends_partial_syncs_through_netlink() -> None:
         Proxier("nft", netns=b).sync(grown)
         assert kernel_view(a) == kernel_view(b)
         fast.close()
+
+
+@pytest.mark.kernel
+def test_named_counters_over_netlink_are_what_nft_lists() -> None:
+    """Names and packets of one table's counters only: not another table's, not other objects."""
+    with netns.throwaway("nfp-nl") as ns:
+        session = NftSession(ns)
+        session.apply(
+            "add table ip nfp-a\nadd counter ip nfp-a one\nadd counter ip nfp-a two\n"
+            "add quota ip nfp-a q { over 10 mbytes }\n"
+            "add chain ip nfp-a out { type filter hook output priority 0 ; }\n"
+            'add rule ip nfp-a out ip daddr 127.0.0.1 counter name "two"\n'
+            "add table ip nfp-b\nadd counter ip nfp-b three\n"
+        )
+        send = "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n" \
+               "for _ in range(3): s.sendto(b'x', ('127.0.0.1', 9))"
+        subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", send], check=True, capture_output=True)
+        fast = NetlinkNft(ns)
+        try:
+            doc = session.list_table("ip", "nfp-a") or {}
+            nft_says = {o["counter"]["name"]: o["counter"]["packets"] for o in doc["nftables"] if "counter" in o}
+            # Three datagrams out, and the port-unreachable errors coming back over lo.
+            assert fast.counters("ip", "nfp-a") == nft_says and nft_says["one"] == 0 and nft_says["two"] >= 3
+            assert fast.counters("ip", "nfp-b") == {"three": 0}
+            assert fast.counters("ip", "nfp-none") == {} and fast.counters("ip6", "nfp-a") == {}
+            listed = session.object_names("ip", "nfp-a")
+            assert listed is not None and listed[2] == {"one", "two"}
+        finally:
+            fast.close()

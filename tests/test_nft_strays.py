@@ -129,6 +129,8 @@ def test_on_the_kernel_a_full_sync_removes_objects_no_state_renders(netns: str) 
     names = session.object_names("ip", TABLE)
     assert names is not None and "old-chain" in names[0] and "old-map" in names[1] and "old-counter" in names[2]
     assert COUNTER in names[2]
+    # The proxier asks netlink for the counters (libnftables fetches every rule to list them).
+    assert kernels[V4].owned().counters == frozenset(names[2])
     off = without_drop_invalid(state)
     converge(Proxier("nft", kernels=make), off, full=True)  # a restart with drop_invalid off
     chains, sets, counters = session.object_names("ip", TABLE) or (set(), set(), set())

@@ -88,16 +88,17 @@ class SyncResult:
 
     def log(self, logger: logging.Logger, backend: str) -> None:
         """kube-proxy's sync line, at V(2), once per family, with that family's own figures."""
+        if not logs.enabled(2):
+            return
         mode = "nftables" if backend == "nft" else backend
         for family, part in sorted(self.families.items()):
             if part.kind == "noop":
                 continue
-            keys = self.changes.of(family)
             logs.info(
                 logger, f"Syncing {mode} rules", level=2,
                 ipFamily=f"IPv{family.value}", kind=part.kind,
-                servicesChanged=sum(1 for k in self.changes.services if k in keys),
-                endpointsChanged=sum(1 for k in self.changes.endpoints if k in keys),
+                servicesChanged=sum(1 for k in self.changes.services if k[1] is family),
+                endpointsChanged=sum(1 for k in self.changes.endpoints if k[1] is family),
                 operations=part.operations, elapsed=logs.Duration(part.seconds),
                 **({"reason": self.reason} if self.reason and part.kind == "full" else {}),
             )
@@ -269,7 +270,7 @@ class Proxier:
         if plan.full:
             # What rendering freed goes back before libnftables or iptables-restore needs its
             # own few hundred MiB: the peak is then the payload's, not payload plus render.
-            heap.release()
+            heap.release(collect=False)
         try:
             kernel.apply(plan.payload)
             return plan, False

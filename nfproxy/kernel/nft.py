@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from typing import Any
+from collections.abc import Callable, Iterable
 
 from nfproxy.core.gc_pause import gc_paused
 from nfproxy.core.model import IPFamily
@@ -73,7 +74,9 @@ class NftSession:
             raise
         return _loads(out)
 
-    def object_names(self, family: str, table: str) -> tuple[set[str], set[str], set[str]] | None:
+    def object_names(
+        self, family: str, table: str, *, counters: Callable[[], Iterable[str]] | None = None
+    ) -> tuple[set[str], set[str], set[str]] | None:
         """Names of the chains, of the sets/maps and of the named counters in one table, without
         rules or elements.
 
@@ -95,28 +98,18 @@ class NftSession:
             for kind in ("set", "map")
             if (body := o.get(kind)) is not None and body["table"] == table
         }
-        counters = json.loads(self._cmd(f"list counters {family}", json_output=True))
-        counter_names = {
-            body["name"]
-            for o in counters.get("nftables", ())
-            if (body := o.get("counter")) is not None and body["table"] == table
-        }
+        if counters is not None:
+            counter_names = set(counters())  # netlink: libnftables' listing fetches every rule
+        else:
+            listed = json.loads(self._cmd(f"list counters {family}", json_output=True))
+            counter_names = {
+                body["name"]
+                for o in listed.get("nftables", ())
+                if (body := o.get("counter")) is not None and body["table"] == table
+            }
         if not (chain_names or set_names or counter_names) and self.list_table(family, table, terse=True) is None:
             return None  # only then can the table be missing: it costs nothing to ask
         return chain_names, set_names, counter_names
-
-    def counter_packets(self, family: str, table: str, name: str) -> int | None:
-        """Packets of a named counter object, or None when it (or its table) does not exist."""
-        try:
-            out = self._cmd(f"list counter {family} {table} {name}", json_output=True)
-        except KernelError as exc:
-            if "No such file or directory" in str(exc):
-                return None
-            raise
-        for item in json.loads(out).get("nftables", []):
-            if "counter" in item:
-                return int(item["counter"].get("packets", 0))
-        return None
 
     def list_ruleset(self) -> dict[str, Any]:
         return _loads(self._cmd("list ruleset", json_output=True))
@@ -154,7 +147,11 @@ class NftKernel:
         self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
 
     def owned(self) -> Owned:
-        found = self.session.object_names(self.nft_family, self.table)
+        fast = self.fast
+        found = self.session.object_names(
+            self.nft_family, self.table,
+            counters=None if fast is None else lambda: fast.counters(self.nft_family, self.table),
+        )
         if found is None:
             return Owned()
         return Owned(frozenset(found[0]), frozenset(found[1]), frozenset(found[2]))

@@ -44,6 +44,7 @@ from typing import Any
 
 from pyroute2.netlink import (
     NLA_F_NESTED,
+    nla,
     NLM_F_ACK,
     NLM_F_APPEND,
     NLM_F_CREATE,
@@ -57,8 +58,10 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     NFT_MSG_DELCHAIN,
     NFT_MSG_DELRULE,
     NFT_MSG_DELSETELEM,
+    NFT_MSG_GETOBJ,
     NFT_MSG_GETSET,
     NFT_MSG_NEWCHAIN,
+    NFT_MSG_NEWOBJ,
     NFT_MSG_NEWRULE,
     NFT_MSG_NEWSET,
     NFT_MSG_NEWSETELEM,
@@ -150,6 +153,35 @@ class _Expr(_Own, nft_contains_expr.nft_expr):
             ("NFTA_NAT_REG_PROTO_MIN", "regs"),
             ("NFTA_NAT_REG_PROTO_MAX", "regs"),
             ("NFTA_NAT_FLAGS", "be32"),
+        )
+
+
+NFT_OBJECT_COUNTER = 1  # include/uapi/linux/netfilter/nf_tables.h
+
+
+class _ObjMsg(_Own, nfgen_msg):
+    """A stateful object (NFT_MSG_GETOBJ): pyroute2 has no class for them. Only counters are
+    asked for, so the data is read as a counter."""
+
+    prefix = "NFTA_OBJ_"
+    nla_map = (
+        ("NFTA_OBJ_UNSPEC", "none"),
+        ("NFTA_OBJ_TABLE", "asciiz"),
+        ("NFTA_OBJ_NAME", "asciiz"),
+        ("NFTA_OBJ_TYPE", "be32"),
+        ("NFTA_OBJ_DATA", "counter"),
+        ("NFTA_OBJ_USE", "be32"),
+        ("NFTA_OBJ_HANDLE", "be64"),
+        ("NFTA_OBJ_PAD", "hex"),
+        ("NFTA_OBJ_USERDATA", "hex"),
+    )
+
+    class counter(_Own, nla):
+        nla_map = (
+            ("NFTA_COUNTER_UNSPEC", "none"),
+            ("NFTA_COUNTER_BYTES", "be64"),
+            ("NFTA_COUNTER_PACKETS", "be64"),
+            ("NFTA_COUNTER_PAD", "hex"),
         )
 
 
@@ -1051,6 +1083,8 @@ class NetlinkNft:
             else:
                 with netns_mod.entered(self.netns):
                     sock = NFTSocket(nfgen_family=nfproto)
+            # Replies about stateful objects, which pyroute2 would leave undecoded.
+            sock.asyncore.register_policy({NFT_MSG_NEWOBJ | (NFNL_SUBSYS_NFTABLES << 8): _ObjMsg})
             socks[nfproto] = sock
         return sock
 
@@ -1089,6 +1123,34 @@ class NetlinkNft:
         with self._lock:
             self._set_types[key] = st
         return st
+
+    # -- named counters --------------------------------------------------------------------------
+    def counters(self, family: str, table: str) -> dict[str, int]:
+        """The named counters of one table and their packets, in one netlink dump.
+
+        libnftables answers `list counters` (or `list counter NAME`) only after fetching every
+        rule and element of the ruleset into its cache: 1.9 s per family at 10 000 services,
+        twice per full sync and once per scrape. The kernel filters this dump by table and type.
+        """
+        sock = self._socket(_FAMILIES[family])
+        msg = _ObjMsg()
+        msg["attrs"] = [("NFTA_OBJ_TABLE", table), ("NFTA_OBJ_TYPE", NFT_OBJECT_COUNTER)]
+        try:
+            replies = sock.request_get(msg, NFT_MSG_GETOBJ)
+        except NetlinkError as exc:
+            if exc.code == errno_mod.ENOENT:
+                return {}  # no such table
+            raise NetlinkKernelError(
+                f"nft netlink{self._where()}: counters of {family} {table}: {os.strerror(exc.code)}",
+                exc.code, "(list counters)",
+            ) from None
+        out: dict[str, int] = {}
+        for reply in replies:
+            if reply.get_attr("NFTA_OBJ_TABLE") != table or reply.get_attr("NFTA_OBJ_TYPE") != NFT_OBJECT_COUNTER:
+                continue  # kernels before the dump filter send every object
+            data = reply.get_attr("NFTA_OBJ_DATA")
+            out[reply.get_attr("NFTA_OBJ_NAME")] = int(data.get_attr("NFTA_COUNTER_PACKETS") or 0) if data else 0
+        return out
 
     def _where(self) -> str:
         return f" in netns {self.netns}" if self.netns else ""
