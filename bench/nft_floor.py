@@ -57,6 +57,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# The synthetic cluster's addresses and chain names: the same as the layout bench's.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nft_layouts import ep_ip, svc_chain, vip  # noqa: E402
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.kernel.nft_netlink import (  # noqa: E402
     _FAMILIES,
@@ -82,18 +85,6 @@ W = 67_026_960  # layout c: fixed modulus, = 720720 * 93, divisible by 1..16; 64
 assert all(W % n == 0 for n in range(1, 17)) and PER_MAP * W < 2**32
 MAIN = "nfproxy"
 PROBE_IP = "10.99.0.1"
-
-
-def vip(i: int) -> str:
-    return f"172.30.{i >> 8 & 255}.{i & 255}"
-
-
-def ep_ip(i: int, j: int, gen: int = 0) -> str:
-    return f"10.{(i >> 8) & 255}.{i & 255}.{j + 1 + gen * 100}"
-
-
-def svc_chain(i: int) -> str:
-    return f"service-{i:08X}-ns-{i % 100}/svc-{i}/tcp/http"
 
 
 class Layout:
