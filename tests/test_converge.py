@@ -128,27 +128,29 @@ _SLOTS = re.compile(r"numgen random mod (\d+)(?: offset (\d+))? map @(endpoints-
 
 
 def slots_resolved(dump: str) -> str:
-    """A canonical nft dump with each rule's endpoint slots replaced by the endpoints they hold
-    and the shard maps left out: where partial syncs put endpoints in the shard maps is the
-    slot allocator's business and differs from a fresh apply's until the next full sync, but
-    every chain, rule, set, element and endpoint must be the same."""
-    shards: dict[str, dict[int, str]] = {}
+    """A canonical nft dump with each rule's endpoint lane replaced by the endpoints its ranges
+    hold (with their widths) and the endpoint maps left out: where partial syncs put endpoints
+    in the maps is the lane allocator's business and differs from a fresh apply's until the
+    next full sync, but every chain, rule, set, element and endpoint must be the same."""
+    shards: dict[str, list[tuple[int, int, str]]] = {}
     current = None
     for line in dump.splitlines():
         if line.startswith("map endpoints-"):
-            current = shards.setdefault(line.split()[1], {})
+            current = shards.setdefault(line.split()[1], [])
         elif line == "}":
             current = None
         elif current is not None and line.startswith("\telement "):
-            slot, value = line.removeprefix("\telement ").split(" : ", 1)
-            current[int(slot.split()[0])] = value  # "K" or "K counter packets P bytes B"
+            key, value = line.removeprefix("\telement ").split(" : ", 1)
+            low, _, high = key.split()[0].partition("-")  # "K", "K-L", either with "counter …"
+            current.append((int(low), int(high or low), value))
     out, skip = [], False
     for line in dump.splitlines():
         if line.startswith("map endpoints-"):
             skip = True
         if not skip:
             out.append(_SLOTS.sub(lambda m: "one of " + ", ".join(sorted(
-                shards.get(m.group(3), {}).get(int(m.group(2) or 0) + i, "?") for i in range(int(m.group(1)))
+                f"{high - low + 1} x {value}" for low, high, value in shards.get(m.group(3), [])
+                if int(m.group(2) or 0) <= low and high < int(m.group(2) or 0) + int(m.group(1))
             )), line))
         if line == "}":
             skip = False

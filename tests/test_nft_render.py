@@ -429,12 +429,12 @@ def test_structure_is_split_per_service() -> None:
         "external-42NFTM6N-ns2/svc2/tcp/p80",
         "firewall-42NFTM6N-ns2/svc2/tcp/p80",
     ]
-    # No endpoint chains: slots in a shared data map, one block per endpoint-selecting chain.
+    # No endpoint chains: ranges in a shared interval data map, one lane per selecting chain.
     assert dict(owned.blocks) == {
-        "service-42NFTM6N-ns2/svc2/tcp/p80": (0, 16),
-        "local-42NFTM6N-ns2/svc2/tcp/p80": (16, 16),
+        "service-42NFTM6N-ns2/svc2/tcp/p80": (0, 1),
+        "local-42NFTM6N-ns2/svc2/tcp/p80": (1, 1),
     }
-    assert owned.shards == ("endpoints-counted-tcp-0", "endpoints-counted-tcp-0")
+    assert owned.shards == ("endpoints-counted-tcp-ranges-0", "endpoints-counted-tcp-ranges-0")
     assert set(owned.hairpin) == {"10.180.0.2", "10.180.0.3"}
     assert rs.elements["service-nodeports"] == {
         "tcp . 3001": Element("service-nodeports", "tcp . 3001", "goto external-42NFTM6N-ns2/svc2/tcp/p80")
@@ -524,16 +524,20 @@ def test_numgen_covers_each_endpoint_once(state: ClusterState) -> None:
                     assert chain not in owned.chains
                     continue
                 if not svc.affinity_timeout:
-                    # Layout s: slots offset..offset+n-1 of one shard map, in endpoint order.
+                    # Lanes: the values offset..offset+mod-1 of one interval map, one range per
+                    # endpoint in endpoint order, each 1/n of the lane, nothing else in it.
                     (m,) = [m for rule in owned.chains[chain] if (m := _DNAT_MAP.search(rule))]
-                    n, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
-                    assert n == len(eps)
-                    assert owned.blocks[chain][0] == first and owned.blocks[chain][1] >= n
-                    held = rs.elements[shard]
-                    assert [held[str(first + i)].value for i in range(n)] == [
-                        f"{ep.ip} . {ep.port}" for ep in eps
-                    ]
-                    assert first // nft.SHARD_SLOTS == (first + owned.blocks[chain][1] - 1) // nft.SHARD_SLOTS
+                    mod, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
+                    spans = sorted(
+                        (lo, hi, el.value) for k, el in rs.elements[shard].items()
+                        for lo, hi in [_span(k)] if first <= hi and lo < first + mod
+                    )
+                    assert [v for _, _, v in spans] == [f"{ep.ip} . {ep.port}" for ep in eps]
+                    assert spans[0][0] == first and spans[-1][1] == first + mod - 1
+                    assert all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:]))
+                    assert {hi - lo + 1 for lo, hi, _ in spans} == {mod // len(eps)}
+                    assert mod % len(eps) == 0 and (mod == nft.LANE or mod == len(eps))
+                    assert first % nft.LANE == 0 and first + mod <= nft.LANES_PER_MAP * nft.LANE
                     continue
                 (m,) = [m for rule in owned.chains[chain] if (m := _NUMGEN.search(rule))]
                 n = int(m.group(1))
@@ -607,35 +611,48 @@ def _slot_ops(d: nft.NftDelta) -> list:
     return [(v, o) for v, o in d.transaction.operations() if isinstance(o, Element) and o.set.startswith("endpoints-")]
 
 
+def _span(key: str) -> tuple[int, int]:
+    low, _, high = key.partition("-")
+    return int(low), int(high or low)
+
+
 def _slots_of(rs: NftRuleset, key) -> list[str]:  # noqa: ANN001
+    """The endpoint of each range of the port's one selecting chain, in range order."""
     owned = rs.services[key]
-    ((chain, (first, _size)),) = owned.blocks.items()
+    ((chain, _lane),) = owned.blocks.items()
     (shard,) = owned.shards
-    n = int(re.search(r"numgen random mod (\d+)", owned.chains[chain][-1]).group(1))
-    return [rs.elements[shard][str(first + i)].value for i in range(n)]
+    m = re.search(r"numgen random mod (\d+) offset (\d+)", owned.chains[chain][-1])
+    mod, first = int(m.group(1)), int(m.group(2))
+    spans = sorted((*_span(k), el.value) for k, el in rs.elements[shard].items())
+    return [v for lo, hi, v in spans if first <= lo and hi < first + mod]
 
 
-def test_partial_update_keeps_endpoints_on_their_slots() -> None:
-    """One endpoint more or fewer changes one or two slots, not every slot after it."""
+def test_partial_update_keeps_endpoints_on_their_ranges() -> None:
+    """A replaced endpoint changes one range; an endpoint more or fewer rewrites the lane's
+    ranges and nothing else: no rule, no chain (the kernel validates no table for that)."""
     import dataclasses
 
     state = uniform_cluster(5, 10)
     rs = render(state, V4)
     key = sorted(state.services, key=str)[2]
     eps = list(state.endpoints[key])
-    gone = eps.pop(3)
+    eps.pop(3)
     shrunk = dataclasses.replace(state, endpoints={**state.endpoints, key: tuple(eps)})
     new = nft.render_update(rs, shrunk, [key])
     d = nft.delta(rs, new, [key])
-    slot_ops = _slot_ops(d)
-    assert len(slot_ops) <= 3, slot_ops  # the hole gets the last endpoint; the last slot goes
-    assert sorted(_slots_of(new, key)) == sorted(f"{e.ip} . {e.port}" for e in eps)
-    assert f"{gone.ip} . {gone.port}" not in _slots_of(new, key)
+    ops = list(d.transaction.operations())
+    assert ops and all(isinstance(o, Element) for _, o in ops), ops
+    assert len(_slot_ops(d)) == 10 + 9
+    assert _slots_of(new, key) == [f"{e.ip} . {e.port}" for e in eps]
+    assert new.services[key].chains == rs.services[key].chains  # mod LANE: the rule stays
 
-    first_in_order = Endpoint(ip="10.0.0.0", port=8080)  # sorts before every other endpoint
-    grown = dataclasses.replace(shrunk, endpoints={**shrunk.endpoints, key: tuple([first_in_order, *eps])})
-    newer = nft.render_update(new, grown, [key])
+    replaced = Endpoint(ip="10.0.0.0", port=8080)  # sorts before every other endpoint
+    swapped = sorted([*eps[:4], replaced, *eps[5:]], key=lambda e: e.ip)
+    other = dataclasses.replace(shrunk, endpoints={**shrunk.endpoints, key: tuple(swapped)})
+    newer = nft.render_update(new, other, [key])
     d = nft.delta(new, newer, [key])
     slot_ops = _slot_ops(d)
-    shard, base = newer.services[key].shards[0], newer.services[key].blocks[next(iter(newer.services[key].blocks))][0]
-    assert slot_ops == [(Verb.ADD, Element(shard, str(base + 9), "10.0.0.0 . 8080"))]
+    assert [v for v, _ in slot_ops] == [Verb.DELETE, Verb.ADD], slot_ops
+    deleted, added = slot_ops[0][1], slot_ops[1][1]
+    assert added.key == deleted.key and added.value == "10.0.0.0 . 8080"
+    assert _slots_of(newer, key)[4] == "10.0.0.0 . 8080"  # it took the place of the one that went

@@ -42,14 +42,20 @@ def nft_snapshot(ns: str) -> dict[str, object]:
             continue
         chains: dict[str, list[str]] = {}
         sets: dict[str, object] = {}
-        # Slot numbers are the allocator's business and differ between a sequence of partial
-        # syncs and one full sync: compare what a slot resolves to instead.
-        slots: dict[str, dict[int, object]] = {}
+        # Lanes are the allocator's business and differ between a sequence of partial syncs
+        # and one full sync: compare what a lane's ranges resolve to instead.
+        slots: dict[str, list[tuple[int, int, object]]] = {}
         for obj in doc["nftables"]:
             body = obj.get("map")
             if body and body["name"].startswith(nft_backend.SHARD_PREFIX):
-                # With per-element counters a key is {"elem": {"val": K, "counter": ...}}.
-                slots[body["name"]] = {k["elem"]["val"] if isinstance(k, dict) else k: v for k, v in body.get("elem", [])}
+                # With per-element counters a key is {"elem": {"val": K, "counter": ...}}; a
+                # range's value is {"range": [LOW, HIGH]}.
+                spans = []
+                for k, v in body.get("elem", []):
+                    val = k["elem"]["val"] if isinstance(k, dict) and "elem" in k else k
+                    low, high = val["range"] if isinstance(val, dict) else (val, val)
+                    spans.append((low, high, v))
+                slots[body["name"]] = spans
         for obj in doc["nftables"]:
             if "chain" in obj:
                 chains.setdefault(obj["chain"]["name"], [])
@@ -72,15 +78,19 @@ def nft_snapshot(ns: str) -> dict[str, object]:
     return out
 
 
-def resolve_slots(expr: list, slots: dict[str, dict[int, object]]) -> list:
+def resolve_slots(expr: list, slots: dict[str, list[tuple[int, int, object]]]) -> list:
     out = []
     for stmt in expr:
         dnat = stmt.get("dnat") if isinstance(stmt, dict) else None
         m = dnat.get("addr", {}).get("map") if isinstance(dnat, dict) and isinstance(dnat.get("addr"), dict) else None
         if m and "numgen" in m.get("key", {}):
             ng = m["key"]["numgen"]
-            table = slots[m["data"].lstrip("@")]
-            targets = [table[ng.get("offset", 0) + i] for i in range(ng["mod"])]
+            first = ng.get("offset", 0)
+            last = first + ng["mod"] - 1
+            targets = sorted(
+                (json.dumps([high - low + 1, target], sort_keys=True)
+                 for low, high, target in slots[m["data"].lstrip("@")] if first <= low and high <= last),
+            )
             stmt = {"dnat": {"family": dnat.get("family"), "numgen-of": targets}}
         out.append(stmt)
     return out

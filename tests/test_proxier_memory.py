@@ -50,10 +50,21 @@ def resolved(kernel: MemoryNft) -> str:
         m = re.search(r"numgen random mod (\d+) offset (\d+) map @(\S+)", line)
         if m:
             n, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
-            targets = sorted(kernel.elements(shard)[str(first + i)].value for i in range(n))
-            line = line[: m.start()] + f"one of {targets}"
+            targets = sorted(lane_targets(kernel.elements(shard), first, n))
+            line = line[: m.start()] + f"mod {n}: {targets}"
         lines.append(line)
     return "\n".join(sorted(lines))
+
+
+def lane_targets(elements: dict[str, Element], first: int, n: int) -> list[tuple[int, str]]:
+    """(values, endpoint) of every range of an endpoint map inside [first, first + n)."""
+    out = []
+    for key, el in elements.items():
+        low, _, high = key.partition("-")
+        low_, high_ = int(low), int(high or low)
+        if first <= low_ and high_ < first + n:
+            out.append((high_ - low_ + 1, el.value))
+    return out
 
 
 def fresh(state: ClusterState) -> dict[IPFamily, str]:

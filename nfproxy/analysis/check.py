@@ -49,6 +49,7 @@ from nfproxy.analysis.ir import (
     MarkSet,
     Match,
     Numgen,
+    Range,
     Rule,
     Ruleset,
     SetRef,
@@ -366,15 +367,16 @@ def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
                     elements = sdef.elements
                 else:
                     elements = m.elements
-                keys, ordered = _int_keys_cached(elements)
-                slots = range(key.offset, key.offset + key.mod)
-                inside = bisect.bisect_left(ordered, slots.stop) - bisect.bisect_left(ordered, slots.start)
-                missing = _first_missing(slots, keys, 8)
-                # A shared map holds other chains' slots too: only an anonymous one can have
-                # slots that belong to this numgen and can never be drawn.
-                extra = [] if shared else sorted(k for k in keys if k not in slots)
+                spans = _spans_cached(elements)
+                low, high = key.offset, key.offset + key.mod - 1
+                inside = _covered(spans, low, high)
+                missing = _first_missing(spans, low, high, 8)
+                # A shared map holds other chains' values too: only an anonymous one can have
+                # keys that belong to this numgen and can never be drawn.
+                extra = [] if shared else [lo for lo, hi in spans.pairs if lo < low or hi > high]
                 if missing or extra:
-                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {inside if shared else len(keys)} slots"
+                    total = inside if shared else spans.values
+                    detail = f"numgen random mod {key.mod} offset {key.offset} indexes {total} slots"
                     if missing:
                         more = key.mod - inside - len(missing)
                         detail += f"; values {missing}{f' and {more} more' if more > 0 else ''} find no slot"
@@ -384,37 +386,83 @@ def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
     return out
 
 
-_KEYS: dict[int, tuple[tuple, tuple[frozenset[int], list[int]]]] = {}
+@dataclass(frozen=True, slots=True)
+class _Spans:
+    """A map's integer keys as inclusive (low, high) spans, a single value being (v, v):
+    `pairs` as the elements give them (sorted), `starts`/`ends` their disjoint union, and
+    `values` how many integers the keys name."""
+
+    pairs: tuple[tuple[int, int], ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    values: int
 
 
-def _int_keys_cached(elements: tuple) -> tuple[frozenset[int], list[int]]:
-    """A shared map's keys, read once for all the chains that index it (kept with the tuple,
+_SPANS: dict[int, tuple[tuple, _Spans]] = {}
+
+
+def _spans_cached(elements: tuple) -> _Spans:
+    """A shared map's spans, read once for all the chains that index it (kept with the tuple,
     so an id is never reused while its entry lives; bounded to the last few maps)."""
-    entry = _KEYS.get(id(elements))
+    entry = _SPANS.get(id(elements))
     if entry is None or entry[0] is not elements:
-        if len(_KEYS) > 64:
-            _KEYS.clear()
-        keys = _int_keys(elements)
-        entry = _KEYS[id(elements)] = (elements, (keys, sorted(keys)))
+        if len(_SPANS) > 64:
+            _SPANS.clear()
+        entry = _SPANS[id(elements)] = (elements, _spans(elements))
     return entry[1]
 
 
-def _int_keys(elements: tuple) -> frozenset[int]:
-    return frozenset(
-        el.key[0].value for el in elements
-        if len(el.key) == 1 and isinstance(el.key[0], Const) and isinstance(el.key[0].value, int)
-    )
+def _spans(elements: tuple) -> _Spans:
+    pairs: list[tuple[int, int]] = []
+    for el in elements:
+        if len(el.key) != 1:
+            continue
+        k = el.key[0]
+        if isinstance(k, Const) and isinstance(k.value, int):
+            pairs.append((k.value, k.value))
+        elif isinstance(k, Range) and isinstance(k.low, int) and isinstance(k.high, int) and k.low <= k.high:
+            pairs.append((k.low, k.high))
+    pairs.sort()
+    starts: list[int] = []
+    ends: list[int] = []
+    for lo, hi in pairs:
+        if ends and lo <= ends[-1] + 1:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    values = sum(e - s + 1 for s, e in zip(starts, ends))
+    return _Spans(tuple(pairs), tuple(starts), tuple(ends), values)
 
 
-def _first_missing(slots: range, keys: frozenset[int], limit: int) -> list[int]:
-    """The first `limit` values of `slots` not in `keys`: costs len(keys) + limit, not the
-    modulus (a numgen may have 2^32 slots)."""
+def _covered(spans: _Spans, low: int, high: int) -> int:
+    """How many integers of [low, high] the keys name: costs the spans inside, not the range
+    (a numgen may have 2^32 values)."""
+    n = 0
+    i = max(bisect.bisect_right(spans.starts, low) - 1, 0)
+    while i < len(spans.starts) and spans.starts[i] <= high:
+        a, b = max(spans.starts[i], low), min(spans.ends[i], high)
+        if a <= b:
+            n += b - a + 1
+        i += 1
+    return n
+
+
+def _first_missing(spans: _Spans, low: int, high: int, limit: int) -> list[int]:
+    """The first `limit` integers of [low, high] no key names: costs the spans before them."""
     out: list[int] = []
-    value = slots.start
-    while value < slots.stop and len(out) < limit:
-        if value not in keys:
+    value = low
+    i = max(bisect.bisect_right(spans.starts, low) - 1, 0)
+    while value <= high and len(out) < limit:
+        if i < len(spans.starts) and spans.starts[i] <= value:
+            value = max(value, spans.ends[i] + 1)
+            i += 1
+            continue
+        stop = spans.starts[i] if i < len(spans.starts) else high + 1
+        while value < min(stop, high + 1) and len(out) < limit:
             out.append(value)
-        value += 1
+            value += 1
+        value = max(value, stop)
     return out
 
 
@@ -440,10 +488,10 @@ def _undrawable_slots(table: Table) -> Iterator[Problem]:
         if sdef is None:
             continue
         starts, stops = _union(ranges)
-        stray = sorted(
-            k for k in _int_keys(sdef.elements)
-            if (i := bisect.bisect_right(starts, k) - 1) < 0 or k >= stops[i]
-        )
+        stray = [
+            lo for lo, hi in _spans(sdef.elements).pairs
+            if (i := bisect.bisect_right(starts, lo) - 1) < 0 or hi >= stops[i]
+        ]
         if stray:
             yield Problem("numgen-slots", f"{table.family} {table.name} map {name}", f"slots {stray[:8]} are no numgen's value: their endpoints can never be drawn")
 

@@ -18,6 +18,8 @@ far past any real Kubernetes name) cannot be read back and is left out.
 
 from __future__ import annotations
 
+import bisect
+
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -257,7 +259,8 @@ def _selection(expr: list[Any]) -> tuple[int, int, str] | None:
         key, data = m.get("key"), m.get("data")
         gen = key.get("numgen") if isinstance(key, dict) else None
         if isinstance(gen, dict) and isinstance(data, str) and data.startswith("@"):
-            return int(gen.get("offset", 0)), int(gen["mod"]), data[1:]
+            # nft 1.0.6 prints the u32 offset as a signed 32-bit number
+            return int(gen.get("offset", 0)) % (1 << 32), int(gen["mod"]), data[1:]
     return None
 
 
@@ -276,9 +279,10 @@ def _direct_dnat(expr: list[Any], named: Mapping[str, int]) -> tuple[int, str] |
     return None
 
 
-def _element_counts(body: dict[str, Any]) -> dict[int, tuple[int, str]]:
-    """slot -> (packets, endpoint) of an endpoint data map listed with its counters."""
-    out: dict[int, tuple[int, str]] = {}
+def _element_counts(body: dict[str, Any]) -> list[tuple[int, int, int, str]]:
+    """(first value, last value, packets, endpoint) of each element of an endpoint data map
+    listed with its counters (a range per endpoint, or a single value), sorted."""
+    out: list[tuple[int, int, int, str]] = []
     for pair in body.get("elem", ()) or ():
         if not isinstance(pair, list) or len(pair) != 2:
             continue
@@ -289,7 +293,12 @@ def _element_counts(body: dict[str, Any]) -> dict[int, tuple[int, str]]:
         concat = data.get("concat") if isinstance(data, dict) else None
         if not (isinstance(concat, list) and len(concat) == 2) or "counter" not in elem:
             continue
-        out[int(elem["val"])] = (int(elem["counter"].get("packets", 0)), _endpoint_text(*concat))
+        val = elem["val"]
+        span = val.get("range") if isinstance(val, dict) else (val, val)
+        if not (isinstance(span, (list, tuple)) and len(span) == 2):
+            continue
+        out.append((int(span[0]), int(span[1]), int(elem["counter"].get("packets", 0)), _endpoint_text(*concat)))
+    out.sort()
     return out
 
 
@@ -299,7 +308,7 @@ def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
     counter before their DNAT contribute nothing (an older nfproxy, or counters turned off)."""
     items = _documents(ruleset_json)
     named: dict[str, int] = {}
-    maps: dict[tuple[str, str, str], dict[int, tuple[int, str]]] = {}
+    maps: dict[tuple[str, str, str], list[tuple[int, int, int, str]]] = {}
     selections: list[_Slots] = []
     out: list[EndpointCount] = []
     for item in items:
@@ -324,22 +333,24 @@ def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
         if parts and hit:
             ns, name, port, proto = parts
             out.append(EndpointCount(ns, name, port, proto, _family_of(hit[1]), hit[1], hit[0]))
-    # A slot's counter counts every lookup of it, whichever rule made it: read it once, even
-    # when two rules draw from the same slots (a foreign rule reusing ours, say).
+    # An element's counter counts every lookup of it, whichever rule made it: read it once, even
+    # when two rules draw from the same values (a foreign rule reusing ours, say).
     counted: set[tuple[str, str, str, int]] = set()
     for s in selections:
         parts = _nft_service_port(s.chain, _NFT_SELECTORS)
-        elements = maps.get((*s.table, s.map_name), {})
         if parts is None:
             continue
+        elements = maps.get((*s.table, s.map_name), [])
         ns, name, port, proto = parts
-        for slot in range(s.first, s.first + s.n):
-            if (*s.table, s.map_name, slot) in counted:
+        last = s.first + s.n - 1
+        i = max(bisect.bisect_right(elements, (s.first, 1 << 64)) - 1, 0)
+        for low, high, packets, ep in elements[i:]:
+            if low > last:
+                break
+            if high < s.first or (*s.table, s.map_name, low) in counted:
                 continue
-            counted.add((*s.table, s.map_name, slot))
-            if slot in elements:
-                packets, ep = elements[slot]
-                out.append(EndpointCount(ns, name, port, proto, _family_of(ep), ep, packets))
+            counted.add((*s.table, s.map_name, low))
+            out.append(EndpointCount(ns, name, port, proto, _family_of(ep), ep, packets))
     return _merge(out)
 
 

@@ -161,12 +161,27 @@ class ElementIndex:
                 pos, el = self._int_elements[k]
                 out.append((v, v, pos, el))
                 previous = v
-        for lo, hi, pos, el in self._ranges:
+        for lo, hi, pos, el in self._ranges_between(low, high):
             if isinstance(lo, int) and isinstance(hi, int) and lo <= high and hi >= low:
                 out.append((max(lo, low), min(hi, high), pos, el))
         if self._ranges:
             out = _first_wins(out)
         return [(a, b, el) for a, b, _, el in out]
+
+
+    def _ranges_between(self, low: int, high: int) -> list[tuple[Any, Any, int, Element]]:
+        """The ranges that may cover integers in [low, high]: found by bisection when they are
+        sorted and disjoint (an endpoint map holds a range per endpoint of 64 chains), all of
+        them otherwise."""
+        ranges = self._ranges
+        if not self._ranges_sorted:
+            return ranges
+        try:
+            i = max(bisect.bisect_right(ranges, low, key=lambda r: r[0]) - 1, 0)
+            j = bisect.bisect_right(ranges, high, key=lambda r: r[0])
+        except TypeError:  # ranges of addresses: not compared with an integer
+            return ranges
+        return ranges[i:j]
 
 
 def _first_wins(spans: list[tuple[int, int, int, Element]]) -> list[tuple[int, int, int, Element]]:

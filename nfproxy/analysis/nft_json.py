@@ -405,6 +405,8 @@ def _expr(raw: Any) -> Expr:
             return Ct(body["key"])
         if kind == "numgen" and body.get("mode") == "random":
             mod, offset = body["mod"], body.get("offset", 0)
+            if type(offset) is int and -(1 << 31) <= offset < 0:
+                offset += 1 << 32  # nft 1.0.6 prints the u32 offset as a signed 32-bit number
             if type(mod) is not int or type(offset) is not int or mod <= 0 or offset < 0:
                 raise ValueError(f"numgen: mod must be a positive and offset a non-negative integer: {_short(body)}")
             return Numgen(mod, offset)

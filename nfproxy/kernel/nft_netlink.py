@@ -586,9 +586,8 @@ class _RuleCompiler:
             else:
                 merged.append((lo, hi))
         elements: list[dict[str, Any]] = []
-        end_flag = ("NFTA_SET_ELEM_FLAGS", 1)  # NFT_SET_ELEM_INTERVAL_END
         if merged[0][0] != 0:
-            elements.append({"attrs": [end_flag, ("NFTA_SET_ELEM_KEY", _data(bytes(size)), NLA_F_NESTED)]})
+            elements.append({"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data(bytes(size)), NLA_F_NESTED)]})
         for lo, hi in merged:
             start: list[Any] = [("NFTA_SET_ELEM_KEY", _data(lo.to_bytes(size, "big")), NLA_F_NESTED)]
             if hi == top:  # open interval: no end element fits; libnftnl flags it instead
@@ -596,7 +595,7 @@ class _RuleCompiler:
             elements.append({"attrs": start})
             if hi != top:
                 elements.append(
-                    {"attrs": [end_flag, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
+                    {"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
                 )
         desc, fld = sel.typeof
         typeof = _udata(0, (7).to_bytes(4, _HOST)) + _udata(
@@ -684,6 +683,22 @@ class _RuleCompiler:
         )
         return end + 1
 
+    def interval_key(self, sels: list[_Selector], st: SetType) -> None:
+        """An interval set holds its keys in network order: a host-order key (numgen) is
+        byte-swapped first, as nft does (`byteorder reg 1 = hton(reg 1, 4, 4)`)."""
+        if len(sels) != 1 or not sels[0].field.host_order or sels[0].field.size != 4:
+            raise self.fail(f"interval map {st.name} keyed by something other than a 32-bit host-order value")
+        self.exprs.append(
+            _expr(
+                "byteorder",
+                ("NFTA_BYTEORDER_SREG", _reg(0)),
+                ("NFTA_BYTEORDER_DREG", _reg(0)),
+                ("NFTA_BYTEORDER_OP", 1),  # NFT_BYTEORDER_HTON
+                ("NFTA_BYTEORDER_LEN", 4),
+                ("NFTA_BYTEORDER_SIZE", 4),
+            )
+        )
+
     # -- statements ----------------------------------------------------------------------------
     def verdict(self, code: int, chain: str | None) -> None:
         self.exprs.append(
@@ -714,6 +729,8 @@ class _RuleCompiler:
             if len(st.data) not in (1, 2) or (len(st.data) == 2 and st.data[1].type != TYPE_INET_SERVICE):
                 raise self.fail(f"dnat through map {st.name} of unexpected data")
             self.load(sels)
+            if st.interval:
+                self.interval_key(sels, st)
             self.exprs.append(
                 _expr("lookup", ("NFTA_LOOKUP_SREG", 1), ("NFTA_LOOKUP_DREG", 1), ("NFTA_LOOKUP_SET", st.name))
             )
@@ -898,12 +915,21 @@ class Message:
     command: str
 
 
-def _element(el: Element, st: SetType, command: str, *, with_values: bool) -> dict[str, Any]:
+_INTERVAL_END = ("NFTA_SET_ELEM_FLAGS", 1)  # NFT_SET_ELEM_INTERVAL_END
+
+
+def _element(el: Element, st: SetType, command: str, *, with_values: bool) -> list[dict[str, Any]]:
     """One element's attributes, from its fields: the key and value are ` . `-joined values
-    typed by the set's declaration, the comment is libnftnl user data."""
+    typed by the set's declaration, the comment is libnftnl user data. An element of an
+    interval set is two kernel elements, as libnftables sends them: the start key (carrying
+    value and comment) and the key after the range's end, flagged as an interval end."""
     if st.interval:
-        raise Unsupported(f"interval set {st.name}: {command}")
+        return _interval_element(el, st, command, with_values=with_values)
     key = _encode_concat(el.key.split(" . "), st.key, command)
+    return [_start_element(key, el, st, command, with_values)]
+
+
+def _start_element(key: bytes, el: Element, st: SetType, command: str, with_values: bool) -> dict[str, Any]:
     attrs: list[Any] = [("NFTA_SET_ELEM_KEY", _data(key), NLA_F_NESTED)]
     if not with_values:
         return {"attrs": attrs}
@@ -922,6 +948,24 @@ def _element(el: Element, st: SetType, command: str, *, with_values: bool) -> di
         text = quote_comment(el.comment)[1:-1].encode() + b"\0"
         attrs.append(("NFTA_SET_ELEM_USERDATA", bytes((0, len(text))) + text))
     return {"attrs": attrs}
+
+
+def _interval_element(el: Element, st: SetType, command: str, *, with_values: bool) -> list[dict[str, Any]]:
+    """`LOW-HIGH` (or one value) of an interval set of integers, keys big-endian: nft stores
+    interval keys in network order and byte-swaps a host-order key (numgen) in the rule."""
+    if len(st.key) != 1 or st.key[0].type not in (TYPE_INTEGER, TYPE_MARK):
+        raise Unsupported(f"interval set {st.name} of non-integer keys: {command}")
+    size = st.key[0].size
+    low_text, _, high_text = el.key.partition("-")
+    try:
+        low, high = int(low_text, 10), int(high_text or low_text, 10)
+    except ValueError:
+        raise Unsupported(f"{el.key!r} is not an integer interval: {command}") from None
+    if not 0 <= low <= high or high + 1 >= 1 << (8 * size):
+        raise Unsupported(f"interval {el.key!r} outside what a closed range of {size} bytes holds: {command}")
+    start = _start_element(low.to_bytes(size, "big"), el, st, command, with_values)
+    end = {"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((high + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
+    return [start, end]
 
 
 def unencodable(tx: Transaction) -> str | None:
@@ -1014,7 +1058,7 @@ def _rule_messages(
 def _queue_element(out: list[Message], verb: Verb, el: Element, table: str, st: SetType, command: str) -> None:
     """Consecutive elements of one set and verb share a message (up to 256 elements)."""
     adding = verb is Verb.ADD
-    attrs = _element(el, st, command, with_values=adding)
+    items = _element(el, st, command, with_values=adding)
     msg_type = NFT_MSG_NEWSETELEM if adding else NFT_MSG_DELSETELEM
     prev = out[-1] if out else None
     if prev is not None and prev.msg_type == msg_type and prev.attrs[1] == ("NFTA_SET_ELEM_LIST_SET", el.set):
@@ -1022,7 +1066,7 @@ def _queue_element(out: list[Message], verb: Verb, el: Element, table: str, st: 
         if len(held) < _ELEMENTS_PER_MESSAGE:
             out[-1] = dataclasses.replace(
                 prev,
-                attrs=(*prev.attrs[:2], ("NFTA_SET_ELEM_LIST_ELEMENTS", [*held, attrs], NLA_F_NESTED)),
+                attrs=(*prev.attrs[:2], ("NFTA_SET_ELEM_LIST_ELEMENTS", [*held, *items], NLA_F_NESTED)),
                 command=f"{prev.command}\n{command}",
             )
             return
@@ -1033,7 +1077,7 @@ def _queue_element(out: list[Message], verb: Verb, el: Element, table: str, st: 
         (
             ("NFTA_SET_ELEM_LIST_TABLE", table),
             ("NFTA_SET_ELEM_LIST_SET", el.set),
-            ("NFTA_SET_ELEM_LIST_ELEMENTS", [attrs], NLA_F_NESTED),
+            ("NFTA_SET_ELEM_LIST_ELEMENTS", items, NLA_F_NESTED),
         ),
         command,
     ))

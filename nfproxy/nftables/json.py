@@ -93,7 +93,9 @@ class _Body:
             if self.peek() == "offset":
                 self.i += 1
                 offset = int(self.take())
-            return {"numgen": {"mode": "random", "mod": mod, "offset": offset}}
+            # nft 1.0.6 prints the u32 offset as a signed 32-bit number (2^31 and above negative)
+            signed = offset - (1 << 32) if offset >= 1 << 31 else offset
+            return {"numgen": {"mode": "random", "mod": mod, "offset": signed}}
         return None
 
     def selectors(self) -> list[Any] | None:
@@ -298,14 +300,21 @@ def set_(family: str, table: str, s: Set | Map, elements: list[Element], handle:
         out["map"] = data_field
     counted = isinstance(s, Map) and s.counter
     if elements:
-        out["elem"] = [_element(e, key_types, data_types, kind, counted) for e in elements]
+        interval = "interval" in s.flags
+        out["elem"] = [_element(e, key_types, data_types, kind, counted, interval) for e in elements]
     if counted:  # per-element counters, as fresh (nothing counted in memory)
         out["stmt"] = [{"counter": None}]
     return {kind: out}
 
 
-def _element(e: Element, key_types: list[str], data_types: list[str], kind: str, counted: bool = False) -> Any:
-    key: Any = _concat(e.key.split(" . "), key_types)  # type: ignore[arg-type]
+def _element(
+    e: Element, key_types: list[str], data_types: list[str], kind: str, counted: bool = False, interval: bool = False
+) -> Any:
+    if interval and "-" in e.key:  # `LOW-HIGH` of an interval set (a range of one value is bare)
+        low, _, high = e.key.partition("-")
+        key: Any = {"range": [_scalar(low, key_types[0]), _scalar(high, key_types[0])]}
+    else:
+        key = _concat(e.key.split(" . "), key_types)  # type: ignore[arg-type]
     if e.comment or counted:
         key = {"elem": {"val": key, **({"comment": e.comment} if e.comment else {}),
                         **({"counter": {"packets": 0, "bytes": 0}} if counted else {})}}

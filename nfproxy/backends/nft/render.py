@@ -83,12 +83,17 @@ CLUSTER_IPS_SET = "cluster-ips"
 CLUSTER_IPS_CHECK_CHAIN = "cluster-ips-check"
 # Named counter of the conntrack-INVALID drop (the iptables backend's nfacct counter).
 INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
-# Endpoint slots: every endpoint-selecting chain owns a block of consecutive integers, and a
-# data map `endpoints-M` (M = block start // SHARD_SLOTS) turns a slot into the endpoint's
-# address and port. Why shards and blocks: see docs/design.md ("The nft layout at scale").
+# Endpoint lanes: every endpoint-selecting chain owns a lane of LANE consecutive integers in an
+# interval data map `endpoints-<proto>-ranges-M` (M = lane // LANES_PER_MAP), draws
+# `numgen random mod LANE offset K` and finds its endpoint's address and port in one range per
+# endpoint. LANE is divisible by every endpoint count up to 16 (and many above), so adding,
+# removing or replacing an endpoint only changes map elements: the kernel does not validate the
+# whole table as it does for a new rule. Why shards, lanes and ranges: docs/design.md ("The nft
+# layout at scale").
 SHARD_PREFIX = "endpoints-"
-SHARD_SLOTS = 1024
-BLOCK_MIN = 16
+LANE = 67_026_960  # 720 720 x 93 = 2^4 . 3^3 . 5 . 7 . 11 . 13 . 31
+LANES_PER_MAP = 64  # a map bound by at most 64 rules; 64 lanes fit in 32 bits
+_RANGES = "-ranges"
 
 # Per service port / per endpoint name prefixes (kube-proxy's; none longer than 16 characters,
 # which is what keeps prefix + hashAndTruncate's 240-character base within nft's 256).
@@ -200,8 +205,8 @@ class ServiceRules:
     chains: Mapping[str, tuple[str, ...]]
     affinity_sets: Mapping[str, nft.Set]
     elements: tuple[tuple[str, str, Element], ...]
-    # Slot blocks (chain name -> (first slot, size)) and the endpoint IPs this port adds to the
-    # shared hairpin set; both empty for ports that keep per-endpoint chains (affinity).
+    # Lanes (chain name -> (first lane, number of lanes)) and the endpoint IPs this port adds to
+    # the shared hairpin set; both empty for ports that keep per-endpoint chains (affinity).
     blocks: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
     shards: tuple[str, ...] = ()  # the data map of each block, in the same order
     hairpin: tuple[str, ...] = ()
@@ -209,33 +214,72 @@ class ServiceRules:
     cluster_ip: str = ""
 
 
-def block_size(n: int) -> int:
-    """Slots reserved for a chain of n endpoints: room to grow without moving, and a power of
-    two so that aligned blocks never straddle a shard (1 024 slots)."""
-    return max(BLOCK_MIN, 1 << (max(n, 1) - 1).bit_length())
+def lane_split(units: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(modulus, range width per endpoint) of a chain whose endpoints hold `units` slots each
+    (core.categorize.slot_counts: 1 each, or the weights over their gcd).
+
+    Where the slots divide LANE the chain draws `mod LANE` and endpoint i owns units_i * LANE /
+    sum(units) consecutive values: the same exact share as `mod sum(units)`, and a later count
+    or weight change that still divides LANE keeps the rule as it is. Otherwise (17 endpoints,
+    say) it draws `mod sum(units)` over ranges of units_i values, a rule change when it moves.
+    """
+    total = sum(units)
+    if LANE % total == 0:
+        scale = LANE // total
+        return LANE, tuple([u * scale for u in units])
+    return total, units
+
+
+def lanes_for(modulus: int) -> int:
+    """Lanes a chain drawing `mod modulus` needs: a power of two, so that aligned blocks of
+    lanes never straddle a map (LANES_PER_MAP)."""
+    lanes = 1 << (max(-(-modulus // LANE), 1) - 1).bit_length()
+    if lanes > LANES_PER_MAP:
+        raise ValueError(f"a chain of {modulus} endpoint slots does not fit one endpoint map")
+    return lanes
+
+
+_KEYS: dict[tuple[int, tuple[int, ...]], tuple[str, ...]] = {}
+
+
+def range_keys(offset: int, widths: tuple[int, ...]) -> tuple[str, ...]:
+    """The interval keys of consecutive ranges of `widths` from `offset`, as nft lists them (a
+    range of one value is that value). Memoised: a cluster has few distinct (lane, split)s."""
+    keys = _KEYS.get((offset, widths))
+    if keys is None:
+        out: list[str] = []
+        first = offset
+        for w in widths:
+            last = first + w - 1
+            out.append(f"{first}-{last}" if w > 1 else str(first))
+            first = last + 1
+        if len(_KEYS) > 4096:
+            _KEYS.clear()
+        keys = _KEYS[(offset, widths)] = tuple(out)
+    return keys
 
 
 COUNTED = "counted-"
 
 
-def shard_of(base: int, proto: str, counted: bool = True) -> str:
-    """The data map holding slot `base`. One set of shards per protocol: a map's data type
+def shard_of(lane: int, proto: str, counted: bool = True) -> str:
+    """The interval data map holding `lane`. One set of maps per protocol: a map's data type
     names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port.
-    Maps with per-element counters are named apart (`endpoints-counted-tcp-0`): nft refuses
-    to redeclare an existing map with another spec, so turning counters on or off (or
-    upgrading from an nfproxy without them) makes new maps and leaves the old ones to the
-    stray cleanup, instead of failing every full sync."""
-    return f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}-{base // SHARD_SLOTS}"
+    Maps with per-element counters are named apart (`endpoints-counted-tcp-ranges-0`), and so
+    are interval maps from the single-slot maps of older releases (`endpoints-counted-tcp-0`):
+    nft refuses to redeclare an existing map with another spec, so a change of either makes
+    new maps and leaves the old ones to the stray cleanup, instead of failing every full sync."""
+    return f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}{_RANGES}-{lane // LANES_PER_MAP}"
 
 
 def _shard_order(name: str) -> tuple[str, int]:
-    proto, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
-    return proto.removeprefix(COUNTED), int(index)
+    head, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
+    return head.removeprefix(COUNTED).removesuffix(_RANGES), int(index)
 
 
 @dataclass(frozen=True, slots=True)
 class SlotAllocator:
-    """Where the next block of slots goes: a bump pointer plus free lists per block size.
+    """Where the next block of lanes goes: a bump pointer plus free lists per block size.
 
     Immutable, so that a ruleset keeps the allocator state it was rendered with and a failed
     sync can simply forget the new one. Blocks are aligned to their size.
@@ -252,7 +296,7 @@ class SlotAllocator:
             return spare[0], SlotAllocator(self.next_slot, MappingProxyType(free))
         base = -(-self.next_slot // size) * size
         if base + size > 1 << 32:
-            raise ValueError("nft endpoint slots exhausted (2^32): restart nfproxy to compact them")
+            raise ValueError("nft endpoint lanes exhausted (2^32): restart nfproxy to compact them")
         return base, SlotAllocator(base + size, self.free)
 
     def release(self, base: int, size: int) -> SlotAllocator:
@@ -285,7 +329,7 @@ class NftRuleset:
     contested: frozenset[tuple[str, str]] = frozenset()
     # Endpoint IP -> number of service ports that put it in the hairpin set.
     hairpin_refs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    # Shard map name -> number of slot blocks in it; the allocator's state for partial syncs.
+    # Endpoint map name -> number of lanes drawn from it; the allocator's state for partial syncs.
     shard_users: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     allocator: SlotAllocator | None = None
     # Cluster IP -> number of service ports that put it in the cluster-ips set.
@@ -300,11 +344,16 @@ class NftRuleset:
         return "ip" if self.family is IPFamily.V4 else "ip6"
 
     def shard_map(self, name: str) -> nft.Map:
-        """Key: the numgen slot (a 32-bit integer: `type mark` is refused for a numgen key);
-        data: address . port of the shard's protocol."""
+        """Key: ranges of numgen values (a 32-bit integer: `type mark` is refused for a numgen
+        key); data: address . port of the shard's protocol."""
         proto = _shard_order(name)[0]
         counted = name.startswith(SHARD_PREFIX + COUNTED)
-        return nft.Map(name, typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport", counter=counted)
+        return nft.Map(
+            name,
+            typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport",
+            flags=("interval",),
+            counter=counted,
+        )
 
     def text(self) -> str:
         """This family's `nfproxy render` output (backends.base.Rendered)."""
@@ -623,8 +672,8 @@ def _pick(
 
 
 class _Slots:
-    """Hands out slot blocks during one render, keeping a chain's previous block when its size
-    still fits (so a partial sync rewrites as few elements as possible)."""
+    """Hands out lanes during one render, keeping a chain's previous lanes when they still fit
+    (so a partial sync rewrites as few elements as possible)."""
 
     def __init__(
         self,
@@ -637,24 +686,19 @@ class _Slots:
         self.kept: set[str] = set()
         self._held = {(m, k): el.value for m, k, el in previous_elements} if previous else {}
 
-    def arrange(self, shard: str, first: int, values: list[str]) -> list[str]:
-        """Slot order for a kept block: endpoints stay on their slots, the ones past the new end
-        move into the holes, new ones fill what is left. One endpoint added or removed then
-        changes one or two elements instead of shifting every slot after it. Any order is the
-        same uniform choice; only which endpoint gets which slot differs."""
+    def arrange(self, shard: str, keys: tuple[str, ...], values: list[str]) -> list[str]:
+        """Endpoint order for a kept lane split as before: endpoints stay on their ranges, new
+        ones take the ranges of the ones that went. A pod replaced then changes one element
+        instead of shifting every range after it. Any order is the same uniform choice; only
+        which endpoint owns which range differs."""
         held = self._held
-        before: list[str] = []
-        while (v := held.get((shard, str(first + len(before))))) is not None:
-            before.append(v)
-        n = len(values)
-        # A multiset: a weighted endpoint holds several slots (core.categorize.slot_counts).
+        slots: list[str | None] = [held.get((shard, k)) for k in keys]
         wanted = Counter(values)
-        slots: list[str | None] = []
-        for v in before[:n]:
-            keep = wanted[v] > 0
-            slots.append(v if keep else None)
-            wanted[v] -= keep
-        slots += [None] * (n - len(slots))
+        for i, v in enumerate(slots):
+            if v is not None and wanted[v] > 0:
+                wanted[v] -= 1
+            else:
+                slots[i] = None
         waiting: list[str] = []
         for v in values:
             if wanted[v] > 0:
@@ -663,28 +707,18 @@ class _Slots:
         it = iter(waiting)
         return [v if v is not None else next(it) for v in slots]
 
-    def take(self, chain: str, n: int) -> tuple[int, int]:
-        size = block_size(n)
+    def take(self, chain: str, lanes: int) -> tuple[int, int]:
         prev = self.previous.get(chain)
-        if prev is not None and prev[1] == size and chain not in self.kept:
+        if prev is not None and prev[1] == lanes and chain not in self.kept:
             self.kept.add(chain)
             return prev
-        base, self.allocator = self.allocator.allocate(size)
-        return base, size
+        base, self.allocator = self.allocator.allocate(lanes)
+        return base, lanes
 
     def release_unkept(self) -> None:
         for chain, (base, size) in self.previous.items():
             if chain not in self.kept:
                 self.allocator = self.allocator.release(base, size)
-
-
-def _slot_values(subset: tuple[Endpoint, ...]) -> list[str]:
-    """The endpoints-map value of each slot of a chain's block: one slot per endpoint, or, with
-    weights, w_i / gcd(w) consecutive slots (docs/weights.md)."""
-    if not weighted(subset):
-        return [f"{ep.ip} . {ep.port}" for ep in subset]
-    counts = slot_counts(subset)
-    return [f"{ep.ip} . {ep.port}" for ep, c in zip(subset, counts) for _ in range(c)]
 
 
 def _render_service(
@@ -717,22 +751,22 @@ def _render_service(
         hairpin = tuple(dict.fromkeys(ep.ip for ep in reachable))
 
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
-        """Layout s: one random slot, looked up in a shared data map; no per-endpoint chains."""
+        """One random value of the chain's lane, looked up in a shared interval data map
+        (one range per endpoint, sized by weight); no per-endpoint chains."""
         kept_before = chain in slots.kept
-        values = _slot_values(subset)
-        block = slots.take(chain, len(values))
-        blocks[chain] = block
-        first = block[0]
-        shard = shard_of(first, proto, ctx.counters)
+        modulus, widths = lane_split(slot_counts(subset))
+        lane = slots.take(chain, lanes_for(modulus))
+        blocks[chain] = lane
+        shard = shard_of(lane[0], proto, ctx.counters)
         shards.append(shard)
+        offset = (lane[0] % LANES_PER_MAP) * LANE
+        keys = range_keys(offset, widths)
+        values = [f"{ep.ip} . {ep.port}" for ep in subset]
         if not kept_before and chain in slots.kept and not weighted(subset):
-            # Weighted slots stay in runs: a run of consecutive slots is within 2^-32 of its
-            # share in the kernel's buckets; scattered, the buckets' errors would add up.
-            values = slots.arrange(shard, first, values)
-        # (shard, slot, Element) per endpoint, iterated in C: 110 000 of them at 10 000 x 10.
-        keys = list(map(str, range(first, first + len(values))))
+            values = slots.arrange(shard, keys, values)
+        # (shard, key, Element) per endpoint, iterated in C: 100 000 of them at 10 000 x 10.
         slot_elements.extend(zip(repeat(shard), keys, map(Element, repeat(shard), keys, values)))
-        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(values)} offset {first} map @{shard}"
+        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {modulus} offset {offset} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
     # per-endpoint chains. The hot loop (names once per endpoint) runs only for them.

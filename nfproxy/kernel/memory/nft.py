@@ -3,7 +3,9 @@
 `apply` runs a Transaction on a copy and commits only if every operation succeeds: `add` is
 idempotent, `create` fails on an existing object, `flush` and `delete` need the object, a chain
 is deleted only empty and unreferenced, an element key is held once, and at commit every
-`jump`/`goto` and `@set` a rule or element names must exist. `dump` is canonical sorted text:
+`jump`/`goto` and `@set` a rule or element names must exist, and no two ranges of an interval
+set may overlap (checked at commit, as the kernel checks them against the next generation: a
+range deleted and an overlapping one added in one batch is fine). `dump` is canonical sorted text:
 the table as the `add` commands that would rebuild it, chains and sets in name order, rules in
 chain order, elements sorted.
 """
@@ -85,6 +87,7 @@ class MemoryNft:
             raise KernelError(f"nft (memory) holds {self.nft_family} {self.table_name}, not {payload.family} {payload.table}")
         work = self.table.copy() if self.table is not None else None
         where = f"{payload.family} {payload.table}"
+        touched: set[str] = set()
         for verb, obj in payload.operations():
             try:
                 work = _run(work, verb, obj)
@@ -92,8 +95,10 @@ class MemoryNft:
                 raise KernelError(
                     f"nft (memory) rejected the transaction: {exc}: {nft_text.command(verb, obj, where)}"
                 ) from None
+            if verb is not Verb.DELETE and isinstance(obj, Element):
+                touched.add(obj.set)
         if work is not None:
-            dangling = _dangling(work)
+            dangling = _dangling(work) or _overlapping(work, touched)
             if dangling:
                 raise KernelError(f"nft (memory) rejected the transaction: {dangling}")
         self.table = work
@@ -270,6 +275,27 @@ def _element_op(t: _Table, verb: Verb, el: Element) -> None:
     if old is not None and (verb is Verb.CREATE or old.value != el.value):
         raise _Refused(f"File exists (element {el.key} of {el.set})")
     held.elements[el.key] = el
+
+
+def _span(key: str) -> tuple[int, int] | None:
+    """An integer interval key (`5`, `5-9`) as (low, high); None for any other key."""
+    low, _, high = key.partition("-")
+    if not low.isdigit() or (high and not high.isdigit()):
+        return None
+    return int(low), int(high or low)
+
+
+def _overlapping(t: _Table, names: set[str]) -> str | None:
+    """The first overlap of two ranges in an interval set that `names` had elements added to."""
+    for name in sorted(names):
+        held = t.sets.get(name)
+        if held is None or "interval" not in held.decl.flags:
+            continue
+        spans = sorted(s for s in map(_span, held.elements) if s is not None)
+        for (_, high), (low, _) in zip(spans, spans[1:]):
+            if low <= high:
+                return f"File exists (overlapping ranges in interval set {name})"
+    return None
 
 
 def _references(t: _Table) -> tuple[set[str], set[str]]:
