@@ -27,6 +27,7 @@ from itertools import repeat
 from types import MappingProxyType
 
 from nfproxy import nftables as nft
+from nfproxy.backends.nft.layered import GONE, Counts, layered
 from nfproxy.core.gc_pause import gc_paused
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import check_comment, check_name, quote_comment
@@ -1003,7 +1004,11 @@ def render_update(
     with gc_paused():
         family = previous.family
         ctx, _ = _context(state.node, family, previous.endpoint_counters)
-        services = previous.services.copy()  # MappingProxyType.copy: a dict copy, 10x dict(...)
+        # The big maps (services, hairpin and cluster-IP counts) are shared with `previous`, not
+        # copied: the new ruleset holds only what this sync changes (layered.py). The endpoint
+        # and verdict maps are copied when written: the ones a change touches are small.
+        services = layered(previous.services)
+        service_changes: dict[ServicePortKey, object] = {}
         elements: dict[str, Mapping[str, Element]] = previous.elements.copy()
         copied: dict[str, dict[str, Element]] = {}
 
@@ -1017,24 +1022,21 @@ def render_update(
 
         contested = previous.contested
         allocator = previous.allocator or SlotAllocator()
-        hairpin = previous.hairpin_refs.copy()
-        cluster_ips = previous.cluster_ip_refs.copy()
-        shard_users = previous.shard_users.copy()
+        hairpin = Counts(previous.hairpin_refs)
+        cluster_ips = Counts(previous.cluster_ip_refs)
+        shard_users = previous.shard_users.copy()  # one entry per endpoint map: services / 64
         removed: list[tuple[str, str, Element]] = []
         added: list[tuple[str, str, Element]] = []
         for key in sorted((k for k in keys if k[1] is family), key=_service_order):
-            old = services.pop(key, None)
+            old = services.get(key)
             old_blocks: Mapping[str, tuple[int, int]] = MappingProxyType({})
             if old is not None:
+                service_changes[key] = GONE
                 removed.extend(old.elements)
                 old_blocks = old.blocks
                 for ip in old.hairpin:
-                    left = hairpin[ip] - 1
-                    if left:
-                        hairpin[ip] = left
-                    else:
-                        del hairpin[ip]
-                _unref(cluster_ips, old.cluster_ip)
+                    hairpin.add(ip, -1)
+                cluster_ips.add(old.cluster_ip, -1)
                 for shard in old.shards:
                     shard_users[shard] -= 1
                     if not shard_users[shard]:
@@ -1043,11 +1045,11 @@ def render_update(
             slots = _Slots(allocator, old_blocks, old.elements if old is not None else ())
             if svc is not None:
                 rules = _render_service(ctx, svc, state.endpoints.get(key, ()), slots)
-                services[key] = rules
+                service_changes[key] = rules
                 added.extend(rules.elements)
                 for ip in rules.hairpin:
-                    hairpin[ip] = hairpin.get(ip, 0) + 1
-                cluster_ips[rules.cluster_ip] = cluster_ips.get(rules.cluster_ip, 0) + 1
+                    hairpin.add(ip, 1)
+                cluster_ips.add(rules.cluster_ip, 1)
                 for shard in rules.shards:
                     shard_users[shard] = shard_users.get(shard, 0) + 1
             slots.release_unkept()
@@ -1081,23 +1083,15 @@ def render_update(
             elements=MappingProxyType(
                 {k: v if isinstance(v, MappingProxyType) else MappingProxyType(v) for k, v in elements.items()}
             ),
-            services=MappingProxyType(services),
+            services=services.evolve(service_changes),
             contested=contested,
-            hairpin_refs=MappingProxyType(hairpin),
+            hairpin_refs=hairpin.result(),
             shard_users=MappingProxyType(shard_users),
             allocator=allocator,
-            cluster_ip_refs=MappingProxyType(cluster_ips),
+            cluster_ip_refs=cluster_ips.result(),
             counters=previous.counters,
             endpoint_counters=previous.endpoint_counters,
         )
-
-
-def _unref(refs: dict[str, int], key: str) -> None:
-    left = refs[key] - 1
-    if left:
-        refs[key] = left
-    else:
-        del refs[key]
 
 
 @dataclass(frozen=True, slots=True)
