@@ -40,9 +40,10 @@ from nfproxy.testing import random_cluster
 
 TABLE = nft_backend.TABLE
 FAMILIES = {IPFamily.V4: "ip", IPFamily.V6: "ip6"}
-# Transactions that declare or drop whole sets and maps are outside the vocabulary by design
-# (rare: a new shard map every 64 services, affinity sets) and use libnftables; which ones they
-# are is known from their objects (`unencodable`), before anything is compiled.
+# Transactions that declare sets and maps are outside the vocabulary by design (rare: a new
+# endpoint map every 64 lanes, affinity sets): the declarations go through libnftables first
+# (`declarations_apart`), the rest as a netlink batch; which ones they are is known from their
+# objects (`unencodable`), before anything is compiled.
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def test_a_refused_transaction_raises_and_changes_nothing() -> None:
     ("family", "verb", "obj"),
     [
         ("ip", "add", Map("endpoints-9", typeof="numgen random mod 1 : ip daddr . tcp dport")),
-        ("ip", "delete", Set("affinity-x")),
+        ("ip", "add", Set("affinity-x", "ipv4_addr")),  # (deleting one is in the vocabulary)
         ("ip", "add", Rule("services", "ct state new jump services")),
         ("ip", "add", Rule("services", "masquerade fully-random")),
         ("ip", "add", Rule("services", "tcp dport 80 drop")),
@@ -392,3 +393,54 @@ def test_named_counters_over_netlink_are_what_nft_lists() -> None:
             assert listed is not None and listed[2] == {"one", "two"}
         finally:
             fast.close()
+
+
+@pytest.mark.kernel
+def test_new_sets_are_declared_first_and_the_rest_goes_through_netlink() -> None:
+    """A partial sync that declares sets (endpoints of an affinity port: one set each) sends
+    only the declarations through libnftables, whose cache dump would list every element of
+    every interval map before any rule or element; the rest is a netlink batch, and the table
+    ends as the same partial sync through libnftables alone leaves it."""
+    from nfproxy.daemon.proxier import Proxier
+    from nfproxy.kernel.nft_netlink import declarations_apart
+
+    base = random_cluster(random.Random(12), 40)
+    key = sorted((k for k in base.services if base.services[k].affinity_timeout), key=str)[0]
+    prefix = "10.253.0." if key[1] is IPFamily.V4 else "fd0c::"
+    eps = [*base.endpoints.get(key, ()), *(Endpoint(ip=f"{prefix}{i}", port=80) for i in (1, 2))]
+    grown = dataclasses.replace(base, endpoints={**base.endpoints, key: sort_endpoints(eps)})
+    with netns.throwaway("nfp-nl-a") as a, netns.throwaway("nfp-nl-b") as b:
+        proxier = Proxier("nft", netns=a)
+        proxier.sync(base)
+        kernel = proxier.kernels[key[1]]
+        fast = kernel.fast  # type: ignore[attr-defined]
+        sent: list[Transaction] = []
+        real_apply = kernel.session.apply  # type: ignore[attr-defined]
+        kernel.session.apply = lambda script: (sent.append(script), real_apply(script))  # type: ignore[attr-defined]
+        before = fast.messages_sent
+        result = proxier.sync(grown)
+        assert result.kind == "partial"
+        (script,) = sent  # one libnftables call, declarations only
+        assert script.count("add set") == 2 and "add rule" not in script and "element" not in script, script
+        assert fast.messages_sent > before
+        slow = Proxier("nft", netns=b)
+        for k in slow.kernels.values():
+            k.fast = None  # type: ignore[attr-defined]
+        slow.sync(base)
+        assert slow.sync(grown).kind == "partial"
+        assert kernel_view(a) == kernel_view(b)
+        # Back to base: the two affinity sets go stale and the next sync deletes them, all of
+        # it over netlink now (deleting a set is in the vocabulary).
+        for state in (base, base):
+            assert proxier.sync(state).kind in ("partial", "noop")
+            assert slow.sync(state).kind in ("partial", "noop")
+        assert sent == [script] and kernel_view(a) == kernel_view(b)
+        assert not any(prefix.replace(":", ".") in n for n in kernel.owned().sets)  # type: ignore[attr-defined]
+        fast.close()
+    plain = Transaction("ip", TABLE)
+    plain.add(Rule("c", "drop"))
+    assert declarations_apart(plain) is None  # nothing to set apart
+    table = Transaction("ip", TABLE)
+    table.add(Table("ip", TABLE))
+    table.add(Set("s", "ipv4_addr"))
+    assert declarations_apart(table) is None  # a table is a full sync's: all of it to libnftables

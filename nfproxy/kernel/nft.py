@@ -130,7 +130,9 @@ class NftKernel:
 
     Small transactions the netlink encoder can say (`nft_netlink.unencodable`) go as one
     nfnetlink batch, without libnftables' cache dump; everything else as text (nftables/text.py)
-    through libnftables. Either way one atomic batch.
+    through libnftables. Either way one atomic batch, except a partial sync that declares new
+    sets or maps: the declarations go first through libnftables (cheap: no element is listed
+    for them), the rest as a netlink batch (`nft_netlink.declarations_apart`).
     """
 
     def __init__(
@@ -157,7 +159,7 @@ class NftKernel:
         return Owned(frozenset(found[0]), frozenset(found[1]), frozenset(found[2]))
 
     def apply(self, payload: object) -> None:
-        from nfproxy.kernel.nft_netlink import Unsupported, unencodable
+        from nfproxy.kernel.nft_netlink import Unsupported, declarations_apart, unencodable
 
         if not isinstance(payload, Transaction):
             raise TypeError(f"an nft kernel applies Transactions, not {type(payload).__name__}")
@@ -166,6 +168,11 @@ class NftKernel:
             return
         if self.fast is not None:
             why = unencodable(payload)
+            split = declarations_apart(payload) if why is not None else None
+            if split is not None:
+                self.session.apply(nft_text.script(split[0]))
+                self.fast.forget()  # the new sets' declarations
+                payload, why = split[1], None
             if why is None:
                 try:
                     self.fast.apply(payload)

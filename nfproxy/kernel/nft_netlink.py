@@ -57,6 +57,7 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     NFPROTO_IPV6,
     NFT_MSG_DELCHAIN,
     NFT_MSG_DELRULE,
+    NFT_MSG_DELSET,
     NFT_MSG_DELSETELEM,
     NFT_MSG_GETOBJ,
     NFT_MSG_GETSET,
@@ -972,15 +973,17 @@ def unencodable(tx: Transaction) -> str | None:
     """Why `tx` cannot go as a netlink batch, known from its objects alone; None if it can.
 
     The vocabulary is what partial syncs say: plain chains added, flushed and deleted, rules
-    added, elements added and deleted. Tables, set and map declarations, base chains and chain
-    comments are a full sync's business, which goes through libnftables anyway.
+    added, elements added and deleted, sets and maps deleted (the stale ones a partial sync
+    left). Tables, set and map declarations, base chains and chain comments are a full sync's
+    business, which goes through libnftables anyway (a partial sync's declarations go apart:
+    `declarations_apart`).
     """
     if tx.family not in _FAMILIES:
         return f"family {tx.family!r}"
     n = 0
     for verb, obj in tx.operations():
         kind = type(obj)
-        if kind in (Table, Set, Map, Counter):
+        if kind in (Table, Set, Map, Counter) and not (kind in (Set, Map) and verb is Verb.DELETE):
             return f"{verb.value} {kind.__name__.lower()} {getattr(obj, 'name', '')}: declarations go to libnftables"
         if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
             return f"{verb.value} chain {obj.name}: base chains and chain comments go to libnftables"  # type: ignore[union-attr]
@@ -990,6 +993,29 @@ def unencodable(tx: Transaction) -> str | None:
     if n > MAX_MESSAGES:
         return f"{n} operations: large transactions go to libnftables"
     return None
+
+
+def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | None:
+    """(the sets and maps `tx` adds, the rest of `tx`) when adding sets and maps is all that
+    keeps `tx` from netlink; None otherwise.
+
+    A partial sync declares a new endpoint map or affinity set now and then. libnftables says
+    that cheaply, but its cache dump before anything else (rules, elements) lists every element
+    of every interval set (0.7 s at 10 000 services); so the declarations go first, through
+    libnftables, and the rest as a netlink batch. Not one transaction: if the second is refused
+    the new sets stay, empty and unreferenced, until the full sync the refusal forces removes
+    them as strays.
+    """
+    declarations = Transaction(tx.family, tx.table)
+    rest = Transaction(tx.family, tx.table)
+    for verb, obj in tx.operations():
+        if type(obj) in (Set, Map) and verb is Verb.ADD:
+            declarations.add(obj)
+        else:
+            getattr(rest, verb.value)(obj)
+    if not declarations or unencodable(rest) is not None:
+        return None
+    return declarations, rest
 
 
 def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> list[Message]:
@@ -1021,6 +1047,9 @@ def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> 
                                    (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", obj.name)), command))
         elif kind is Rule:
             out.extend(_rule_messages(obj, family, table, set_type, command, set_ids))
+        elif kind in (Set, Map):  # a delete: unencodable() lets no other verb through
+            out.append(Message(nft_set_msg, NFT_MSG_DELSET, 0,
+                               (("NFTA_SET_TABLE", table), ("NFTA_SET_NAME", obj.name)), command))
         else:
             _queue_element(out, verb, obj, table, set_type(obj.set), command)
     if len(out) > MAX_MESSAGES:
