@@ -140,3 +140,35 @@ def test_on_the_kernel_a_full_sync_removes_objects_no_state_renders(netns: str) 
     wanted_chains = set(want.chains) | {c for svc in want.services.values() for c in svc.chains}
     assert chains == wanted_chains
     assert sets == set(want.sets) | set(want.shard_users)
+
+
+@pytest.mark.kernel
+def test_an_upgrade_from_the_single_slot_endpoint_maps_converges(netns: str) -> None:
+    """A node upgraded from a release with single-slot endpoint maps (`endpoints-counted-tcp-0`,
+    no interval flag, `numgen random mod n` in each service chain): the first full sync writes
+    the interval maps beside them (nft refuses to redeclare a map with other flags, hence other
+    names) and the old maps and chains go as strays."""
+    from nfproxy.kernel.nft import NftKernel, NftSession
+
+    state = uniform_cluster(4, 2)
+    old = Transaction("ip", TABLE)
+    old.add(Map("endpoints-counted-tcp-0", typeof="numgen random mod 1 : ip daddr . tcp dport", counter=True))
+    old.add(Chain("service-OLDHASH1-ns/old/tcp/p"))
+    old.add(Rule("service-OLDHASH1-ns/old/tcp/p", "meta l4proto tcp dnat ip to numgen random mod 2 offset 0 map @endpoints-counted-tcp-0"))
+    old.add(Element("endpoints-counted-tcp-0", "0", "10.9.0.1 . 80"))
+    old.add(Element("endpoints-counted-tcp-0", "1", "10.9.0.2 . 80"))
+    kernels: dict[IPFamily, NftKernel] = {}
+
+    def make(family: IPFamily) -> NftKernel:
+        return kernels.setdefault(family, NftKernel(family, netns=netns))
+
+    first = Proxier("nft", kernels=make)
+    first.sync(state)
+    kernels[V4].apply(old)
+    converge(Proxier("nft", kernels=make), state, full=True)  # the upgraded daemon starts
+    session = NftSession(netns)
+    chains, sets, _ = session.object_names("ip", TABLE) or (set(), set(), set())
+    want = nft_render.render(state, V4)
+    assert "endpoints-counted-tcp-0" not in sets and "service-OLDHASH1-ns/old/tcp/p" not in chains
+    assert sets == set(want.sets) | set(want.shard_users)
+    assert all("-ranges-" in name for name in want.shard_users)
