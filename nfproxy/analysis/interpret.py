@@ -155,6 +155,13 @@ class _Dyadic:
         return self.num == 0
 
     def fraction(self) -> Fraction:
+        key = (self.num, self.exp)
+        found = _FRACTIONS.get(key)
+        if found is None:
+            found = _bounded(_FRACTIONS)[key] = self._fraction()
+        return found
+
+    def _fraction(self) -> Fraction:
         if self.num == 0:
             return Fraction(0)
         shift = min((self.num & -self.num).bit_length() - 1, self.exp)
@@ -162,6 +169,20 @@ class _Dyadic:
             return Fraction(self.num >> shift, 1 << (self.exp - shift), _normalize=False)  # type: ignore[call-arg]
         except TypeError:  # Python >= 3.12 dropped _normalize; the gcd is then paid once here
             return Fraction(self.num >> shift, 1 << (self.exp - shift))
+
+
+# Weights are immutable, and the same few recur in every service's walk (a numgen of n slots
+# gives n weights, the same for every chain of n endpoints): made once per process.
+_FRACTIONS: dict[tuple[int, int], Fraction] = {}
+_SLOT_WEIGHTS: dict[tuple[str, int, int, int], Any] = {}
+_CACHE_LIMIT = 1 << 16
+
+
+def _bounded(cache: dict) -> dict:  # type: ignore[type-arg]
+    """`cache`, emptied first when full: a dump with many distinct weights costs memory once."""
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    return cache
 
 
 class _Exact:
@@ -215,7 +236,6 @@ class _Both:
 
 Weight = Union[_Dyadic, _Exact, _Both]
 
-_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 _MASK32 = 0xFFFFFFFF
 _NOMATCH = ("nomatch",)
 
@@ -244,8 +264,10 @@ _StateKey = tuple
 def _key(st: _State) -> _StateKey:
     # Addresses as ints: ipaddress's own __hash__ formats a hex string on every call. One walk
     # is of one family, so the ints cannot collide across families.
-    dnat = None if st.dnat is None else (int(st.dnat[0]), st.dnat[1])
-    return (int(st.src), int(st.dst), st.dport, st.proto, st.mark, dnat, st.masq)
+    dnat = st.dnat
+    if dnat is not None:
+        dnat = (dnat[0]._ip, dnat[1])
+    return (st.src._ip, st.dst._ip, st.dport, st.proto, st.mark, dnat, st.masq)
 
 
 def _with_history(st: _State, steps: tuple, lookups: tuple, pins: tuple, paths: int) -> _State:
@@ -270,6 +292,68 @@ def _join(before: _State, after: _State) -> _State:
         before.pins + after.pins,
         before.paths * after.paths,
     )
+
+
+# What a chain's walk read of the state it entered with, as bits: a memoised walk answers for
+# every state that agrees on those fields (the decisions it took depend on nothing else), so the
+# filter and postrouting chains every endpoint of every service passes through, reading only
+# conntrack flags and marks, are walked once per compare rather than once per endpoint and
+# probe. A field a walk writes counts as read: its value at the exit is then known from the key.
+_SRC, _DST, _DPORT, _PROTO, _MARK, _DNAT, _DNATTED, _MASQ = 1, 2, 4, 8, 16, 32, 64, 128
+_ALL = 255  # _DNATTED: only whether the connection was DNATted (ct state/status), not where to
+
+
+def _project(st: _State, reads: int) -> tuple:
+    """The fields of `st` that `reads` names (and its family, which every walk depends on)."""
+    dnat = st.dnat
+    return (
+        reads,
+        st.src._version,
+        st.src._ip if reads & _SRC else None,
+        st.dst._ip if reads & _DST else None,
+        st.dport if reads & _DPORT else None,
+        st.proto if reads & _PROTO else None,
+        st.mark if reads & _MARK else None,
+        (None if dnat is None else (dnat[0]._ip, dnat[1])) if reads & _DNAT else (dnat is not None) if reads & _DNATTED else None,
+        st.masq if reads & _MASQ else None,
+    )
+
+
+def _rebase(before: _State, after: _State | None, reads: int) -> _State:
+    """A memoised exit state `after` of a walk that read `reads`, for a walk entered in state
+    `before` (which agrees with the memoised one on those fields), with `before`'s history.
+    None: the walk left the state as it was, and recorded no history."""
+    if after is None:
+        return before
+    if reads == _ALL:
+        return _join(before, after)
+    return _State(
+        after.src if reads & _SRC else before.src,
+        after.dst if reads & _DST else before.dst,
+        after.dport if reads & _DPORT else before.dport,
+        after.proto if reads & _PROTO else before.proto,
+        after.mark if reads & _MARK else before.mark,
+        after.dnat if reads & _DNAT else before.dnat,
+        after.masq if reads & _MASQ else before.masq,
+        before.steps + after.steps if before.steps else after.steps,
+        before.lookups + after.lookups if before.lookups else after.lookups,
+        before.pins + after.pins if before.pins else after.pins,
+        before.paths * after.paths,
+    )
+
+
+def _unchanged(start: _State, exits: list[tuple[Weight, _State, str]]) -> list[tuple[Weight, _State | None, str]]:
+    """`exits` with None for a state that is `start`'s, history included: most chains only
+    read, and their memoised exits then cost nothing to rebase."""
+    key = _key(start)
+    return [
+        (w, None if ex is start or (_key(ex) == key and not (ex.steps or ex.lookups or ex.pins) and ex.paths == 1) else ex, r)
+        for w, ex, r in exits
+    ]
+
+
+# Memoised chain walks kept per interpreter; past this many, the memo starts afresh.
+_MEMO_LIMIT = 200_000
 
 
 class _Merge:
@@ -311,6 +395,7 @@ class _Interpreter:
         self.mode = mode
         self.tracing = tracing
         self.local = frozenset(ipaddress.ip_address(ip) for ip in node_ips)
+        self._local = frozenset((a.version, a._ip) for a in self.local)
         self.one: Weight = {
             "kernel": lambda: _Dyadic(1, 0),
             "ideal": lambda: _Exact(Fraction(1)),
@@ -318,9 +403,14 @@ class _Interpreter:
         }[mode]()
         self.index = indexes(ruleset)
         self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
-        # (table, chain, decision state) -> the chain's exits, for a walk entering with weight 1
-        self._memo: dict[tuple[int, str, _StateKey], list[tuple[Weight, _State, str]]] = {}
+        # ((table, chain), _project(state, reads)) -> (the chain's exits for a walk entering with
+        # weight 1, reads); per chain, the read sets its walks have had
+        self._memo: dict[tuple, tuple[list[tuple[Weight, _State | None, str]], int]] = {}
+        self._read_sets: dict[tuple[int, str], list[int]] = {}
+        self._reads = 0  # what the chain being walked has read so far
         self.entered: set[str] | None = None  # when set, the name of every chain walked
+        # (table, rule) -> tests of its leading plain matches (_leading), shared per ruleset
+        self._leading: dict[tuple[int, int], tuple[Any, ...]] = self.index.cached(("leading",), dict)
 
     # ---- weights
 
@@ -339,11 +429,18 @@ class _Interpreter:
 
     def _slots(self, expr: Numgen, first: int, last: int) -> Weight:
         """The weight of slots first..last (relative to the offset) of a numgen: closed form."""
+        key = (self.mode, expr.mod, first, last)
+        found = _SLOT_WEIGHTS.get(key)
+        if found is None:
+            found = _bounded(_SLOT_WEIGHTS)[key] = self._slots_uncached(expr.mod, first, last)
+        return found  # type: ignore[no-any-return]
+
+    def _slots_uncached(self, mod: int, first: int, last: int) -> Weight:
         if self.mode == "kernel":
-            return _Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32)
-        ideal = _Exact(Fraction(last - first + 1, expr.mod))
+            return _Dyadic(quantize.numgen_slot_count(first, last, mod), 32)
+        ideal = _Exact(Fraction(last - first + 1, mod))
         if self.mode == "both":
-            return _Both(_Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32), ideal)
+            return _Both(_Dyadic(quantize.numgen_slot_count(first, last, mod), 32), ideal)
         return ideal
 
     def _numgen_split(self, expr: Numgen, index: ElementIndex) -> list[tuple[Weight, Element | None]]:
@@ -403,23 +500,35 @@ class _Interpreter:
     # ---- values
 
     def is_local(self, addr: Address) -> bool:
-        return addr in self.local or any(addr in net for net in _LOOPBACK if net.version == addr.version)
+        # On ints: an ipaddress object hashes through a hex string, and `in` a network
+        # builds one. Loopback: 127.0.0.0/8 and ::1/128.
+        ip = addr._ip
+        if addr._version == 4:
+            return ip >> 24 == 127 or (4, ip) in self._local
+        return ip == 1 or (6, ip) in self._local
 
     def values(self, table: Table, expr: Expr, st: _State) -> list[tuple[Weight, Any]]:
         one = self.one
         if isinstance(expr, Field):
             name = expr.name
             if name == "saddr":
+                self._reads |= _SRC
                 return [(one, st.src)]
             if name == "daddr":
+                self._reads |= _DST
                 return [(one, st.dst)]
             if name == "dport":
-                if expr.proto is not None and expr.proto != st.proto:
-                    return [(one, None)]
+                if expr.proto is not None:
+                    self._reads |= _PROTO
+                    if expr.proto != st.proto:
+                        return [(one, None)]
+                self._reads |= _DPORT
                 return [(one, st.dport)]
             if name == "l4proto":
+                self._reads |= _PROTO
                 return [(one, st.proto)]
             if name == "mark":
+                self._reads |= _MARK
                 return [(one, st.mark)]
             if name == "nfproto":
                 return [(one, "ipv4" if st.src.version == 4 else "ipv6")]
@@ -427,9 +536,11 @@ class _Interpreter:
         if isinstance(expr, Const):
             return [(one, expr.value)]
         if isinstance(expr, Fib):
+            self._reads |= _SRC if expr.target == "saddr" else _DST
             addr = st.src if expr.target == "saddr" else st.dst
             return [(one, "local" if self.is_local(addr) else "unicast")]
         if isinstance(expr, Ct):
+            self._reads |= _DNATTED | _MASQ
             if expr.key == "state":
                 flags = {"new"} | ({"dnat"} if st.dnat else set()) | ({"snat"} if st.masq else set())
             else:
@@ -455,10 +566,11 @@ class _Interpreter:
                 nxt = []
                 for w, prefix in acc:
                     for w2, v in self.values(table, item, st):
+                        ww = w if w2 is one else w2 if w is one else w * w2
                         if prefix is None or v is None:
-                            nxt.append((w * w2, None))
+                            nxt.append((ww, None))
                         else:
-                            nxt.append((w * w2, prefix + (v,)))
+                            nxt.append((ww, prefix + (v,)))
                 acc = nxt
             return acc
         if isinstance(expr, MapLookup):
@@ -525,6 +637,7 @@ class _Interpreter:
                     out.append((w, st, (el.data.kind, el.data.target)))
             return out
         if isinstance(stmt, MarkSet):
+            self._reads |= _MARK
             return [
                 (w, st, _NOMATCH) if v is None else (w, _State(st.src, st.dst, st.dport, st.proto, v & _MASK32, st.dnat, st.masq, st.steps, st.lookups, st.pins, st.paths), None)
                 for w, v in self.values(table, stmt.value, st)
@@ -532,21 +645,24 @@ class _Interpreter:
         if isinstance(stmt, SetUpdate):
             return [(one, _with_history(st, st.steps, st.lookups, st.pins + (stmt.set,), st.paths), None)]
         if isinstance(stmt, Dnat):
+            self._reads |= _DST | _DPORT | _DNAT
             out = []
             ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
             for w, addr in self.values(table, stmt.addr, st):
                 for w2, port in ports:
+                    ww = w if w2 is one else w2 if w is one else w * w2
                     if addr is None:
-                        out.append((w * w2, st, _NOMATCH))
+                        out.append((ww, st, _NOMATCH))
                         continue
                     if isinstance(addr, tuple):
                         addr, port = addr
                     new_port = st.dport if port is None else int(port)
                     new = _State(st.src, addr, new_port, st.proto, st.mark, (addr, new_port), st.masq,
                                  st.steps, st.lookups, st.pins, st.paths)
-                    out.append((w * w2, new, ("nat", "")))
+                    out.append((ww, new, ("nat", "")))
             return out
         if isinstance(stmt, Masquerade):
+            self._reads |= _MASQ
             return [(one, _State(st.src, st.dst, st.dport, st.proto, st.mark, st.dnat, True,
                                  st.steps, st.lookups, st.pins, st.paths), ("nat", ""))]
         if isinstance(stmt, Unknown):
@@ -581,24 +697,50 @@ class _Interpreter:
             raise InterpretError(f"{table.family} {table.name}: chain {chain.name}: jumps nest deeper than 64 (a loop?)")
         if self.entered is not None and not w.is_zero():
             self.entered.add(chain.name)
-        key = (id(table), chain.name, _key(st))
-        exits = self._memo.get(key)
-        if exits is None:
-            exits = self._walk_rules(table, chain, _fresh(st), depth)
-            self._memo[key] = exits
-        one = w is self.one
-        return [(f if one else w * f, _join(st, ex), r) for f, ex, r in exits]
+        ck = (id(table), chain.name)
+        found = None
+        for reads in self._read_sets.get(ck, ()):
+            found = self._memo.get((ck, _project(st, reads)))
+            if found is not None:
+                break
+        if found is None:
+            outer = self._reads
+            self._reads = 0
+            start = _fresh(st)
+            exits = self._walk_rules(table, chain, start, depth)
+            # With `entered` asked for, only equal states share a walk: a shared one would not
+            # name the chains it entered.
+            reads = _ALL if self.entered is not None else self._reads
+            self._reads = outer | reads
+            if len(self._memo) >= _MEMO_LIMIT:
+                self._memo.clear()
+                self._read_sets.clear()
+            self._memo[(ck, _project(st, reads))] = (_unchanged(start, exits), reads)
+            known = self._read_sets.setdefault(ck, [])
+            if reads not in known:
+                known.append(reads)
+        else:
+            exits, reads = found
+            self._reads |= reads
+        one = self.one
+        if w is one:
+            return [(f, _rebase(st, ex, reads), r) for f, ex, r in exits]
+        return [(w if f is one else w * f, _rebase(st, ex, reads), r) for f, ex, r in exits]
 
     def _walk_rules(self, table: Table, chain: Chain, start: _State, depth: int) -> list[tuple[Weight, _State, str]]:
         out: list[tuple[Weight, _State, str]] = []
         rules = chain.rules
+        count = len(rules)
         skip = self.index.rules(chain)
+        if skip.field is not None:
+            self._reads |= _DST if skip.field == "daddr" else _DPORT
+        one = self.one
         pending: dict[int, _Merge] = {}
         heap: list[int] = []
 
         def reach(i: int, w: Weight, st: _State) -> None:
             i = skip.next(i, st.dst, st.dport)
-            if i >= len(rules):
+            if i >= count:
                 out.append((w, st, "return"))
                 return
             merge = pending.get(i)
@@ -607,57 +749,110 @@ class _Interpreter:
                 heapq.heappush(heap, i)
             merge.add(w, st)
 
-        reach(0, self.one, start)
+        def follow(i: int, rule: Rule, w: Weight, branches: list[tuple[Weight, _State, tuple | None]]) -> None:
+            for f, st2, act in branches:
+                w2 = f if w is one else w if f is one else w * f
+                if act is _NOMATCH:
+                    reach(i + 1, w2, st2)
+                    continue
+                if self.tracing:
+                    st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                                        st2.lookups, st2.pins, st2.paths)
+                if act is None:
+                    reach(i + 1, w2, st2)
+                    continue
+                kind, target = act
+                if kind not in ("jump", "goto"):
+                    out.append((w2, st2, kind))
+                    continue
+                for w3, st3, r in self.run_chain(table, self._target(table, chain, i, rule, kind, target), w2, st2, depth + 1):
+                    if r == "return" and kind == "jump":
+                        reach(i + 1, w3, st3)
+                    else:
+                        out.append((w3, st3, r))
+
+        # One walk while it stays one (most chains, for most packets): rule after rule, without
+        # the merging below. `i` is None once it has branched.
+        i: int | None = skip.next(0, start.dst, start.dport)
+        w: Weight = one
+        st = start
+        while i is not None:
+            if i >= count:
+                return [(w, st, "return")]
+            rule = rules[i]
+            branches = self._rule_at(table, chain, i, rule, st)
+            if len(branches) != 1:
+                follow(i, rule, w, branches)
+                break
+            f, st2, act = branches[0]
+            w2 = f if w is one else w if f is one else w * f
+            if act is not _NOMATCH:
+                if self.tracing:
+                    st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                                        st2.lookups, st2.pins, st2.paths)
+                if act is not None:
+                    kind, target = act
+                    if kind not in ("jump", "goto"):
+                        return [(w2, st2, kind)]
+                    exits = self.run_chain(table, self._target(table, chain, i, rule, kind, target), w2, st2, depth + 1)
+                    if not (kind == "jump" and len(exits) == 1 and exits[0][2] == "return"):
+                        for w3, st3, r in exits:
+                            if r == "return" and kind == "jump":
+                                reach(i + 1, w3, st3)
+                            else:
+                                out.append((w3, st3, r))
+                        break
+                    w2, st2 = exits[0][0], exits[0][1]
+            w, st = w2, st2
+            i = skip.next(i + 1, st.dst, st.dport)
         while heap:
             i = heapq.heappop(heap)
             rule = rules[i]
             for w, st in pending.pop(i).items.values():
-                try:
-                    branches = self.rule(table, rule, st)
-                except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
-                    # _Unknown: not modelled. The others: values of a type the rule cannot
-                    # hold (a dump edited by hand), which a parser let through.
-                    raise InterpretError(
-                        f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
-                        rule.line,
-                    ) from None
-                for f, st2, act in branches:
-                    w2 = f if w is self.one else w * f
-                    if act is _NOMATCH:
-                        reach(i + 1, w2, st2)
-                        continue
-                    if self.tracing:
-                        st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
-                                            st2.lookups, st2.pins, st2.paths)
-                    if act is None:
-                        reach(i + 1, w2, st2)
-                        continue
-                    kind, target = act
-                    if kind not in ("jump", "goto"):
-                        out.append((w2, st2, kind))
-                        continue
-                    sub = table.chains.get(target)
-                    if sub is None:
-                        raise InterpretError(
-                            f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: "
-                            f"{kind} to missing chain {target!r}",
-                            rule.line,
-                        )
-                    for w3, st3, r in self.run_chain(table, sub, w2, st2, depth + 1):
-                        if r == "return" and kind == "jump":
-                            reach(i + 1, w3, st3)
-                        else:
-                            out.append((w3, st3, r))
+                follow(i, rule, w, self._rule_at(table, chain, i, rule, st))
         return _merged(out)
 
+    def _rule_at(self, table: Table, chain: Chain, i: int, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
+        try:
+            return self.rule(table, rule, st)
+        except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
+            # _Unknown: not modelled. The others: values of a type the rule cannot hold (a
+            # dump edited by hand), which a parser let through.
+            raise InterpretError(
+                f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
+                rule.line,
+            ) from None
+
+    def _target(self, table: Table, chain: Chain, i: int, rule: Rule, kind: str, target: str) -> Chain:
+        sub = table.chains.get(target)
+        if sub is None:
+            raise InterpretError(
+                f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {kind} to missing chain {target!r}",
+                rule.line,
+            )
+        return sub
+
     def rule(self, table: Table, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
-        branches: list[tuple[Weight, _State]] = [(self.one, st)]
+        one = self.one
+        key = (id(table), id(rule))
+        lead = self._leading.get(key)
+        if lead is None:
+            lead = self._leading[key] = _leading(self, table, rule)
+        for test in lead:
+            if not test(self, st):
+                return [(one, st, _NOMATCH)]
+        statements = rule.statements
+        if lead:
+            if len(lead) == len(statements):
+                return [(one, st, None)]
+            statements = statements[len(lead):]
+        branches: list[tuple[Weight, _State]] = [(one, st)]
         out: list[tuple[Weight, _State, tuple | None]] = []
-        for stmt in rule.statements:
+        for stmt in statements:
             nxt: list[tuple[Weight, _State]] = []
             for w, s in branches:
                 for f, s2, act in self.statement(table, stmt, s):
-                    wf = f if w is self.one else w * f
+                    wf = f if w is one else w if f is one else w * f
                     if act is None:
                         nxt.append((wf, s2))
                     else:
@@ -714,6 +909,117 @@ class _Interpreter:
         return items, terminal
 
 
+# --------------------------------------------------------------------------------------------
+# Leading plain matches, compiled: most rules a packet meets fail on their first or second match
+# (another destination, another protocol), and `Interpreter.statement` builds lists of weighted
+# values for them. A plain match compares one value (no numgen, no map lookup: one branch of
+# weight one) and records no history (no dynamic set); `_leading` turns a rule's leading plain
+# matches into tests `test(interp, state) -> bool` that do what `statement` does for them.
+
+
+def _getter(expr: Expr) -> Any:
+    """`fn(interp, state) -> value` for an expression of one value, or None."""
+    if isinstance(expr, Field):
+        name, proto = expr.name, expr.proto
+        if name == "saddr":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _SRC
+                return st.src
+        elif name == "daddr":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _DST
+                return st.dst
+        elif name == "dport":
+            def get(it: _Interpreter, st: _State) -> Any:
+                if proto is not None:
+                    it._reads |= _PROTO
+                    if proto != st.proto:
+                        return None
+                it._reads |= _DPORT
+                return st.dport
+        elif name == "l4proto":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _PROTO
+                return st.proto
+        elif name == "mark":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _MARK
+                return st.mark
+        else:
+            return None
+        return get
+    if isinstance(expr, Fib):
+        source = expr.target == "saddr"
+
+        def fib(it: _Interpreter, st: _State) -> Any:
+            it._reads |= _SRC if source else _DST
+            return "local" if it.is_local(st.src if source else st.dst) else "unicast"
+        return fib
+    if isinstance(expr, Ct):
+        state = expr.key == "state"
+
+        def ct(it: _Interpreter, st: _State) -> Any:
+            it._reads |= _DNATTED | _MASQ
+            flags = ({"dnat"} if st.dnat else set()) | ({"snat"} if st.masq else set())
+            return frozenset(flags | {"new"} if state else flags)
+        return ct
+    if isinstance(expr, Const):
+        value = expr.value
+        return lambda it, st: value
+    if isinstance(expr, Bitwise):
+        left = _getter(expr.left)
+        if left is None:
+            return None
+        op, right = expr.op, expr.right
+
+        def bitwise(it: _Interpreter, st: _State) -> Any:
+            v = left(it, st)
+            if v is None:
+                return None
+            if op == "&":
+                return v & right & _MASK32
+            if op == "|":
+                return (v | right) & _MASK32
+            return (v ^ right) & _MASK32
+        return bitwise
+    if isinstance(expr, Concat):
+        items = [_getter(item) for item in expr.items]
+        if any(g is None for g in items):
+            return None
+
+        def concat(it: _Interpreter, st: _State) -> Any:
+            out = []
+            for g in items:
+                v = g(it, st)
+                if v is None:
+                    return None
+                out.append(v)
+            return tuple(out)
+        return concat
+    return None
+
+
+def _leading(interp: _Interpreter, table: Table, rule: Rule) -> tuple[Any, ...]:
+    tests = []
+    for stmt in rule.statements:
+        if not isinstance(stmt, Match) or isinstance(stmt.left, Numgen):
+            break
+        operand = stmt.right
+        if isinstance(operand, SetRef) and interp._is_dynamic(table, operand):
+            break
+        get = _getter(stmt.left)
+        if get is None:
+            break
+        tests.append(_test(table, get, stmt.op, operand))
+    return tuple(tests)
+
+
+def _test(table: Table, get: Any, op: str, operand: Any) -> Any:
+    def test(it: _Interpreter, st: _State) -> bool:
+        return it._compare(table, get(it, st), op, operand, st)
+    return test
+
+
 def _merged(exits: list[tuple[Weight, _State, str]]) -> list[tuple[Weight, _State, str]]:
     """Exits with equal decision state and verdict folded into one (the first one's history)."""
     if len(exits) < 2:
@@ -751,7 +1057,16 @@ def _state(packet: Packet) -> _State:
 
 def _endpoint(dnat: tuple[Address, int]) -> str:
     addr, port = dnat
-    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+    key = (addr._version, addr._ip, port)
+    found = _ENDPOINTS.get(key)
+    if found is None:
+        # str(), not an f-string: ipaddress's __format__ parses a format spec on every call.
+        found = "[" + str(addr) + "]:" + str(port) if addr._version == 6 else str(addr) + ":" + str(port)
+        _bounded(_ENDPOINTS)[key] = found
+    return found
+
+
+_ENDPOINTS: dict[tuple[int, int, int], str] = {}
 
 
 def _outcome(st: _State, verdict: str) -> Outcome:
@@ -806,10 +1121,17 @@ def trace(ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = (), mod
     return _paths(_walk(_Interpreter(ruleset, node_ips, mode, tracing=True), packet))
 
 
+def _shared(ruleset: Ruleset, node_ips: Sequence[str], mode: _WalkMode) -> _Interpreter:
+    """One interpreter per ruleset, node addresses and mode, kept while the ruleset lives: the
+    probes of one `compare` share its memoised chain walks."""
+    ips = tuple(node_ips)
+    return indexes(ruleset).cached(("interpreter", mode, ips), lambda: _Interpreter(ruleset, ips, mode, tracing=False))  # type: ignore[no-any-return]
+
+
 def interpret(
     ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = (), mode: Mode = "kernel"
 ) -> dict[Outcome, Fraction]:
-    interp = _Interpreter(ruleset, node_ips, mode, tracing=False)
+    interp = _shared(ruleset, node_ips, mode)
     return _aggregate(interp, _walk(interp, packet))
 
 
@@ -817,7 +1139,7 @@ def interpret_both(
     ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = ()
 ) -> tuple[dict[Outcome, Fraction], dict[Outcome, Fraction]]:
     """`interpret` in kernel mode and in ideal mode, from one walk: (kernel, ideal)."""
-    interp = _Interpreter(ruleset, node_ips, "both", tracing=False)
+    interp = _shared(ruleset, node_ips, "both")
     results = _walk(interp, packet)
     kernel = [(w.kernel, st, v) for w, st, v in results if not w.kernel.is_zero()]  # type: ignore[union-attr]
     ideal = [(w.ideal, st, v) for w, st, v in results if not w.ideal.is_zero()]  # type: ignore[union-attr]
