@@ -175,6 +175,7 @@ class _Dyadic:
 # gives n weights, the same for every chain of n endpoints): made once per process.
 _FRACTIONS: dict[tuple[int, int], Fraction] = {}
 _SLOT_WEIGHTS: dict[tuple[str, int, int, int], Any] = {}
+_STATISTIC_WEIGHTS: dict[tuple[str, str], Any] = {}
 _CACHE_LIMIT = 1 << 16
 
 
@@ -403,9 +404,9 @@ class _Interpreter:
         }[mode]()
         self.index = indexes(ruleset)
         self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
-        # ((table, chain), _project(state, reads)) -> (the chain's exits for a walk entering with
-        # weight 1, reads); per chain, the read sets its walks have had
-        self._memo: dict[tuple, tuple[list[tuple[Weight, _State | None, str]], int]] = {}
+        # ((table, chain), _project(state, reads)) -> [the chain's exits for a walk entering with
+        # weight 1, reads, used since the last sweep]; per chain, the read sets its walks have had
+        self._memo: dict[tuple, list[Any]] = {}
         self._read_sets: dict[tuple[int, str], list[int]] = {}
         self._reads = 0  # what the chain being walked has read so far
         self.entered: set[str] | None = None  # when set, the name of every chain walked
@@ -489,7 +490,16 @@ class _Interpreter:
             hit, miss = miss, hit
         return [(w, v) for w, v in ((hit, True), (miss, False)) if not w.is_zero()]
 
-    def _statistic(self, st: Statistic) -> Weight:
+    def _statistic(self, st: Statistic) -> tuple[Weight, Weight]:
+        """The weight of a statistic match firing, and of it not firing."""
+        key = (self.mode, st.probability)
+        found = _STATISTIC_WEIGHTS.get(key)
+        if found is None:
+            q = self._statistic_uncached(st)
+            found = _bounded(_STATISTIC_WEIGHTS)[key] = (q, q.complement())
+        return found  # type: ignore[no-any-return]
+
+    def _statistic_uncached(self, st: Statistic) -> Weight:
         if self.mode == "kernel":
             return _Dyadic(quantize.iptables_threshold(st.probability), 31)
         ideal = _Exact(quantize.ideal_probability(st.probability))
@@ -609,8 +619,8 @@ class _Interpreter:
                 out.append((w, st, None if hit else _NOMATCH))
             return out
         if isinstance(stmt, Statistic):
-            q = self._statistic(stmt)
-            fire, miss = (q, q.complement()) if not stmt.negate else (q.complement(), q)
+            q, not_q = self._statistic(stmt)
+            fire, miss = (q, not_q) if not stmt.negate else (not_q, q)
             out = []
             if not fire.is_zero():
                 out.append((fire, st, None))
@@ -713,14 +723,18 @@ class _Interpreter:
             reads = _ALL if self.entered is not None else self._reads
             self._reads = outer | reads
             if len(self._memo) >= _MEMO_LIMIT:
-                self._memo.clear()
-                self._read_sets.clear()
-            self._memo[(ck, _project(st, reads))] = (_unchanged(start, exits), reads)
+                # Keep the walks used since the last sweep (the shared filter and postrouting
+                # chains), drop the others (a service's own chains, met by one probe).
+                self._memo = {k: v for k, v in self._memo.items() if v[2]}
+                for v in self._memo.values():
+                    v[2] = False
+            self._memo[(ck, _project(st, reads))] = [_unchanged(start, exits), reads, False]
             known = self._read_sets.setdefault(ck, [])
             if reads not in known:
                 known.append(reads)
         else:
-            exits, reads = found
+            exits, reads, _ = found
+            found[2] = True
             self._reads |= reads
         one = self.one
         if w is one:
