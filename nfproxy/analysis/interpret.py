@@ -344,13 +344,9 @@ def _rebase(before: _State, after: _State | None, reads: int) -> _State:
 
 
 def _unchanged(start: _State, exits: list[tuple[Weight, _State, str]]) -> list[tuple[Weight, _State | None, str]]:
-    """`exits` with None for a state that is `start`'s, history included: most chains only
-    read, and their memoised exits then cost nothing to rebase."""
-    key = _key(start)
-    return [
-        (w, None if ex is start or (_key(ex) == key and not (ex.steps or ex.lookups or ex.pins) and ex.paths == 1) else ex, r)
-        for w, ex, r in exits
-    ]
+    """`exits` with None for `start` itself (no history: `_fresh`): most chains only read, and
+    their memoised exits then cost nothing to rebase."""
+    return [(w, None if ex is start else ex, r) for w, ex, r in exits]
 
 
 # Memoised chain walks kept per interpreter; past this many, the memo starts afresh.
@@ -409,6 +405,8 @@ class _Interpreter:
         self._memo: dict[tuple, list[Any]] = {}
         self._read_sets: dict[tuple[int, str], list[int]] = {}
         self._reads = 0  # what the chain being walked has read so far
+        self._queries: list[tuple[Any, ElementIndex, int]] = []  # and which lookups it made (_query)
+        self._written = 0  # the fields it has written since it was entered
         self.entered: set[str] | None = None  # when set, the name of every chain walked
         # table -> rule -> its leading plain matches (_leading), by id; shared per ruleset
         self._leading: dict[int, dict[int, tuple[Any, ...]]] = self.index.cached(("leading",), dict)
@@ -592,6 +590,47 @@ class _Interpreter:
             return [(w, None if el is None or not isinstance(el.data, Const) else el.data.value) for w, el in found]
         raise _Unknown(f"expression {expr!r} is not modelled")
 
+    def _query(self, get: Any, index: ElementIndex, st: _State) -> tuple[Any, Element | None]:
+        """`get`'s value in `st` and the element of `index` it finds. When the value is made of
+        addresses, ports and the protocol alone, the walk depends on the answer, not on the
+        fields: the lookup is recorded as a query instead of a read, so that a memoised walk
+        serves every state with the same answers (every endpoint a set holds no element for)."""
+        outer = self._reads
+        self._reads = 0
+        v = get(self, st)
+        bits = self._reads
+        # Only of the state the chain was entered with: a field it has written since is read.
+        if bits & (_SRC | _DST) and not bits & ~(_SRC | _DST | _DPORT | _PROTO) and not bits & self._written:
+            self._reads = outer
+            self._queries.append((get, index, bits))
+        else:
+            self._reads = outer | bits
+        return v, None if v is None else index.find(v)
+
+    def _absorb(self, reads: int, queries: tuple, written: int) -> None:
+        """What a chain walked from here read, asked and wrote, into the walk that called it. A
+        query of fields this walk had written before the call is a read of them here."""
+        self._reads |= reads
+        for q in queries:
+            if q[2] & self._written:
+                self._reads |= q[2]
+            else:
+                self._queries.append(q)
+        self._written |= written
+
+    def _sig_key(self, st: _State, sig: tuple[int, tuple]) -> tuple:
+        """The memo key of `st` for a walk that read `sig`: (fields read, queries made)."""
+        reads, queries = sig
+        if not queries:
+            return _project(st, reads)
+        outer = self._reads
+        answers = []
+        for get, index, _ in queries:
+            v = get(self, st)
+            answers.append(-1 if v is None else id(index.find(v)))  # id(None) for no element
+        self._reads = outer
+        return (_project(st, reads), tuple(answers))
+
     def _elements(self, table: Table, operand: SetRef | AnonSet, st: _State, record: bool) -> ElementIndex:
         if isinstance(operand, AnonSet):
             return self.index.elements(operand.elements)
@@ -634,8 +673,11 @@ class _Interpreter:
         if isinstance(stmt, VerdictMap):
             index = self._elements(table, stmt.map, st, record=True)
             out = []
+            get = None if isinstance(stmt.key, Numgen) else _getter(stmt.key)
             if isinstance(stmt.key, Numgen):
                 found = self._numgen_split(stmt.key, index)
+            elif get is not None:
+                found = [(one, self._query(get, index, st)[1])]
             else:
                 found = [(w, index.find(key)) for w, key in self.values(table, stmt.key, st)]
             for w, el in found:
@@ -648,6 +690,7 @@ class _Interpreter:
             return out
         if isinstance(stmt, MarkSet):
             self._reads |= _MARK
+            self._written |= _MARK
             return [
                 (w, st, _NOMATCH) if v is None else (w, _State(st.src, st.dst, st.dport, st.proto, v & _MASK32, st.dnat, st.masq, st.steps, st.lookups, st.pins, st.paths), None)
                 for w, v in self.values(table, stmt.value, st)
@@ -656,6 +699,7 @@ class _Interpreter:
             return [(one, _with_history(st, st.steps, st.lookups, st.pins + (stmt.set,), st.paths), None)]
         if isinstance(stmt, Dnat):
             self._reads |= _DST | _DPORT | _DNAT
+            self._written |= _DST | _DPORT | _DNAT
             out = []
             ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
             for w, addr in self.values(table, stmt.addr, st):
@@ -673,6 +717,7 @@ class _Interpreter:
             return out
         if isinstance(stmt, Masquerade):
             self._reads |= _MASQ
+            self._written |= _MASQ
             return [(one, _State(st.src, st.dst, st.dport, st.proto, st.mark, st.dnat, True,
                                  st.steps, st.lookups, st.pins, st.paths), ("nat", ""))]
         if isinstance(stmt, Unknown):
@@ -709,33 +754,43 @@ class _Interpreter:
             self.entered.add(chain.name)
         ck = (id(table), chain.name)
         found = None
-        for reads in self._read_sets.get(ck, ()):
-            found = self._memo.get((ck, _project(st, reads)))
+        for sig in self._read_sets.get(ck, ()):
+            found = self._memo.get((ck, self._sig_key(st, sig)))
             if found is not None:
                 break
         if found is None:
-            outer = self._reads
-            self._reads = 0
+            outer, outer_queries, outer_written = self._reads, self._queries, self._written
+            self._reads, self._queries, self._written = 0, [], 0
             start = _fresh(st)
             exits = self._walk_rules(table, chain, start, depth)
+            written = self._written
             # With `entered` asked for, only equal states share a walk: a shared one would not
             # name the chains it entered.
-            reads = _ALL if self.entered is not None else self._reads
-            self._reads = outer | reads
+            if self.entered is not None:
+                sig = (_ALL, ())
+            else:
+                sig = (self._reads, tuple(dict.fromkeys(self._queries)))
+            self._reads, self._queries, self._written = outer, outer_queries, outer_written
+            self._absorb(sig[0], sig[1], written)
             if len(self._memo) >= _MEMO_LIMIT:
                 # Keep the walks used since the last sweep (the shared filter and postrouting
                 # chains), drop the others (a service's own chains, met by one probe).
                 self._memo = {k: v for k, v in self._memo.items() if v[2]}
                 for v in self._memo.values():
                     v[2] = False
-            self._memo[(ck, _project(st, reads))] = [_unchanged(start, exits), reads, False]
+            self._memo[(ck, self._sig_key(st, sig))] = [_unchanged(start, exits), sig[0], False, sig[1], written]
             known = self._read_sets.setdefault(ck, [])
-            if reads not in known:
-                known.append(reads)
+            if sig not in known:
+                known.append(sig)
+            # Walked from this very state: its exits need no rebasing, only `st`'s history.
+            one = self.one
+            if w is one:
+                return [(f, _join(st, ex), r) for f, ex, r in exits]
+            return [(w if f is one else w * f, _join(st, ex), r) for f, ex, r in exits]
         else:
-            exits, reads, _ = found
+            exits, reads, _, queries, written = found
             found[2] = True
-            self._reads |= reads
+            self._absorb(reads, queries, written)
         one = self.one
         if w is one:
             return [(f, _rebase(st, ex, reads), r) for f, ex, r in exits]
@@ -854,8 +909,14 @@ class _Interpreter:
         lead = leads.get(id(rule))
         if lead is None:
             lead = leads[id(rule)] = _leading(self, table, rule)
-        for get, op, operand in lead:
-            if not self._compare(table, get(self, st), op, operand, st):
+        for get, op, operand, in_set in lead:
+            if in_set:
+                # Membership: asked as a query (see _query), not as a read of the addresses.
+                v, el = self._query(get, self._elements(table, operand, st, record=True), st)
+                hit = v is not None and (el is not None) is (op == "==")
+            else:
+                hit = self._compare(table, get(self, st), op, operand, st)
+            if not hit:
                 return [(one, st, _NOMATCH)]
         statements = rule.statements
         if lead:
@@ -1030,7 +1091,7 @@ def _make_getter(expr: Expr) -> Any:
 
 
 def _leading(interp: _Interpreter, table: Table, rule: Rule) -> tuple[Any, ...]:
-    tests: list[tuple[Any, str, Any]] = []
+    tests: list[tuple[Any, str, Any, bool]] = []
     for stmt in rule.statements:
         if not isinstance(stmt, Match) or isinstance(stmt.left, Numgen):
             break
@@ -1040,7 +1101,7 @@ def _leading(interp: _Interpreter, table: Table, rule: Rule) -> tuple[Any, ...]:
         get = _getter(stmt.left)
         if get is None:
             break
-        tests.append((get, stmt.op, operand))
+        tests.append((get, stmt.op, operand, isinstance(operand, (SetRef, AnonSet)) and stmt.op in ("==", "!=")))
     return tuple(tests) if tests else ()
 
 
@@ -1201,7 +1262,16 @@ def _aggregate(interp: _Interpreter, results: list[tuple[Weight, _State, str]]) 
     for w, st, verdict in results:
         o = _outcome(st, verdict)
         sums[o] = sums[o] + w if o in sums else w
-    return {o: _shared_fraction(w.fraction()) for o, w in sorted(sums.items())}
+    if len(sums) == 1:
+        ((o, w),) = sums.items()
+        return {o: _shared_fraction(w.fraction())}
+    # Outcome's own order (its fields in turn), without the dataclass's Python-level __lt__.
+    return {o: _shared_fraction(w.fraction()) for o, w in sorted(sums.items(), key=_outcome_order)}
+
+
+def _outcome_order(item: tuple[Outcome, Any]) -> tuple:
+    o = item[0]
+    return (o.verdict, o.endpoint, o.masquerade)
 
 
 def walk_chain(
