@@ -349,6 +349,18 @@ def _unchanged(start: _State, exits: list[tuple[Weight, _State, str]]) -> list[t
     return [(w, None if ex is start else ex, r) for w, ex, r in exits]
 
 
+# Signatures (what a walk read and asked) kept per chain: each is tried on every entry, and a
+# chain that reaches per-service chains (nat prerouting) has one per service; past this many,
+# its walks with a new signature are not memoised.
+_SIGNATURES = 8
+# A walk that asked more than this many queries is not memoised (one that met a service's own
+# sets, as kube-proxy's layout has them): checking them would cost what walking does.
+_QUERIES = 6
+# A chain is no longer looked up once it was tried this many times with fewer than one hit in
+# _HIT_RATE tries.
+_TRIES = 64
+_HIT_RATE = 16
+
 # Memoised chain walks kept per interpreter; past this many, the memo starts afresh.
 _MEMO_LIMIT = 20_000
 
@@ -403,7 +415,8 @@ class _Interpreter:
         # ((table, chain), _project(state, reads)) -> [the chain's exits for a walk entering with
         # weight 1, reads, used since the last sweep]; per chain, the read sets its walks have had
         self._memo: dict[tuple, list[Any]] = {}
-        self._read_sets: dict[tuple[int, str], list[int]] = {}
+        self._read_sets: dict[tuple[int, str], list[tuple[int, tuple]]] = {}
+        self._stats: dict[tuple[int, str], list[int]] = {}  # per chain: [memo lookups, hits]
         self._reads = 0  # what the chain being walked has read so far
         self._queries: list[tuple[Any, ElementIndex, int]] = []  # and which lookups it made (_query)
         self._written = 0  # the fields it has written since it was entered
@@ -754,10 +767,19 @@ class _Interpreter:
             self.entered.add(chain.name)
         ck = (id(table), chain.name)
         found = None
-        for sig in self._read_sets.get(ck, ()):
-            found = self._memo.get((ck, self._sig_key(st, sig)))
-            if found is not None:
-                break
+        stats = self._stats.get(ck)
+        if stats is None:
+            stats = self._stats[ck] = [0, 0]
+        # A chain whose walks are seldom shared (one that leads to every service's chains) is
+        # no longer looked up: trying its signatures would cost more than walking it.
+        useful = stats[0] < _TRIES or stats[1] * _HIT_RATE >= stats[0]
+        if useful:
+            stats[0] += 1
+            for sig in self._read_sets.get(ck, ()):
+                found = self._memo.get((ck, self._sig_key(st, sig)))
+                if found is not None:
+                    stats[1] += 1
+                    break
         if found is None:
             outer, outer_queries, outer_written = self._reads, self._queries, self._written
             self._reads, self._queries, self._written = 0, [], 0
@@ -778,10 +800,11 @@ class _Interpreter:
                 self._memo = {k: v for k, v in self._memo.items() if v[2]}
                 for v in self._memo.values():
                     v[2] = False
-            self._memo[(ck, self._sig_key(st, sig))] = [_unchanged(start, exits), sig[0], False, sig[1], written]
             known = self._read_sets.setdefault(ck, [])
-            if sig not in known:
+            if useful and sig not in known and len(known) < _SIGNATURES and len(sig[1]) <= _QUERIES:
                 known.append(sig)
+            if useful and sig in known:
+                self._memo[(ck, self._sig_key(st, sig))] = [_unchanged(start, exits), sig[0], False, sig[1], written]
             # Walked from this very state: its exits need no rebasing, only `st`'s history.
             one = self.one
             if w is one:
