@@ -415,8 +415,8 @@ class _Interpreter:
         # ((table, chain), _project(state, reads)) -> [the chain's exits for a walk entering with
         # weight 1, reads, used since the last sweep]; per chain, the read sets its walks have had
         self._memo: dict[tuple, list[Any]] = {}
-        self._read_sets: dict[tuple[int, str], list[tuple[int, tuple]]] = {}
-        self._stats: dict[tuple[int, str], list[int]] = {}  # per chain: [memo lookups, hits]
+        # per chain: [memo lookups, hits, the signatures (reads, queries) its walks have had]
+        self._stats: dict[tuple[int, str], list[Any]] = {}
         self._reads = 0  # what the chain being walked has read so far
         self._queries: list[tuple[Any, ElementIndex, int]] = []  # and which lookups it made (_query)
         self._written = 0  # the fields it has written since it was entered
@@ -769,13 +769,13 @@ class _Interpreter:
         found = None
         stats = self._stats.get(ck)
         if stats is None:
-            stats = self._stats[ck] = [0, 0]
+            stats = self._stats[ck] = [0, 0, []]
         # A chain whose walks are seldom shared (one that leads to every service's chains) is
         # no longer looked up: trying its signatures would cost more than walking it.
         useful = stats[0] < _TRIES or stats[1] * _HIT_RATE >= stats[0]
         if useful:
             stats[0] += 1
-            for sig in self._read_sets.get(ck, ()):
+            for sig in stats[2]:
                 found = self._memo.get((ck, self._sig_key(st, sig)))
                 if found is not None:
                     stats[1] += 1
@@ -783,7 +783,7 @@ class _Interpreter:
         if found is None:
             outer, outer_queries, outer_written = self._reads, self._queries, self._written
             self._reads, self._queries, self._written = 0, [], 0
-            start = _fresh(st)
+            start = _fresh(st) if st.steps or st.lookups or st.pins or st.paths != 1 else st
             exits = self._walk_rules(table, chain, start, depth)
             written = self._written
             # With `entered` asked for, only equal states share a walk: a shared one would not
@@ -800,7 +800,7 @@ class _Interpreter:
                 self._memo = {k: v for k, v in self._memo.items() if v[2]}
                 for v in self._memo.values():
                     v[2] = False
-            known = self._read_sets.setdefault(ck, [])
+            known = stats[2]
             if useful and sig not in known and len(known) < _SIGNATURES and len(sig[1]) <= _QUERIES:
                 known.append(sig)
             if useful and sig in known:
@@ -824,6 +824,7 @@ class _Interpreter:
         rules = chain.rules
         count = len(rules)
         skip = self.index.rules(chain)
+        leads = self._leads(table)
         if skip.field is not None:
             self._reads |= _DST if skip.field == "daddr" else _DPORT
         one = self.one
@@ -872,7 +873,7 @@ class _Interpreter:
             if i >= count:
                 return [(w, st, "return")]
             rule = rules[i]
-            branches = self._rule_at(table, chain, i, rule, st)
+            branches = self._rule_at(table, chain, i, rule, st, leads)
             if len(branches) != 1:
                 follow(i, rule, w, branches)
                 break
@@ -901,12 +902,20 @@ class _Interpreter:
             i = heapq.heappop(heap)
             rule = rules[i]
             for w, st in pending.pop(i).items.values():
-                follow(i, rule, w, self._rule_at(table, chain, i, rule, st))
+                follow(i, rule, w, self._rule_at(table, chain, i, rule, st, leads))
         return _merged(out)
 
-    def _rule_at(self, table: Table, chain: Chain, i: int, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
+    def _leads(self, table: Table) -> dict[int, tuple[Any, ...]]:
+        leads = self._leading.get(id(table))
+        if leads is None:
+            leads = self._leading[id(table)] = {}
+        return leads
+
+    def _rule_at(
+        self, table: Table, chain: Chain, i: int, rule: Rule, st: _State, leads: dict[int, tuple[Any, ...]]
+    ) -> list[tuple[Weight, _State, tuple | None]]:
         try:
-            return self.rule(table, rule, st)
+            return self.rule(table, rule, st, leads)
         except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
             # _Unknown: not modelled. The others: values of a type the rule cannot hold (a
             # dump edited by hand), which a parser let through.
@@ -924,11 +933,12 @@ class _Interpreter:
             )
         return sub
 
-    def rule(self, table: Table, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
+    def rule(
+        self, table: Table, rule: Rule, st: _State, leads: dict[int, tuple[Any, ...]] | None = None
+    ) -> list[tuple[Weight, _State, tuple | None]]:
         one = self.one
-        leads = self._leading.get(id(table))
         if leads is None:
-            leads = self._leading[id(table)] = {}
+            leads = self._leads(table)
         lead = leads.get(id(rule))
         if lead is None:
             lead = leads[id(rule)] = _leading(self, table, rule)
