@@ -260,8 +260,22 @@ def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ..
                 key_raw = inner.get("val")
         if type(key_raw) is dict:
             parts = key_raw.get("concat")
-            if type(parts) is not list:  # a prefix, a range, or something to complain about
-                append(_element(raw, key_kinds, data_kinds, memo))
+            if type(parts) is not list:
+                bounds = key_raw.get("range")
+                if width == 1 and type(bounds) is list and len(bounds) == 2 and len(key_raw) == 1 \
+                        and all(type(b) is str or type(b) is int for b in bounds):
+                    # An interval map's key (the endpoint lanes): read as _value reads it.
+                    kind = key_kinds[0]
+                    key_range = Range(_memo_canonical(bounds[0], kind, memo), _memo_canonical(bounds[1], kind, memo))  # type: ignore[arg-type]
+                    if not data_kinds:
+                        data = None
+                    elif verdicts:
+                        data = _memo_verdict(data_raw, memo)
+                    else:
+                        data = _fast_data(data_raw, data_kinds, values, memo)
+                    append(Element((key_range,), data, comment))
+                else:  # a prefix, or something to complain about
+                    append(_element(raw, key_kinds, data_kinds, memo))
                 continue
         else:
             parts = (key_raw,)
