@@ -24,6 +24,13 @@ Modes: "kernel" uses the kernel's integer arithmetic (quantize.py): statistic th
 and, for a statistic match, the simplest rational the printed value stands for (1/3 for
 0.3333333333 and for 0.33333333349 alike).
 
+Memo: a chain's walk is kept with what it read of the state it entered with (fields, and the
+elements that set and map lookups of addresses found) and serves every later entry that agrees
+on those; `interpret` and `interpret_both` keep one interpreter per ruleset, node addresses and
+mode while the ruleset lives, so the thousands of probes of one `compare` share their walks of
+the filter and postrouting chains. The answers are those of a fresh walk
+(tests/test_analysis_memo.py).
+
 Affinity: lookups in dynamic sets (nft `ip saddr @affinity-…`, iptables `-m recent --rcheck`)
 are evaluated as for a client with no history (the set is empty), and reported on the path;
 whatever the dump holds in such a set is ignored. Nat chains run once per connection, so a nat
