@@ -24,6 +24,13 @@ Modes: "kernel" uses the kernel's integer arithmetic (quantize.py): statistic th
 and, for a statistic match, the simplest rational the printed value stands for (1/3 for
 0.3333333333 and for 0.33333333349 alike).
 
+Memo: a chain's walk is kept with what it read of the state it entered with (fields, and the
+elements that set and map lookups of addresses found) and serves every later entry that agrees
+on those; `interpret` and `interpret_both` keep one interpreter per ruleset, node addresses and
+mode while the ruleset lives, so the thousands of probes of one `compare` share their walks of
+the filter and postrouting chains. The answers are those of a fresh walk
+(tests/test_analysis_memo.py).
+
 Affinity: lookups in dynamic sets (nft `ip saddr @affinity-…`, iptables `-m recent --rcheck`)
 are evaluated as for a client with no history (the set is empty), and reported on the path;
 whatever the dump holds in such a set is ignored. Nat chains run once per connection, so a nat
@@ -155,6 +162,13 @@ class _Dyadic:
         return self.num == 0
 
     def fraction(self) -> Fraction:
+        key = (self.num, self.exp)
+        found = _FRACTIONS.get(key)
+        if found is None:
+            found = _bounded(_FRACTIONS)[key] = self._fraction()
+        return found
+
+    def _fraction(self) -> Fraction:
         if self.num == 0:
             return Fraction(0)
         shift = min((self.num & -self.num).bit_length() - 1, self.exp)
@@ -162,6 +176,21 @@ class _Dyadic:
             return Fraction(self.num >> shift, 1 << (self.exp - shift), _normalize=False)  # type: ignore[call-arg]
         except TypeError:  # Python >= 3.12 dropped _normalize; the gcd is then paid once here
             return Fraction(self.num >> shift, 1 << (self.exp - shift))
+
+
+# Weights are immutable, and the same few recur in every service's walk (a numgen of n slots
+# gives n weights, the same for every chain of n endpoints): made once per process.
+_FRACTIONS: dict[tuple[int, int], Fraction] = {}
+_SLOT_WEIGHTS: dict[tuple[str, int, int, int], Any] = {}
+_STATISTIC_WEIGHTS: dict[tuple[str, str], Any] = {}
+_CACHE_LIMIT = 1 << 16
+
+
+def _bounded(cache: dict) -> dict:  # type: ignore[type-arg]
+    """`cache`, emptied first when full: a dump with many distinct weights costs memory once."""
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    return cache
 
 
 class _Exact:
@@ -215,7 +244,6 @@ class _Both:
 
 Weight = Union[_Dyadic, _Exact, _Both]
 
-_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 _MASK32 = 0xFFFFFFFF
 _NOMATCH = ("nomatch",)
 
@@ -244,8 +272,10 @@ _StateKey = tuple
 def _key(st: _State) -> _StateKey:
     # Addresses as ints: ipaddress's own __hash__ formats a hex string on every call. One walk
     # is of one family, so the ints cannot collide across families.
-    dnat = None if st.dnat is None else (int(st.dnat[0]), st.dnat[1])
-    return (int(st.src), int(st.dst), st.dport, st.proto, st.mark, dnat, st.masq)
+    dnat = st.dnat
+    if dnat is not None:
+        dnat = (dnat[0]._ip, dnat[1])
+    return (st.src._ip, st.dst._ip, st.dport, st.proto, st.mark, dnat, st.masq)
 
 
 def _with_history(st: _State, steps: tuple, lookups: tuple, pins: tuple, paths: int) -> _State:
@@ -270,6 +300,76 @@ def _join(before: _State, after: _State) -> _State:
         before.pins + after.pins,
         before.paths * after.paths,
     )
+
+
+# What a chain's walk read of the state it entered with, as bits: a memoised walk answers for
+# every state that agrees on those fields (the decisions it took depend on nothing else), so the
+# filter and postrouting chains every endpoint of every service passes through, reading only
+# conntrack flags and marks, are walked once per compare rather than once per endpoint and
+# probe. A field a walk writes counts as read: its value at the exit is then known from the key.
+_SRC, _DST, _DPORT, _PROTO, _MARK, _DNAT, _DNATTED, _MASQ = 1, 2, 4, 8, 16, 32, 64, 128
+_ALL = 255  # _DNATTED: only whether the connection was DNATted (ct state/status), not where to
+
+
+def _project(st: _State, reads: int) -> tuple:
+    """The fields of `st` that `reads` names (and its family, which every walk depends on)."""
+    dnat = st.dnat
+    return (
+        reads,
+        st.src._version,
+        st.src._ip if reads & _SRC else None,
+        st.dst._ip if reads & _DST else None,
+        st.dport if reads & _DPORT else None,
+        st.proto if reads & _PROTO else None,
+        st.mark if reads & _MARK else None,
+        (None if dnat is None else (dnat[0]._ip, dnat[1])) if reads & _DNAT else (dnat is not None) if reads & _DNATTED else None,
+        st.masq if reads & _MASQ else None,
+    )
+
+
+def _rebase(before: _State, after: _State | None, reads: int) -> _State:
+    """A memoised exit state `after` of a walk that read `reads`, for a walk entered in state
+    `before` (which agrees with the memoised one on those fields), with `before`'s history.
+    None: the walk left the state as it was, and recorded no history."""
+    if after is None:
+        return before
+    if reads == _ALL:
+        return _join(before, after)
+    return _State(
+        after.src if reads & _SRC else before.src,
+        after.dst if reads & _DST else before.dst,
+        after.dport if reads & _DPORT else before.dport,
+        after.proto if reads & _PROTO else before.proto,
+        after.mark if reads & _MARK else before.mark,
+        after.dnat if reads & _DNAT else before.dnat,
+        after.masq if reads & _MASQ else before.masq,
+        before.steps + after.steps if before.steps else after.steps,
+        before.lookups + after.lookups if before.lookups else after.lookups,
+        before.pins + after.pins if before.pins else after.pins,
+        before.paths * after.paths,
+    )
+
+
+def _unchanged(start: _State, exits: list[tuple[Weight, _State, str]]) -> list[tuple[Weight, _State | None, str]]:
+    """`exits` with None for `start` itself (no history: `_fresh`): most chains only read, and
+    their memoised exits then cost nothing to rebase."""
+    return [(w, None if ex is start else ex, r) for w, ex, r in exits]
+
+
+# Signatures (what a walk read and asked) kept per chain: each is tried on every entry, and a
+# chain that reaches per-service chains (nat prerouting) has one per service; past this many,
+# its walks with a new signature are not memoised.
+_SIGNATURES = 8
+# A walk that asked more than this many queries is not memoised (one that met a service's own
+# sets, as kube-proxy's layout has them): checking them would cost what walking does.
+_QUERIES = 6
+# A chain is no longer looked up once it was tried this many times with fewer than one hit in
+# _HIT_RATE tries.
+_TRIES = 64
+_HIT_RATE = 16
+
+# Memoised chain walks kept per interpreter; past this many, the memo starts afresh.
+_MEMO_LIMIT = 20_000
 
 
 class _Merge:
@@ -311,6 +411,7 @@ class _Interpreter:
         self.mode = mode
         self.tracing = tracing
         self.local = frozenset(ipaddress.ip_address(ip) for ip in node_ips)
+        self._local = frozenset((a.version, a._ip) for a in self.local)
         self.one: Weight = {
             "kernel": lambda: _Dyadic(1, 0),
             "ideal": lambda: _Exact(Fraction(1)),
@@ -318,9 +419,17 @@ class _Interpreter:
         }[mode]()
         self.index = indexes(ruleset)
         self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
-        # (table, chain, decision state) -> the chain's exits, for a walk entering with weight 1
-        self._memo: dict[tuple[int, str, _StateKey], list[tuple[Weight, _State, str]]] = {}
+        # ((table, chain), _project(state, reads)) -> [the chain's exits for a walk entering with
+        # weight 1, reads, used since the last sweep]; per chain, the read sets its walks have had
+        self._memo: dict[tuple, list[Any]] = {}
+        # per chain: [memo lookups, hits, the signatures (reads, queries) its walks have had]
+        self._stats: dict[tuple[int, str], list[Any]] = {}
+        self._reads = 0  # what the chain being walked has read so far
+        self._queries: list[tuple[Any, ElementIndex, int]] = []  # and which lookups it made (_query)
+        self._written = 0  # the fields it has written since it was entered
         self.entered: set[str] | None = None  # when set, the name of every chain walked
+        # table -> rule -> its leading plain matches (_leading), by id; shared per ruleset
+        self._leading: dict[int, dict[int, tuple[Any, ...]]] = self.index.cached(("leading",), dict)
 
     # ---- weights
 
@@ -339,11 +448,18 @@ class _Interpreter:
 
     def _slots(self, expr: Numgen, first: int, last: int) -> Weight:
         """The weight of slots first..last (relative to the offset) of a numgen: closed form."""
+        key = (self.mode, expr.mod, first, last)
+        found = _SLOT_WEIGHTS.get(key)
+        if found is None:
+            found = _bounded(_SLOT_WEIGHTS)[key] = self._slots_uncached(expr.mod, first, last)
+        return found  # type: ignore[no-any-return]
+
+    def _slots_uncached(self, mod: int, first: int, last: int) -> Weight:
         if self.mode == "kernel":
-            return _Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32)
-        ideal = _Exact(Fraction(last - first + 1, expr.mod))
+            return _Dyadic(quantize.numgen_slot_count(first, last, mod), 32)
+        ideal = _Exact(Fraction(last - first + 1, mod))
         if self.mode == "both":
-            return _Both(_Dyadic(quantize.numgen_slot_count(first, last, expr.mod), 32), ideal)
+            return _Both(_Dyadic(quantize.numgen_slot_count(first, last, mod), 32), ideal)
         return ideal
 
     def _numgen_split(self, expr: Numgen, index: ElementIndex) -> list[tuple[Weight, Element | None]]:
@@ -392,7 +508,16 @@ class _Interpreter:
             hit, miss = miss, hit
         return [(w, v) for w, v in ((hit, True), (miss, False)) if not w.is_zero()]
 
-    def _statistic(self, st: Statistic) -> Weight:
+    def _statistic(self, st: Statistic) -> tuple[Weight, Weight]:
+        """The weight of a statistic match firing, and of it not firing."""
+        key = (self.mode, st.probability)
+        found = _STATISTIC_WEIGHTS.get(key)
+        if found is None:
+            q = self._statistic_uncached(st)
+            found = _bounded(_STATISTIC_WEIGHTS)[key] = (q, q.complement())
+        return found  # type: ignore[no-any-return]
+
+    def _statistic_uncached(self, st: Statistic) -> Weight:
         if self.mode == "kernel":
             return _Dyadic(quantize.iptables_threshold(st.probability), 31)
         ideal = _Exact(quantize.ideal_probability(st.probability))
@@ -403,23 +528,35 @@ class _Interpreter:
     # ---- values
 
     def is_local(self, addr: Address) -> bool:
-        return addr in self.local or any(addr in net for net in _LOOPBACK if net.version == addr.version)
+        # On ints: an ipaddress object hashes through a hex string, and `in` a network
+        # builds one. Loopback: 127.0.0.0/8 and ::1/128.
+        ip = addr._ip
+        if addr._version == 4:
+            return ip >> 24 == 127 or (4, ip) in self._local
+        return ip == 1 or (6, ip) in self._local
 
     def values(self, table: Table, expr: Expr, st: _State) -> list[tuple[Weight, Any]]:
         one = self.one
         if isinstance(expr, Field):
             name = expr.name
             if name == "saddr":
+                self._reads |= _SRC
                 return [(one, st.src)]
             if name == "daddr":
+                self._reads |= _DST
                 return [(one, st.dst)]
             if name == "dport":
-                if expr.proto is not None and expr.proto != st.proto:
-                    return [(one, None)]
+                if expr.proto is not None:
+                    self._reads |= _PROTO
+                    if expr.proto != st.proto:
+                        return [(one, None)]
+                self._reads |= _DPORT
                 return [(one, st.dport)]
             if name == "l4proto":
+                self._reads |= _PROTO
                 return [(one, st.proto)]
             if name == "mark":
+                self._reads |= _MARK
                 return [(one, st.mark)]
             if name == "nfproto":
                 return [(one, "ipv4" if st.src.version == 4 else "ipv6")]
@@ -427,9 +564,11 @@ class _Interpreter:
         if isinstance(expr, Const):
             return [(one, expr.value)]
         if isinstance(expr, Fib):
+            self._reads |= _SRC if expr.target == "saddr" else _DST
             addr = st.src if expr.target == "saddr" else st.dst
             return [(one, "local" if self.is_local(addr) else "unicast")]
         if isinstance(expr, Ct):
+            self._reads |= _DNATTED | _MASQ
             if expr.key == "state":
                 flags = {"new"} | ({"dnat"} if st.dnat else set()) | ({"snat"} if st.masq else set())
             else:
@@ -455,10 +594,11 @@ class _Interpreter:
                 nxt = []
                 for w, prefix in acc:
                     for w2, v in self.values(table, item, st):
+                        ww = w if w2 is one else w2 if w is one else w * w2
                         if prefix is None or v is None:
-                            nxt.append((w * w2, None))
+                            nxt.append((ww, None))
                         else:
-                            nxt.append((w * w2, prefix + (v,)))
+                            nxt.append((ww, prefix + (v,)))
                 acc = nxt
             return acc
         if isinstance(expr, MapLookup):
@@ -469,6 +609,47 @@ class _Interpreter:
                 found = [(w, index.find(key)) for w, key in self.values(table, expr.key, st)]
             return [(w, None if el is None or not isinstance(el.data, Const) else el.data.value) for w, el in found]
         raise _Unknown(f"expression {expr!r} is not modelled")
+
+    def _query(self, get: Any, index: ElementIndex, st: _State) -> tuple[Any, Element | None]:
+        """`get`'s value in `st` and the element of `index` it finds. When the value is made of
+        addresses, ports and the protocol alone, the walk depends on the answer, not on the
+        fields: the lookup is recorded as a query instead of a read, so that a memoised walk
+        serves every state with the same answers (every endpoint a set holds no element for)."""
+        outer = self._reads
+        self._reads = 0
+        v = get(self, st)
+        bits = self._reads
+        # Only of the state the chain was entered with: a field it has written since is read.
+        if bits & (_SRC | _DST) and not bits & ~(_SRC | _DST | _DPORT | _PROTO) and not bits & self._written:
+            self._reads = outer
+            self._queries.append((get, index, bits))
+        else:
+            self._reads = outer | bits
+        return v, None if v is None else index.find(v)
+
+    def _absorb(self, reads: int, queries: tuple, written: int) -> None:
+        """What a chain walked from here read, asked and wrote, into the walk that called it. A
+        query of fields this walk had written before the call is a read of them here."""
+        self._reads |= reads
+        for q in queries:
+            if q[2] & self._written:
+                self._reads |= q[2]
+            else:
+                self._queries.append(q)
+        self._written |= written
+
+    def _sig_key(self, st: _State, sig: tuple[int, tuple]) -> tuple:
+        """The memo key of `st` for a walk that read `sig`: (fields read, queries made)."""
+        reads, queries = sig
+        if not queries:
+            return _project(st, reads)
+        outer = self._reads
+        answers = []
+        for get, index, _ in queries:
+            v = get(self, st)
+            answers.append(-1 if v is None else id(index.find(v)))  # id(None) for no element
+        self._reads = outer
+        return (_project(st, reads), tuple(answers))
 
     def _elements(self, table: Table, operand: SetRef | AnonSet, st: _State, record: bool) -> ElementIndex:
         if isinstance(operand, AnonSet):
@@ -497,8 +678,8 @@ class _Interpreter:
                 out.append((w, st, None if hit else _NOMATCH))
             return out
         if isinstance(stmt, Statistic):
-            q = self._statistic(stmt)
-            fire, miss = (q, q.complement()) if not stmt.negate else (q.complement(), q)
+            q, not_q = self._statistic(stmt)
+            fire, miss = (q, not_q) if not stmt.negate else (not_q, q)
             out = []
             if not fire.is_zero():
                 out.append((fire, st, None))
@@ -512,8 +693,11 @@ class _Interpreter:
         if isinstance(stmt, VerdictMap):
             index = self._elements(table, stmt.map, st, record=True)
             out = []
+            get = None if isinstance(stmt.key, Numgen) else _getter(stmt.key)
             if isinstance(stmt.key, Numgen):
                 found = self._numgen_split(stmt.key, index)
+            elif get is not None:
+                found = [(one, self._query(get, index, st)[1])]
             else:
                 found = [(w, index.find(key)) for w, key in self.values(table, stmt.key, st)]
             for w, el in found:
@@ -525,6 +709,8 @@ class _Interpreter:
                     out.append((w, st, (el.data.kind, el.data.target)))
             return out
         if isinstance(stmt, MarkSet):
+            self._reads |= _MARK
+            self._written |= _MARK
             return [
                 (w, st, _NOMATCH) if v is None else (w, _State(st.src, st.dst, st.dport, st.proto, v & _MASK32, st.dnat, st.masq, st.steps, st.lookups, st.pins, st.paths), None)
                 for w, v in self.values(table, stmt.value, st)
@@ -532,21 +718,26 @@ class _Interpreter:
         if isinstance(stmt, SetUpdate):
             return [(one, _with_history(st, st.steps, st.lookups, st.pins + (stmt.set,), st.paths), None)]
         if isinstance(stmt, Dnat):
+            self._reads |= _DST | _DPORT | _DNAT
+            self._written |= _DST | _DPORT | _DNAT
             out = []
             ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
             for w, addr in self.values(table, stmt.addr, st):
                 for w2, port in ports:
+                    ww = w if w2 is one else w2 if w is one else w * w2
                     if addr is None:
-                        out.append((w * w2, st, _NOMATCH))
+                        out.append((ww, st, _NOMATCH))
                         continue
                     if isinstance(addr, tuple):
                         addr, port = addr
                     new_port = st.dport if port is None else int(port)
                     new = _State(st.src, addr, new_port, st.proto, st.mark, (addr, new_port), st.masq,
                                  st.steps, st.lookups, st.pins, st.paths)
-                    out.append((w * w2, new, ("nat", "")))
+                    out.append((ww, new, ("nat", "")))
             return out
         if isinstance(stmt, Masquerade):
+            self._reads |= _MASQ
+            self._written |= _MASQ
             return [(one, _State(st.src, st.dst, st.dport, st.proto, st.mark, st.dnat, True,
                                  st.steps, st.lookups, st.pins, st.paths), ("nat", ""))]
         if isinstance(stmt, Unknown):
@@ -581,24 +772,75 @@ class _Interpreter:
             raise InterpretError(f"{table.family} {table.name}: chain {chain.name}: jumps nest deeper than 64 (a loop?)")
         if self.entered is not None and not w.is_zero():
             self.entered.add(chain.name)
-        key = (id(table), chain.name, _key(st))
-        exits = self._memo.get(key)
-        if exits is None:
-            exits = self._walk_rules(table, chain, _fresh(st), depth)
-            self._memo[key] = exits
-        one = w is self.one
-        return [(f if one else w * f, _join(st, ex), r) for f, ex, r in exits]
+        ck = (id(table), chain.name)
+        found = None
+        stats = self._stats.get(ck)
+        if stats is None:
+            stats = self._stats[ck] = [0, 0, []]
+        # A chain whose walks are seldom shared (one that leads to every service's chains) is
+        # no longer looked up: trying its signatures would cost more than walking it.
+        useful = stats[0] < _TRIES or stats[1] * _HIT_RATE >= stats[0]
+        if useful:
+            stats[0] += 1
+            for sig in stats[2]:
+                found = self._memo.get((ck, self._sig_key(st, sig)))
+                if found is not None:
+                    stats[1] += 1
+                    break
+        if found is None:
+            outer, outer_queries, outer_written = self._reads, self._queries, self._written
+            self._reads, self._queries, self._written = 0, [], 0
+            start = _fresh(st) if st.steps or st.lookups or st.pins or st.paths != 1 else st
+            exits = self._walk_rules(table, chain, start, depth)
+            written = self._written
+            # With `entered` asked for, only equal states share a walk: a shared one would not
+            # name the chains it entered.
+            if self.entered is not None:
+                sig = (_ALL, ())
+            else:
+                sig = (self._reads, tuple(dict.fromkeys(self._queries)))
+            self._reads, self._queries, self._written = outer, outer_queries, outer_written
+            self._absorb(sig[0], sig[1], written)
+            if len(self._memo) >= _MEMO_LIMIT:
+                # Keep the walks used since the last sweep (the shared filter and postrouting
+                # chains), drop the others (a service's own chains, met by one probe).
+                self._memo = {k: v for k, v in self._memo.items() if v[2]}
+                for v in self._memo.values():
+                    v[2] = False
+            known = stats[2]
+            if useful and sig not in known and len(known) < _SIGNATURES and len(sig[1]) <= _QUERIES:
+                known.append(sig)
+            if useful and sig in known:
+                self._memo[(ck, self._sig_key(st, sig))] = [_unchanged(start, exits), sig[0], False, sig[1], written]
+            # Walked from this very state: its exits need no rebasing, only `st`'s history.
+            one = self.one
+            if w is one:
+                return [(f, _join(st, ex), r) for f, ex, r in exits]
+            return [(w if f is one else w * f, _join(st, ex), r) for f, ex, r in exits]
+        else:
+            exits, reads, _, queries, written = found
+            found[2] = True
+            self._absorb(reads, queries, written)
+        one = self.one
+        if w is one:
+            return [(f, _rebase(st, ex, reads), r) for f, ex, r in exits]
+        return [(w if f is one else w * f, _rebase(st, ex, reads), r) for f, ex, r in exits]
 
     def _walk_rules(self, table: Table, chain: Chain, start: _State, depth: int) -> list[tuple[Weight, _State, str]]:
         out: list[tuple[Weight, _State, str]] = []
         rules = chain.rules
+        count = len(rules)
         skip = self.index.rules(chain)
+        leads = self._leads(table)
+        if skip.field is not None:
+            self._reads |= _DST if skip.field == "daddr" else _DPORT
+        one = self.one
         pending: dict[int, _Merge] = {}
         heap: list[int] = []
 
         def reach(i: int, w: Weight, st: _State) -> None:
             i = skip.next(i, st.dst, st.dport)
-            if i >= len(rules):
+            if i >= count:
                 out.append((w, st, "return"))
                 return
             merge = pending.get(i)
@@ -607,57 +849,127 @@ class _Interpreter:
                 heapq.heappush(heap, i)
             merge.add(w, st)
 
-        reach(0, self.one, start)
+        def follow(i: int, rule: Rule, w: Weight, branches: list[tuple[Weight, _State, tuple | None]]) -> None:
+            for f, st2, act in branches:
+                w2 = f if w is one else w if f is one else w * f
+                if act is _NOMATCH:
+                    reach(i + 1, w2, st2)
+                    continue
+                if self.tracing:
+                    st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                                        st2.lookups, st2.pins, st2.paths)
+                if act is None:
+                    reach(i + 1, w2, st2)
+                    continue
+                kind, target = act
+                if kind not in ("jump", "goto"):
+                    out.append((w2, st2, kind))
+                    continue
+                for w3, st3, r in self.run_chain(table, self._target(table, chain, i, rule, kind, target), w2, st2, depth + 1):
+                    if r == "return" and kind == "jump":
+                        reach(i + 1, w3, st3)
+                    else:
+                        out.append((w3, st3, r))
+
+        # One walk while it stays one (most chains, for most packets): rule after rule, without
+        # the merging below. `i` is None once it has branched.
+        i: int | None = skip.next(0, start.dst, start.dport)
+        w: Weight = one
+        st = start
+        while i is not None:
+            if i >= count:
+                return [(w, st, "return")]
+            rule = rules[i]
+            branches = self._rule_at(table, chain, i, rule, st, leads)
+            if len(branches) != 1:
+                follow(i, rule, w, branches)
+                break
+            f, st2, act = branches[0]
+            w2 = f if w is one else w if f is one else w * f
+            if act is not _NOMATCH:
+                if self.tracing:
+                    st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                                        st2.lookups, st2.pins, st2.paths)
+                if act is not None:
+                    kind, target = act
+                    if kind not in ("jump", "goto"):
+                        return [(w2, st2, kind)]
+                    exits = self.run_chain(table, self._target(table, chain, i, rule, kind, target), w2, st2, depth + 1)
+                    if not (kind == "jump" and len(exits) == 1 and exits[0][2] == "return"):
+                        for w3, st3, r in exits:
+                            if r == "return" and kind == "jump":
+                                reach(i + 1, w3, st3)
+                            else:
+                                out.append((w3, st3, r))
+                        break
+                    w2, st2 = exits[0][0], exits[0][1]
+            w, st = w2, st2
+            i = skip.next(i + 1, st.dst, st.dport)
         while heap:
             i = heapq.heappop(heap)
             rule = rules[i]
             for w, st in pending.pop(i).items.values():
-                try:
-                    branches = self.rule(table, rule, st)
-                except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
-                    # _Unknown: not modelled. The others: values of a type the rule cannot
-                    # hold (a dump edited by hand), which a parser let through.
-                    raise InterpretError(
-                        f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
-                        rule.line,
-                    ) from None
-                for f, st2, act in branches:
-                    w2 = f if w is self.one else w * f
-                    if act is _NOMATCH:
-                        reach(i + 1, w2, st2)
-                        continue
-                    if self.tracing:
-                        st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
-                                            st2.lookups, st2.pins, st2.paths)
-                    if act is None:
-                        reach(i + 1, w2, st2)
-                        continue
-                    kind, target = act
-                    if kind not in ("jump", "goto"):
-                        out.append((w2, st2, kind))
-                        continue
-                    sub = table.chains.get(target)
-                    if sub is None:
-                        raise InterpretError(
-                            f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: "
-                            f"{kind} to missing chain {target!r}",
-                            rule.line,
-                        )
-                    for w3, st3, r in self.run_chain(table, sub, w2, st2, depth + 1):
-                        if r == "return" and kind == "jump":
-                            reach(i + 1, w3, st3)
-                        else:
-                            out.append((w3, st3, r))
+                follow(i, rule, w, self._rule_at(table, chain, i, rule, st, leads))
         return _merged(out)
 
-    def rule(self, table: Table, rule: Rule, st: _State) -> list[tuple[Weight, _State, tuple | None]]:
-        branches: list[tuple[Weight, _State]] = [(self.one, st)]
+    def _leads(self, table: Table) -> dict[int, tuple[Any, ...]]:
+        leads = self._leading.get(id(table))
+        if leads is None:
+            leads = self._leading[id(table)] = {}
+        return leads
+
+    def _rule_at(
+        self, table: Table, chain: Chain, i: int, rule: Rule, st: _State, leads: dict[int, tuple[Any, ...]]
+    ) -> list[tuple[Weight, _State, tuple | None]]:
+        try:
+            return self.rule(table, rule, st, leads)
+        except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
+            # _Unknown: not modelled. The others: values of a type the rule cannot hold (a
+            # dump edited by hand), which a parser let through.
+            raise InterpretError(
+                f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
+                rule.line,
+            ) from None
+
+    def _target(self, table: Table, chain: Chain, i: int, rule: Rule, kind: str, target: str) -> Chain:
+        sub = table.chains.get(target)
+        if sub is None:
+            raise InterpretError(
+                f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {kind} to missing chain {target!r}",
+                rule.line,
+            )
+        return sub
+
+    def rule(
+        self, table: Table, rule: Rule, st: _State, leads: dict[int, tuple[Any, ...]] | None = None
+    ) -> list[tuple[Weight, _State, tuple | None]]:
+        one = self.one
+        if leads is None:
+            leads = self._leads(table)
+        lead = leads.get(id(rule))
+        if lead is None:
+            lead = leads[id(rule)] = _leading(self, table, rule)
+        for get, op, operand, in_set in lead:
+            if in_set:
+                # Membership: asked as a query (see _query), not as a read of the addresses.
+                v, el = self._query(get, self._elements(table, operand, st, record=True), st)
+                hit = v is not None and (el is not None) is (op == "==")
+            else:
+                hit = self._compare(table, get(self, st), op, operand, st)
+            if not hit:
+                return [(one, st, _NOMATCH)]
+        statements = rule.statements
+        if lead:
+            if len(lead) == len(statements):
+                return [(one, st, None)]
+            statements = statements[len(lead):]
+        branches: list[tuple[Weight, _State]] = [(one, st)]
         out: list[tuple[Weight, _State, tuple | None]] = []
-        for stmt in rule.statements:
+        for stmt in statements:
             nxt: list[tuple[Weight, _State]] = []
             for w, s in branches:
                 for f, s2, act in self.statement(table, stmt, s):
-                    wf = f if w is self.one else w * f
+                    wf = f if w is one else w if f is one else w * f
                     if act is None:
                         nxt.append((wf, s2))
                     else:
@@ -714,6 +1026,125 @@ class _Interpreter:
         return items, terminal
 
 
+# --------------------------------------------------------------------------------------------
+# Leading plain matches, compiled: most rules a packet meets fail on their first or second match
+# (another destination, another protocol), and `Interpreter.statement` builds lists of weighted
+# values for them. A plain match compares one value (no numgen, no map lookup: one branch of
+# weight one) and records no history (no dynamic set); `_leading` gives a rule's leading plain
+# matches as (getter, op, operand), which `Interpreter.rule` tests as `statement` would.
+
+
+def _getter(expr: Expr) -> Any:
+    """`fn(interp, state) -> value` for an expression of one value, or None; one per distinct
+    expression (every rule's `ip daddr` shares one)."""
+    try:
+        found = _GETTERS.get(expr, _GETTERS)
+    except TypeError:  # an unhashable constant
+        return _make_getter(expr)
+    if found is _GETTERS:
+        found = _bounded(_GETTERS)[expr] = _make_getter(expr)
+    return found
+
+
+_GETTERS: dict[Any, Any] = {}
+
+
+def _make_getter(expr: Expr) -> Any:
+    if isinstance(expr, Field):
+        name, proto = expr.name, expr.proto
+        if name == "saddr":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _SRC
+                return st.src
+        elif name == "daddr":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _DST
+                return st.dst
+        elif name == "dport":
+            def get(it: _Interpreter, st: _State) -> Any:
+                if proto is not None:
+                    it._reads |= _PROTO
+                    if proto != st.proto:
+                        return None
+                it._reads |= _DPORT
+                return st.dport
+        elif name == "l4proto":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _PROTO
+                return st.proto
+        elif name == "mark":
+            def get(it: _Interpreter, st: _State) -> Any:
+                it._reads |= _MARK
+                return st.mark
+        else:
+            return None
+        return get
+    if isinstance(expr, Fib):
+        source = expr.target == "saddr"
+
+        def fib(it: _Interpreter, st: _State) -> Any:
+            it._reads |= _SRC if source else _DST
+            return "local" if it.is_local(st.src if source else st.dst) else "unicast"
+        return fib
+    if isinstance(expr, Ct):
+        state = expr.key == "state"
+
+        def ct(it: _Interpreter, st: _State) -> Any:
+            it._reads |= _DNATTED | _MASQ
+            flags = ({"dnat"} if st.dnat else set()) | ({"snat"} if st.masq else set())
+            return frozenset(flags | {"new"} if state else flags)
+        return ct
+    if isinstance(expr, Const):
+        value = expr.value
+        return lambda it, st: value
+    if isinstance(expr, Bitwise):
+        left = _getter(expr.left)
+        if left is None:
+            return None
+        op, right = expr.op, expr.right
+
+        def bitwise(it: _Interpreter, st: _State) -> Any:
+            v = left(it, st)
+            if v is None:
+                return None
+            if op == "&":
+                return v & right & _MASK32
+            if op == "|":
+                return (v | right) & _MASK32
+            return (v ^ right) & _MASK32
+        return bitwise
+    if isinstance(expr, Concat):
+        items = [_getter(item) for item in expr.items]
+        if any(g is None for g in items):
+            return None
+
+        def concat(it: _Interpreter, st: _State) -> Any:
+            out = []
+            for g in items:
+                v = g(it, st)
+                if v is None:
+                    return None
+                out.append(v)
+            return tuple(out)
+        return concat
+    return None
+
+
+def _leading(interp: _Interpreter, table: Table, rule: Rule) -> tuple[Any, ...]:
+    tests: list[tuple[Any, str, Any, bool]] = []
+    for stmt in rule.statements:
+        if not isinstance(stmt, Match) or isinstance(stmt.left, Numgen):
+            break
+        operand = stmt.right
+        if isinstance(operand, SetRef) and interp._is_dynamic(table, operand):
+            break
+        get = _getter(stmt.left)
+        if get is None:
+            break
+        tests.append((get, stmt.op, operand, isinstance(operand, (SetRef, AnonSet)) and stmt.op in ("==", "!=")))
+    return tuple(tests) if tests else ()
+
+
 def _merged(exits: list[tuple[Weight, _State, str]]) -> list[tuple[Weight, _State, str]]:
     """Exits with equal decision state and verdict folded into one (the first one's history)."""
     if len(exits) < 2:
@@ -751,15 +1182,50 @@ def _state(packet: Packet) -> _State:
 
 def _endpoint(dnat: tuple[Address, int]) -> str:
     addr, port = dnat
-    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+    key = (addr._version, addr._ip, port)
+    found = _ENDPOINTS.get(key)
+    if found is None:
+        # str(), not an f-string: ipaddress's __format__ parses a format spec on every call.
+        found = "[" + str(addr) + "]:" + str(port) if addr._version == 6 else str(addr) + ":" + str(port)
+        _bounded(_ENDPOINTS)[key] = found
+    return found
+
+
+_ENDPOINTS: dict[tuple[int, int, int], str] = {}
 
 
 def _outcome(st: _State, verdict: str) -> Outcome:
     if verdict in ("drop", "reject"):
-        return Outcome(verdict, None, False)  # type: ignore[arg-type]
-    if st.dnat is not None:
-        return Outcome("dnat", _endpoint(st.dnat), st.masq)
-    return Outcome("accept", None, st.masq)
+        key: tuple = (verdict,)
+    elif st.dnat is not None:
+        key = ("dnat", st.dnat[0]._version, st.dnat[0]._ip, st.dnat[1], st.masq)
+    else:
+        key = ("accept", st.masq)
+    found = _OUTCOMES.get(key)
+    if found is None:
+        if verdict in ("drop", "reject"):
+            found = Outcome(verdict, None, False)  # type: ignore[arg-type]
+        elif st.dnat is not None:
+            found = Outcome("dnat", _endpoint(st.dnat), st.masq)
+        else:
+            found = Outcome("accept", None, st.masq)
+        _bounded(_OUTCOMES)[key] = found
+    return found
+
+
+# Outcomes and the exact probabilities of distributions handed out, one object per value: the
+# 50 000 probes of a 10 000-service `compare` hold four distributions each, over the same few
+# endpoints and shares.
+_OUTCOMES: dict[tuple, Outcome] = {}
+_SHARES: dict[tuple[int, int], Fraction] = {}
+
+
+def _shared_fraction(value: Fraction) -> Fraction:
+    key = (value.numerator, value.denominator)
+    found = _SHARES.get(key)
+    if found is None:
+        found = _bounded(_SHARES)[key] = value
+    return found
 
 
 def _paths(results: list[tuple[Weight, _State, str]]) -> list[Path]:
@@ -806,10 +1272,17 @@ def trace(ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = (), mod
     return _paths(_walk(_Interpreter(ruleset, node_ips, mode, tracing=True), packet))
 
 
+def _shared(ruleset: Ruleset, node_ips: Sequence[str], mode: _WalkMode) -> _Interpreter:
+    """One interpreter per ruleset, node addresses and mode, kept while the ruleset lives: the
+    probes of one `compare` share its memoised chain walks."""
+    ips = tuple(node_ips)
+    return indexes(ruleset).cached(("interpreter", mode, ips), lambda: _Interpreter(ruleset, ips, mode, tracing=False))  # type: ignore[no-any-return]
+
+
 def interpret(
     ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = (), mode: Mode = "kernel"
 ) -> dict[Outcome, Fraction]:
-    interp = _Interpreter(ruleset, node_ips, mode, tracing=False)
+    interp = _shared(ruleset, node_ips, mode)
     return _aggregate(interp, _walk(interp, packet))
 
 
@@ -817,7 +1290,7 @@ def interpret_both(
     ruleset: Ruleset, packet: Packet, *, node_ips: Sequence[str] = ()
 ) -> tuple[dict[Outcome, Fraction], dict[Outcome, Fraction]]:
     """`interpret` in kernel mode and in ideal mode, from one walk: (kernel, ideal)."""
-    interp = _Interpreter(ruleset, node_ips, "both", tracing=False)
+    interp = _shared(ruleset, node_ips, "both")
     results = _walk(interp, packet)
     kernel = [(w.kernel, st, v) for w, st, v in results if not w.kernel.is_zero()]  # type: ignore[union-attr]
     ideal = [(w.ideal, st, v) for w, st, v in results if not w.ideal.is_zero()]  # type: ignore[union-attr]
@@ -829,7 +1302,16 @@ def _aggregate(interp: _Interpreter, results: list[tuple[Weight, _State, str]]) 
     for w, st, verdict in results:
         o = _outcome(st, verdict)
         sums[o] = sums[o] + w if o in sums else w
-    return {o: w.fraction() for o, w in sorted(sums.items())}
+    if len(sums) == 1:
+        ((o, w),) = sums.items()
+        return {o: _shared_fraction(w.fraction())}
+    # Outcome's own order (its fields in turn), without the dataclass's Python-level __lt__.
+    return {o: _shared_fraction(w.fraction()) for o, w in sorted(sums.items(), key=_outcome_order)}
+
+
+def _outcome_order(item: tuple[Outcome, Any]) -> tuple:
+    o = item[0]
+    return (o.verdict, o.endpoint, o.masquerade)
 
 
 def walk_chain(

@@ -243,7 +243,17 @@ def _split(line: str, number: int) -> list[str]:
 
 
 def _networks(text: str) -> tuple[Prefix, ...]:
-    return tuple(Prefix(ipaddress.ip_network(part, strict=False)) for part in text.split(","))
+    # Cached: a service's addresses recur in its rules (the cluster IP in KUBE-SERVICES and its
+    # KUBE-SVC chain, an endpoint in its KUBE-SEP chain's match and DNAT).
+    found = _NETWORKS.get(text)
+    if found is None:
+        if len(_NETWORKS) >= 1 << 16:
+            _NETWORKS.clear()
+        found = _NETWORKS[text] = tuple(Prefix(ipaddress.ip_network(part, strict=False)) for part in text.split(","))
+    return found
+
+
+_NETWORKS: dict[str, tuple[Prefix, ...]] = {}
 
 
 def _ports(text: str) -> tuple[Const | Range, ...]:
@@ -312,8 +322,11 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
     def cmp(left, operand) -> None:  # noqa: ANN001
         matches.append(Match(left, "!=" if negate else "==", operand))
 
-    while ts:
-        tok = ts.next()
+    tokens_ = ts.tokens
+    count = len(tokens_)
+    while ts.i < count:
+        tok = tokens_[ts.i]
+        ts.i += 1
         if tok == "!":
             negate = True
             continue

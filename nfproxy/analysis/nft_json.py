@@ -90,13 +90,14 @@ def parse(doc: dict[str, Any] | str) -> Ruleset:
         raise ParseError("not an `nft -j` document: no top-level \"nftables\" list")
     tables: dict[tuple[str, str], dict[str, Any]] = {}
     items = doc["nftables"]
+    memo: _Memo = {}  # one for the document: a hairpin set repeats the endpoint maps' addresses
     # Sets first: rules are read against their declared types.
     for number, item in enumerate(items):
         with _Item(number, item) as (kind, obj):
             if kind == "table":
                 _table_of(tables, obj)
             elif kind in ("set", "map"):
-                _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj)
+                _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj, memo)
     for number, item in enumerate(items):
         with _Item(number, item) as (kind, obj):
             if kind == "chain":
@@ -211,11 +212,12 @@ def _kinds(type_: Any) -> tuple[Kind, ...]:
     return tuple(_TYPE_KINDS.get(n, "unknown") for n in names)
 
 
-def _set(kind: str, obj: dict[str, Any]) -> SetDef:
+def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None) -> SetDef:
     key_kinds = _kinds(obj.get("type"))
     data_kinds = _kinds(obj.get("map")) if kind == "map" else ()
-    memo: _Memo = {}
-    elements = tuple(_element(e, key_kinds, data_kinds, memo) for e in obj.get("elem", []))
+    if memo is None:
+        memo = {}
+    elements = _elements(obj.get("elem", []), key_kinds, data_kinds, memo)
     flags = obj.get("flags", [])
     flags = frozenset([flags] if isinstance(flags, str) else flags)
     return SetDef(obj["name"], kind, key_kinds, data_kinds, elements, flags, int(obj.get("timeout", 0)))  # type: ignore[arg-type]
@@ -224,6 +226,104 @@ def _set(kind: str, obj: dict[str, Any]) -> SetDef:
 # Constants already read in this set, by (kind, type, printed value): a 10 000-service map
 # repeats its protocols, ports and verdicts in every element; each is read once.
 _Memo = dict[tuple[Any, ...], Any]
+
+
+def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: _Memo) -> tuple[Element, ...]:
+    """Every element of a set, as `_element` reads each one, with the common shapes (scalars and
+    concatenations of scalars, keys with a counter or comment) read inline: a 10 000-service
+    ruleset holds 220 000 elements."""
+    if not isinstance(raws, list):
+        return tuple(_element(e, key_kinds, data_kinds, memo) for e in raws)
+    # Per key component, printed value -> Const; filled from (and into) the shared memo.
+    consts: list[dict[Any, Any]] = [memo.setdefault(("consts", k), {}) for k in key_kinds]  # type: ignore[misc]
+    # Per data component, printed value -> canonical value (a map's data is a plain value).
+    values: list[dict[Any, Any]] = [memo.setdefault(("values", k), {}) for k in data_kinds]  # type: ignore[misc]
+    width = len(key_kinds)
+    verdicts = data_kinds == ("verdict",)
+    out: list[Element] = []
+    append = out.append
+    for raw in raws:
+        key_raw, data_raw = raw, None
+        if data_kinds:
+            if type(raw) is not list or len(raw) != 2:
+                append(_element(raw, key_kinds, data_kinds, memo))
+                continue
+            key_raw, data_raw = raw
+        comment = ""
+        if type(key_raw) is dict:
+            inner = key_raw.get("elem")
+            if inner is not None:
+                if type(inner) is not dict:
+                    append(_element(raw, key_kinds, data_kinds, memo))
+                    continue
+                comment = inner.get("comment", "")
+                key_raw = inner.get("val")
+        if type(key_raw) is dict:
+            parts = key_raw.get("concat")
+            if type(parts) is not list:
+                bounds = key_raw.get("range")
+                if width == 1 and type(bounds) is list and len(bounds) == 2 and len(key_raw) == 1 \
+                        and all(type(b) is str or type(b) is int for b in bounds):
+                    # An interval map's key (the endpoint lanes): read as _value reads it.
+                    kind = key_kinds[0]
+                    key_range = Range(_memo_canonical(bounds[0], kind, memo), _memo_canonical(bounds[1], kind, memo))  # type: ignore[arg-type]
+                    if not data_kinds:
+                        data = None
+                    elif verdicts:
+                        data = _memo_verdict(data_raw, memo)
+                    else:
+                        data = _fast_data(data_raw, data_kinds, values, memo)
+                    append(Element((key_range,), data, comment))
+                else:  # a prefix, or something to complain about
+                    append(_element(raw, key_kinds, data_kinds, memo))
+                continue
+        else:
+            parts = (key_raw,)
+        if len(parts) != width:
+            append(_element(raw, key_kinds, data_kinds, memo))
+            continue
+        key = []
+        for part, known, kind in zip(parts, consts, key_kinds):
+            t = type(part)
+            if t is not str and t is not int:
+                break
+            c = known.get(part)
+            if c is None:
+                c = known[part] = _memo_value(part, kind, memo)
+            key.append(c)
+        else:
+            if not data_kinds:
+                data = None
+            elif verdicts:
+                data = _memo_verdict(data_raw, memo)
+            else:
+                data = _fast_data(data_raw, data_kinds, values, memo)
+            append(Element(tuple(key), data, comment))
+            continue
+        append(_element(raw, key_kinds, data_kinds, memo))
+    return tuple(out)
+
+
+def _fast_data(raw: Any, kinds: tuple[Kind, ...], known: list[dict[Any, Any]], memo: _Memo) -> Const:
+    """`_data_const` for scalars and concatenations of scalars, from per-component caches."""
+    if type(raw) is dict:
+        parts = raw.get("concat")
+        if type(parts) is not list:
+            return _data_const(raw, kinds, memo)
+    else:
+        parts = (raw,)
+    if len(parts) != len(kinds):
+        return _data_const(raw, kinds, memo)
+    out = []
+    for part, cache, kind in zip(parts, known, kinds):
+        t = type(part)
+        if t is not str and t is not int:
+            return _data_const(raw, kinds, memo)
+        v = cache.get(part)
+        if v is None:
+            v = cache[part] = _memo_canonical(part, kind, memo)
+        out.append(v)
+    return Const(tuple(out) if len(out) > 1 else out[0])
 
 
 def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: _Memo) -> Element:
@@ -276,7 +376,9 @@ def _memo_value(raw: Any, kind: Kind, memo: _Memo) -> Const | Prefix | Range:
     key = (kind, type(raw), raw)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = _value(raw, kind)
+        # The canonical value as a map's data would hold it, read once per document (a hairpin
+        # set's addresses are the endpoint maps' ones): what _value makes of a scalar.
+        found = memo[key] = Const(_memo_canonical(raw, kind, memo))  # type: ignore[arg-type]
     return found  # type: ignore[no-any-return]
 
 

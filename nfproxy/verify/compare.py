@@ -250,8 +250,9 @@ def families(state: ClusterState) -> list[IPFamily]:
 def compare(state: ClusterState) -> Comparison:
     results: list[Agreement] = []
     for family in families(state):
-        ipt = iptables_ruleset(state, family)
+        # nft first: its JSON document, the largest transient, is gone before iptables is read.
         nft = nft_ruleset(state, family)
+        ipt = iptables_ruleset(state, family)
         node_ips = state.node.ips_of(family)
         for probe in (*probes(state, family), *documented_probes(state, family)):
             packet = probe.packet()
