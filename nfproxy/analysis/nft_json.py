@@ -267,13 +267,7 @@ def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ..
                     # An interval map's key (the endpoint lanes): read as _value reads it.
                     kind = key_kinds[0]
                     key_range = Range(_memo_canonical(bounds[0], kind, memo), _memo_canonical(bounds[1], kind, memo))  # type: ignore[arg-type]
-                    if not data_kinds:
-                        data = None
-                    elif verdicts:
-                        data = _memo_verdict(data_raw, memo)
-                    else:
-                        data = _fast_data(data_raw, data_kinds, values, memo)
-                    append(Element((key_range,), data, comment))
+                    append(Element((key_range,), _data_of(data_raw, data_kinds, verdicts, values, memo), comment))
                 else:  # a prefix, or something to complain about
                     append(_element(raw, key_kinds, data_kinds, memo))
                 continue
@@ -292,16 +286,19 @@ def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ..
                 c = known[part] = _memo_value(part, kind, memo)
             key.append(c)
         else:
-            if not data_kinds:
-                data = None
-            elif verdicts:
-                data = _memo_verdict(data_raw, memo)
-            else:
-                data = _fast_data(data_raw, data_kinds, values, memo)
-            append(Element(tuple(key), data, comment))
+            append(Element(tuple(key), _data_of(data_raw, data_kinds, verdicts, values, memo), comment))
             continue
         append(_element(raw, key_kinds, data_kinds, memo))
     return tuple(out)
+
+
+def _data_of(data_raw: Any, data_kinds: Any, verdicts: bool, values: Any, memo: Any) -> Any:
+    """An element's data as the fast path reads it: none for a set, a verdict, or values."""
+    if not data_kinds:
+        return None
+    if verdicts:
+        return _memo_verdict(data_raw, memo)
+    return _fast_data(data_raw, data_kinds, values, memo)
 
 
 def _fast_data(raw: Any, kinds: tuple[Kind, ...], known: list[dict[Any, Any]], memo: _Memo) -> Const:
