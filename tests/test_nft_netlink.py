@@ -27,14 +27,16 @@ from nfproxy.kernel.nft_netlink import (
     NetlinkNft,
     SetType,
     Unsupported,
+    MAX_MESSAGES,
     compile_transaction,
+    declarations_apart,
     unencodable,
     TYPE_INTEGER,
     TYPE_IPV4,
     TYPE_INET_SERVICE,
 )
 from nfproxy.kernel.process import KernelError, find_tool
-from nfproxy.nftables import Chain, Element, Map, Rule, Set, Table, Transaction
+from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
 from nfproxy.testing import random_cluster
 
@@ -321,6 +323,30 @@ def test_what_netlink_cannot_say_is_known_from_the_objects() -> None:
     assert unencodable(tx) is None
     tx.add(Set("affinity-a", "ipv4_addr", flags=("dynamic", "timeout"), timeout=10))
     assert "declarations" in (unencodable(tx) or "")
+
+
+def test_only_set_declarations_are_split_off() -> None:
+    """A partial sync that declares a set is split in two; anything else that netlink cannot
+    say (a table, a named counter, a base chain, too many operations: a full sync) is not split
+    at all, and is turned away before the transaction is copied."""
+    def partial() -> Transaction:
+        tx = Transaction("ip", TABLE)
+        tx.add(Set("affinity-a", "ipv4_addr", flags=("dynamic", "timeout"), timeout=10))
+        tx.add(Chain("a"))
+        tx.add(Rule("a", "drop"))
+        return tx
+
+    split = declarations_apart(partial())
+    assert split is not None
+    assert [type(o).__name__ for _, o in split[0].operations()] == ["Set"]
+    assert [type(o).__name__ for _, o in split[1].operations()] == ["Chain", "Rule"]
+    for extra in (Table("ip", TABLE), Counter("c"), Chain("filter-input", type="filter", hook="input", priority=-110)):
+        tx = partial()
+        tx.add(extra)
+        assert declarations_apart(tx) is None, extra
+    big = partial()
+    big.add_elements(Element("service-ips", f"10.0.{i // 256}.{i % 256} . tcp . 80", "goto a") for i in range(MAX_MESSAGES))
+    assert declarations_apart(big) is None
 
 
 def test_element_keys_are_typed_by_the_set_declaration() -> None:

@@ -1006,6 +1006,8 @@ def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | Non
     the new sets stay, empty and unreferenced, until the full sync the refusal forces removes
     them as strays.
     """
+    if not _only_sets_declared(tx):
+        return None
     declarations = Transaction(tx.family, tx.table)
     rest = Transaction(tx.family, tx.table)
     for verb, obj in tx.operations():
@@ -1016,6 +1018,21 @@ def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | Non
     if not declarations or unencodable(rest) is not None:
         return None
     return declarations, rest
+
+
+def _only_sets_declared(tx: Transaction) -> bool:
+    """Whether nothing but set and map declarations keeps `tx` from netlink, judged from its
+    queue without copying it: a full sync (a table, 250 000 operations at 10 000 services) is
+    turned away here in microseconds instead of being split in two first (1 s)."""
+    if len(tx) > MAX_MESSAGES:
+        return False
+    for verb, obj in tx.ops:
+        kind = type(obj)
+        if kind in (Table, Counter) or verb is Verb.CREATE:
+            return False
+        if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
+            return False
+    return True
 
 
 def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> list[Message]:
