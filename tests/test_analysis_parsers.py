@@ -140,3 +140,20 @@ def test_inventory_api_still_works() -> None:
     inv = inventory.from_nft_json(json.loads((DUMPS / "kube-proxy-nft.json").read_text()), table="kube-proxy")
     assert inv.chain_kinds["endpoint-"] == 2 and inv.maps == 5
     assert [m for m in (Match,)]  # the IR is importable alongside
+
+
+@pytest.mark.parametrize("text", [
+    "10.1.2.3/32", "10.1.2.3", "0.0.0.0/0", "10.0.0.0/8", "10.1.2.3/24", "255.255.255.255/32",
+    "fd00::1/128", "fd00::/64", "::ffff:10.1.2.3/128",
+])
+def test_addresses_read_as_ipaddress_reads_them(text: str) -> None:
+    """The short way for IPv4 host addresses gives what ipaddress gives."""
+    import ipaddress
+
+    assert iptables_save._network(text) == ipaddress.ip_network(text, strict=False)
+
+
+@pytest.mark.parametrize("text", ["010.1.2.3/32", "1.2.3/32", "1.2.3.256", "1.2.3.4/33", "1.2.3.4/", "x", "1.2.3.4 "])
+def test_odd_address_spellings_are_refused_as_ipaddress_refuses_them(text: str) -> None:
+    with pytest.raises(ValueError):
+        iptables_save._network(text)

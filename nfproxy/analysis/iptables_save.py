@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Iterator
 
 from nfproxy.core.gc_pause import gc_paused
@@ -249,8 +250,24 @@ def _networks(text: str) -> tuple[Prefix, ...]:
     if found is None:
         if len(_NETWORKS) >= 1 << 16:
             _NETWORKS.clear()
-        found = _NETWORKS[text] = tuple(Prefix(ipaddress.ip_network(part, strict=False)) for part in text.split(","))
+        found = _NETWORKS[text] = tuple(Prefix(_network(part)) for part in text.split(","))
     return found
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """`ip_network(text, strict=False)`, twice as fast for the IPv4 host addresses that fill a
+    save (an endpoint's `-s A/32`, 100 000 of them at 10 000 services, none repeated). Only
+    the canonical dotted quad takes the short way, so every other spelling meets
+    ipaddress's own checks and errors."""
+    addr, slash, length = text.partition("/")
+    if length == "32" or not slash:
+        try:
+            packed = socket.inet_pton(socket.AF_INET, addr)
+        except OSError:
+            packed = b""
+        if packed and socket.inet_ntop(socket.AF_INET, packed) == addr:
+            return ipaddress.IPv4Network(int.from_bytes(packed, "big"))
+    return ipaddress.ip_network(text, strict=False)
 
 
 _NETWORKS: dict[str, tuple[Prefix, ...]] = {}
