@@ -238,7 +238,10 @@ class Proxier:
             for hook in self.hooks.on_synced:
                 hook(previous, state, result)
             if kind == "full":
-                heap.release()  # the full sync's hundreds of MiB, back to the system
+                # The full sync's hundreds of MiB, back to the system. No collection first:
+                # what a sync frees is acyclic (178 cyclic objects, 2.4 MiB, at 10 000 x 10),
+                # and a collection walks the whole model (0.16 s of a 5 s cold start).
+                heap.release(collect=False)
             return result
 
     def _apply(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
