@@ -35,7 +35,6 @@ import errno as errno_mod
 import ipaddress
 import os
 import re
-import struct
 import sys
 import threading
 from collections.abc import Callable
