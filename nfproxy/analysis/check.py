@@ -406,6 +406,8 @@ def _cascade_problems(table: Table, chain: Chain, hint: bool = False) -> list[Pr
 def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
     out = []
     for i, rule in enumerate(chain.rules):
+        if not _draws_numgen(rule):
+            continue  # every rule of an iptables cascade
         for st in rule.statements:
             maps: list[tuple[Expr, SetRef | AnonSet]] = []
             if isinstance(st, VerdictMap):
