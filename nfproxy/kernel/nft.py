@@ -128,7 +128,12 @@ class NftSession:
         return chain_names, set_names, counter_names
 
     def list_ruleset(self) -> dict[str, Any]:
-        return _loads(self._cmd("list ruleset", json_output=True))
+        """`nft -j list ruleset`. The context is dropped before the JSON is decoded: its cache
+        of the whole ruleset (about 360 MiB at 10 000 x 10) is freed first, and the decoded
+        document reuses that memory instead of growing the process by as much again."""
+        text = self._cmd("list ruleset", json_output=True)
+        self.release()
+        return _loads(text)
 
     def list_text(self) -> str:
         return self._cmd("list ruleset")
