@@ -128,9 +128,9 @@ class NftSession:
         return chain_names, set_names, counter_names
 
     def list_ruleset(self) -> dict[str, Any]:
-        """`nft -j list ruleset`. The context is dropped before the JSON is decoded: its cache
-        of the whole ruleset (about 360 MiB at 10 000 x 10) is freed first, and the decoded
-        document reuses that memory instead of growing the process by as much again."""
+        """`nft -j list ruleset`. The context is dropped before the JSON is decoded, so the
+        decoded document can reuse the memory of its cache of the whole ruleset (the peak is
+        the listing's own: dropping the context first lowers it by ~40 MiB at 10 000 x 10)."""
         text = self._cmd("list ruleset", json_output=True)
         self.release()
         return _loads(text)
