@@ -977,20 +977,27 @@ def unencodable(tx: Transaction) -> str | None:
     business, which goes through libnftables anyway (a partial sync's declarations go apart:
     `declarations_apart`).
     """
+    return _refusal(tx, sets_apart=False)
+
+
+def _refusal(tx: Transaction, *, sets_apart: bool) -> str | None:
+    """`unencodable`, or with `sets_apart` what would still keep `tx` from netlink once its set
+    and map declarations went first. Judged from the queue (an element batch is one entry), so
+    a full sync (a table declaration first, 250 000 operations) is turned away at once."""
     if tx.family not in _FAMILIES:
         return f"family {tx.family!r}"
-    n = 0
-    for verb, obj in tx.operations():
+    for verb, obj in tx.ops:
         kind = type(obj)
-        if kind in (Table, Set, Map, Counter) and not (kind in (Set, Map) and verb is Verb.DELETE):
+        if kind in (Set, Map) and (verb is Verb.DELETE or (sets_apart and verb is Verb.ADD)):
+            continue
+        if kind in (Table, Set, Map, Counter):
             return f"{verb.value} {kind.__name__.lower()} {getattr(obj, 'name', '')}: declarations go to libnftables"
         if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
             return f"{verb.value} chain {obj.name}: base chains and chain comments go to libnftables"  # type: ignore[union-attr]
         if verb is Verb.CREATE:
             return f"create {kind.__name__.lower()}: not in the netlink vocabulary"
-        n += 1
-    if n > MAX_MESSAGES:
-        return f"{n} operations: large transactions go to libnftables"
+    if len(tx) > MAX_MESSAGES:
+        return f"{len(tx)} operations: large transactions go to libnftables"
     return None
 
 
@@ -1005,7 +1012,7 @@ def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | Non
     the new sets stay, empty and unreferenced, until the full sync the refusal forces removes
     them as strays.
     """
-    if not _only_sets_declared(tx):
+    if _refusal(tx, sets_apart=True) is not None:
         return None
     declarations = Transaction(tx.family, tx.table)
     rest = Transaction(tx.family, tx.table)
@@ -1017,21 +1024,6 @@ def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | Non
     if not declarations or unencodable(rest) is not None:
         return None
     return declarations, rest
-
-
-def _only_sets_declared(tx: Transaction) -> bool:
-    """Whether nothing but set and map declarations keeps `tx` from netlink, judged from its
-    queue without copying it: a full sync (a table, 250 000 operations at 10 000 services) is
-    turned away here in microseconds instead of being split in two first (1 s)."""
-    if len(tx) > MAX_MESSAGES:
-        return False
-    for verb, obj in tx.ops:
-        kind = type(obj)
-        if kind in (Table, Counter) or verb is Verb.CREATE:
-            return False
-        if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
-            return False
-    return True
 
 
 def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> list[Message]:
