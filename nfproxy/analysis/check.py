@@ -155,13 +155,19 @@ def _rule_exprs(rule: Rule) -> Iterator[Expr]:
                 yield from _exprs(st.port)
 
 
-def _is_random(rule: Rule) -> bool:
+def _is_random(table: Table, rule: Rule) -> bool:
     """A statistic match, or a numgen anywhere in the rule's expressions (`_rule_exprs`);
     without generators: every rule of a 10 000-service iptables dump is asked."""
     for st in rule.statements:
         if isinstance(st, Statistic):
             return True
-    return _draws_numgen(rule)
+    return _numgen_dialect(table) and _draws_numgen(rule)
+
+
+def _numgen_dialect(table: Table) -> bool:
+    """Only nft has numgen: a table read from iptables text has none to look for (300 000
+    rules at 10 000 services, each asked twice)."""
+    return table.dialect == "nft"
 
 
 def _draws_numgen(rule: Rule) -> bool:
@@ -285,7 +291,7 @@ def _selects(table: Table, chain: Chain) -> bool:
     """An endpoint-selection chain: a random choice, or jumps straight to DNAT chains."""
     if chain.is_base:
         return False
-    if any(_is_random(r) for r in chain.rules):
+    if any(_is_random(table, r) for r in chain.rules):
         return True  # a cascade, a numgen vmap, or a DNAT through a numgen-indexed map
     if _has_dnat(chain):
         return False
@@ -301,7 +307,7 @@ def _randomly_selected(table: Table) -> frozenset[str]:
     """The chains some random choice can go to, found once per table."""
     return frozenset(
         v.target
-        for chain in table.chains.values() if any(_is_random(r) for r in chain.rules)
+        for chain in table.chains.values() if any(_is_random(table, r) for r in chain.rules)
         for rule in chain.rules for v in _targets(table, rule)
     )
 
@@ -404,7 +410,9 @@ def _cascade_problems(table: Table, chain: Chain, hint: bool = False) -> list[Pr
 
 
 def _numgen_problems(table: Table, chain: Chain) -> list[Problem]:
-    out = []
+    out: list[Problem] = []
+    if not _numgen_dialect(table):
+        return out
     for i, rule in enumerate(chain.rules):
         if not _draws_numgen(rule):
             continue  # every rule of an iptables cascade
@@ -527,7 +535,9 @@ def _first_missing(spans: _Spans, low: int, high: int, limit: int) -> list[int]:
 
 def _numgen_keys(table: Table) -> Iterator[tuple[Numgen, SetRef | AnonSet]]:
     """Every (numgen, map) a rule draws from. Rules without a numgen anywhere are passed over
-    by `_draws_numgen` first: an iptables dump has 300 000 rules and no numgen at all."""
+    by `_draws_numgen` first, and tables that cannot have one are not read at all."""
+    if not _numgen_dialect(table):
+        return
     for chain in table.chains.values():
         for rule in chain.rules:
             if not _draws_numgen(rule):
