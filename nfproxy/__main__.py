@@ -1,7 +1,5 @@
 """`python -m nfproxy`: the same as the `nfproxy` command."""
 
-import sys
+from nfproxy.cli.exit import entry
 
-from nfproxy.cli.main import main
-
-sys.exit(main())
+entry()

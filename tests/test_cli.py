@@ -93,3 +93,40 @@ def test_validate_examples(netns: str) -> None:  # noqa: ARG001 - the fixture as
     for line in ("iptables IPv4", "iptables IPv6", "nft      IPv4", "nft      IPv6"):
         assert line in proc.stdout
     assert "nfp-validate" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _as_process(*argv: str, **kwargs: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "nfproxy", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+@pytest.fixture(scope="module")
+def large_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rules whose `check` report is far larger than a pipe's buffer (64 KiB) and stdout's."""
+    from nfproxy.backends.registry import render_text
+    from nfproxy.testing import uniform_cluster
+
+    path = tmp_path_factory.mktemp("dump") / "rules.nft"
+    path.write_text(render_text("nft", uniform_cluster(400, 10)))
+    return path
+
+
+def test_a_command_that_exits_fast_writes_all_its_output(large_dump: Path) -> None:
+    """`check` ends with os._exit (nfproxy/cli/exit.py): everything buffered must be out first,
+    and the status must be the command's."""
+    expected = run("check", "--from-file", str(large_dump))
+    proc = _as_process("check", "--from-file", str(large_dump))
+    out, err = proc.communicate(timeout=120)
+    assert len(expected.stdout) > 256 * 1024
+    assert (proc.returncode, out, err) == (expected.returncode, expected.stdout, expected.stderr)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(large_dump: Path) -> None:
+    """`nfproxy check | head -1`: exit 141 (as a command killed by SIGPIPE), no traceback."""
+    proc = _as_process("check", "--from-file", str(large_dump))
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith("nft script")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert err == ""

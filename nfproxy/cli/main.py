@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import signal
 import sys
@@ -196,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except FlagError as exc:
         parser.error(str(exc))
+    except BrokenPipeError:
+        # The reader went away (`nfproxy check | head`): stop writing, as `cat` would, and send
+        # whatever is still buffered nowhere rather than into a second BrokenPipeError at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as exc:
         # netns.Interrupted (SIGTERM, SIGHUP) carries its signal; the namespaces are gone by now.
         signum = getattr(exc, "signum", 2)
@@ -210,4 +216,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nfproxy.cli.exit import entry
+
+    entry()

@@ -7,6 +7,7 @@ import json
 import sys
 
 from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli.exit import hold
 from nfproxy.cli.commands.trace import SourceError, add_source_flags, fail, load_source, load_weights
 
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {p}")
         else:
             print("no problems found")
+    hold(source, report)
     return 0 if report.clean else 1
 
 

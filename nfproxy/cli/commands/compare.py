@@ -9,6 +9,7 @@ from fractions import Fraction
 
 from nfproxy.cli.commands import load_manifests
 from nfproxy.cli.config import add_node_flags
+from nfproxy.cli.exit import hold
 
 
 def _dist(d: dict) -> dict[str, str]:
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if documented:
             print(f"{documented} documented differences (as between kube-proxy's modes; see docs/semantics.md)")
         print("EQUIVALENT" if result.equivalent else "NOT EQUIVALENT")
+    hold(state, result)
     return 0 if result.equivalent else 1
 
 

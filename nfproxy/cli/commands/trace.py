@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli.exit import hold
 
 
 def add_source_flags(p: argparse.ArgumentParser) -> None:
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 print()
             print(answer["text"])
             first = False
+    hold(source)
     return status
 
 
