@@ -19,10 +19,12 @@ addresses in its run of tables (a run ends where a table name repeats).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 from nfproxy.analysis import iptables_save, nft_json
 from nfproxy.analysis.ir import Ruleset
@@ -31,6 +33,8 @@ from nfproxy.core.model import IPFamily
 
 # Tables iptables-nft creates: the nft backend's check leaves them to the iptables one.
 IPTABLES_TABLES = frozenset({"filter", "nat", "mangle", "raw", "security"})
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +47,7 @@ class Source:
 def read_live(backend: str, netns: str | None) -> Source:
     where = f"netns {netns}" if netns else "the current namespace"
     if backend == "nft":
-        from nfproxy.kernel.nft import NftSession
-
-        doc = NftSession(netns).list_ruleset()
-        rs = nft_json.parse(doc)
+        rs = read_nft(netns)
         rs = Ruleset(tuple(t for t in rs.tables if t.name not in IPTABLES_TABLES))
         return Source(rs, "nft", f"nft ruleset of {where}")
     if backend != "iptables":
@@ -67,6 +68,46 @@ def read_live(backend: str, netns: str | None) -> Source:
     if not used:
         raise KernelError(f"no KUBE-* iptables rules in {where} (looked at iptables-legacy and iptables-nft)")
     return Source(Ruleset(tuple(tables)), "iptables", f"{', '.join(used)} in {where}")
+
+
+# Times the ruleset may change between the listing and the element dumps before the reader
+# stops trying and lists everything through libnftables (which retries on its own).
+_ATTEMPTS = 3
+
+
+def read_nft(netns: str | None) -> Ruleset:
+    """`nft -j list ruleset`, read: the terse listing through libnftables (in a thread: it runs
+    without the GIL) while the elements of every named set are read over netlink
+    (analysis/nft_elements.py says why), both within one generation of the ruleset; libnftables'
+    full listing where the netlink reader has no words for a set."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nfproxy.analysis import nft_elements
+    from nfproxy.kernel.nft import NftSession
+    from nfproxy.kernel.nft_elements import ElementReader
+    from nfproxy.kernel.nft_netlink import Unsupported
+
+    session = NftSession(netns)
+    with ElementReader(netns) as reader, ThreadPoolExecutor(1) as pool:
+        for _ in range(_ATTEMPTS):
+            before = reader.generation()
+            listing = pool.submit(session.list_ruleset, terse=True)
+            try:
+                tables = {where: reader.table(*where) for where in reader.tables()}
+            except Unsupported as exc:
+                listing.result()
+                log.info("listing the ruleset through libnftables: %s", exc)
+                break
+            doc = listing.result()
+            if reader.generation() == before:
+                try:
+                    return nft_json.parse(doc, nft_elements.reader(tables))
+                except Unsupported as exc:
+                    log.info("listing the ruleset through libnftables: %s", exc)
+                    break
+        else:
+            log.info("listing the ruleset through libnftables: it changed %d times while being read", _ATTEMPTS)
+    return nft_json.parse(session.list_ruleset())
 
 
 # A dump of 10 000 services x 10 endpoints is ~40 MB of JSON; parsing costs ~10x its size.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Callable
 from typing import Any
 
 from nfproxy.core.gc_pause import gc_paused
@@ -79,8 +80,13 @@ _MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, Recur
 _FAMILIES = ("ip", "ip6", "inet", "arp", "bridge", "netdev")
 
 
+# Where a set's elements come from when the document holds none for it (`nft -j -t`): called
+# with (family, table, name, key kinds, data kinds, memo); None leaves the set as listed.
+ElementSource = Callable[[str, str, str, tuple[Kind, ...], tuple[Kind, ...], dict[tuple[Any, ...], Any]], "tuple[Element, ...] | None"]
+
+
 @gc_paused()  # a 10 000-service dump: 1.2 million objects, no cycles
-def parse(doc: dict[str, Any] | str) -> Ruleset:
+def parse(doc: dict[str, Any] | str, elements: ElementSource | None = None) -> Ruleset:
     if isinstance(doc, str):
         try:
             doc = json.loads(doc)
@@ -97,7 +103,7 @@ def parse(doc: dict[str, Any] | str) -> Ruleset:
             if kind == "table":
                 _table_of(tables, obj)
             elif kind in ("set", "map"):
-                _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj, memo)
+                _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj, memo, elements)
     for number, item in enumerate(items):
         with _Item(number, item) as (kind, obj):
             if kind == "chain":
@@ -212,12 +218,16 @@ def _kinds(type_: Any) -> tuple[Kind, ...]:
     return tuple(_TYPE_KINDS.get(n, "unknown") for n in names)
 
 
-def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None) -> SetDef:
+def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: ElementSource | None = None) -> SetDef:
     key_kinds = _kinds(obj.get("type"))
     data_kinds = _kinds(obj.get("map")) if kind == "map" else ()
     if memo is None:
         memo = {}
-    elements = _elements(obj.get("elem", []), key_kinds, data_kinds, memo)
+    elements = None
+    if source is not None and "elem" not in obj:
+        elements = source(obj.get("family"), obj.get("table"), obj["name"], key_kinds, data_kinds, memo)  # type: ignore[arg-type]
+    if elements is None:
+        elements = _elements(obj.get("elem", []), key_kinds, data_kinds, memo)
     flags = obj.get("flags", [])
     flags = frozenset([flags] if isinstance(flags, str) else flags)
     return SetDef(obj["name"], kind, key_kinds, data_kinds, elements, flags, int(obj.get("timeout", 0)))  # type: ignore[arg-type]

@@ -1,0 +1,139 @@
+"""Set elements read over netlink (kernel/nft_elements.py), as rule IR.
+
+`nft -j -t list ruleset` lists everything but the elements of named sets in a third of the time
+of the full listing at 10 000 services, and prints a tenth of the JSON. The elements come from
+the kernel's own dump instead and are made into the IR `nft_json.parse` would make of
+libnftables' JSON for them: the same constants, through the same memo, so the two ways of
+reading a namespace give equal rulesets (tests/test_nft_elements.py holds them equal on the
+real kernel). docs/benchmarks.md, "Elements over netlink", has the figures.
+
+Interval sets are kept by the kernel as range starts (with the data) and end markers one past
+each range; libnftables pairs them up, printing a lone value for a one-value range and an
+address prefix where the range is exactly one, and so does `_intervals`. Intervals come in key
+order; other sets in the kernel's dump order (libnftables sorts them; nothing the analysis
+reads depends on the order).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from typing import Any
+
+from nfproxy.analysis.ir import PROTOCOL_NAMES, Const, Element, Kind, Prefix, Range, Verdict
+from nfproxy.analysis.nft_json import _Memo, _memo_canonical, _memo_value
+from nfproxy.kernel.nft_elements import RawElement, SetElements
+from nfproxy.kernel.nft_netlink import Unsupported
+
+_ADDRESS_TYPES = (7, 8)  # ipv4_addr, ipv6_addr
+
+
+def reader(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> Any:
+    """The `elements` hook of `nft_json.parse`: a set's elements from the netlink dump."""
+
+    def elements(family: str, table: str, name: str, key_kinds: tuple[Kind, ...],
+                 data_kinds: tuple[Kind, ...], memo: _Memo) -> tuple[Element, ...] | None:
+        found = tables.get((family, table), {}).get(name)
+        return None if found is None else ir_elements(found, key_kinds, data_kinds, memo)
+
+    return elements
+
+
+def ir_elements(found: SetElements, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...],
+                memo: _Memo) -> tuple[Element, ...]:
+    st = found.type
+    if len(key_kinds) != len(st.key) or (st.data and len(data_kinds) != len(st.data)):
+        raise ValueError(f"set {st.name}: the listing's types do not match the kernel's")
+    data_of = _data_reader(st.verdict, data_kinds if st.data else (), memo)
+    if st.interval:
+        return tuple(_intervals(found, key_kinds[0], data_of, memo))
+    consts = [memo.setdefault(("consts", k), {}) for k in key_kinds]
+    out = []
+    append = out.append
+    for raw in found.elements:
+        key = []
+        for part, known, kind in zip(raw.key, consts, key_kinds):
+            c = known.get(part)
+            if c is None:
+                c = known[part] = _memo_value(_named(part, kind), kind, memo)
+            key.append(c)
+        append(Element(tuple(key), data_of(raw), raw.comment or ""))
+    return tuple(out)
+
+
+def _data_reader(verdict: bool, kinds: tuple[Kind, ...], memo: _Memo) -> Any:
+    if verdict:
+        def read_verdict(raw: RawElement) -> Verdict:
+            kind, target = raw.data  # type: ignore[misc]
+            key = ("verdict", kind, target)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = Verdict(kind, target) if kind in ("jump", "goto") else Verdict(kind)
+            return found  # type: ignore[no-any-return]
+        return read_verdict
+    if not kinds:
+        return lambda raw: None
+    caches = [memo.setdefault(("values", k), {}) for k in kinds]
+
+    def read_values(raw: RawElement) -> Const:
+        out = []
+        for part, cache, kind in zip(raw.data, caches, kinds):  # type: ignore[arg-type]
+            v = cache.get(part)
+            if v is None:
+                v = cache[part] = _memo_canonical(_named(part, kind), kind, memo)
+            out.append(v)
+        return Const(tuple(out) if len(out) > 1 else out[0])
+    return read_values
+
+
+def _named(value: int | str, kind: Kind) -> int | str:
+    """libnftables prints a protocol by its /etc/protocols name, and rules as it printed them
+    are matched against these keys: only the protocols whose names the IR knows (and every
+    /etc/protocols spells the same) are read here; another one sends the ruleset to libnftables."""
+    if kind == "proto" and value not in PROTOCOL_NAMES:
+        raise Unsupported(f"protocol {value} in a set: libnftables names it from /etc/protocols")
+    return value
+
+
+def _intervals(found: SetElements, kind: Kind, data_of: Any, memo: _Memo) -> list[Element]:
+    """One element per range, from the kernel's starts and end markers in key order."""
+    raws = sorted(found.elements, key=_order)
+    address = found.type.key[0].type in _ADDRESS_TYPES
+    out: list[Element] = []
+    start: RawElement | None = None
+    for raw in raws:
+        if start is not None:  # an end marker, or the next range's start, closes the open range
+            out.append(_element(start, _number(raw.key[0]) - 1, address, found.key_bits, kind, data_of, memo))
+            start = None
+        if not raw.end:
+            start = raw
+    if start is not None:  # a range up to the key's last value has no end marker
+        out.append(_element(start, (1 << found.key_bits) - 1, address, found.key_bits, kind, data_of, memo))
+    return out
+
+
+def _element(start: RawElement, high: int, address: bool, bits: int, kind: Kind, data_of: Any, memo: _Memo) -> Element:
+    return Element((_key(start.key[0], high, address, bits, kind, memo),), data_of(start), start.comment or "")
+
+
+def _order(raw: RawElement) -> tuple[bytes, bool]:
+    """Keys in the kernel's order (an interval set's keys are big-endian bytes), and at one
+    key an interval's end before the next one's start."""
+    return raw.packed, not raw.end
+
+
+def _number(value: int | str) -> int:
+    return value if isinstance(value, int) else int(ipaddress.ip_address(value))
+
+
+def _key(low: int | str, high: int, address: bool, bits: int, kind: Kind, memo: _Memo) -> Const | Prefix | Range:
+    lo = _number(low)
+    if high == lo:
+        return _memo_value(low, kind, memo)  # type: ignore[no-any-return]
+    if not address:
+        return Range(_memo_canonical(lo, kind, memo), _memo_canonical(high, kind, memo))  # type: ignore[arg-type]
+    size = high - lo + 1
+    if size & (size - 1) == 0 and lo % size == 0:  # exactly one prefix: printed as one
+        return Prefix(ipaddress.ip_network((lo if bits == 32 else ipaddress.IPv6Address(lo), bits - size.bit_length() + 1)))
+    top = ipaddress.IPv4Address(high) if bits == 32 else ipaddress.IPv6Address(high)
+    return Range(_memo_canonical(low, kind, memo), _memo_canonical(str(top), kind, memo))  # type: ignore[arg-type]
