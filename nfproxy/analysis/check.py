@@ -213,14 +213,6 @@ def _targets(table: Table, rule: Rule) -> Iterator[Verdict]:
                         yield el.data
 
 
-def _has_dnat(chain: Chain) -> bool:
-    for r in chain.rules:
-        for s in r.statements:
-            if isinstance(s, Dnat):
-                return True
-    return False
-
-
 def _label(table: Table, chain: Chain) -> str:
     for rule in chain.rules:
         if " -> " in rule.comment:
@@ -256,14 +248,10 @@ def check(
         problems.extend(_ungated(table))
         problems.extend(_undrawable_slots(table))
         reached: set[str] = set()
-        referenced: set[str] = set()
+        survey = _survey(table)
+        referenced = {v.target for targets in survey.targets.values() for v in targets if v.kind in ("jump", "goto")}
         for chain in table.chains.values():
-            for rule in chain.rules:
-                for v in _targets(table, rule):
-                    if v.kind in ("jump", "goto"):
-                        referenced.add(v.target)
-        for chain in table.chains.values():
-            if not _selects(table, chain):
+            if not _selects(chain, survey):
                 continue
             report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode, weights)
             problems.extend(found)
@@ -272,7 +260,7 @@ def check(
                 services.append(report)
         selected: frozenset[str] | None = None
         for chain in table.chains.values():
-            if not _has_dnat(chain) or chain.is_base:
+            if chain.name not in survey.dnat or chain.is_base:
                 continue
             if chain.name not in referenced:
                 problems.append(Problem("unreachable-endpoint", _where(table, chain.name), "no rule or map refers to this endpoint chain"))
@@ -280,36 +268,54 @@ def check(
             if chain.name in reached:
                 continue
             if selected is None:
-                selected = _randomly_selected(table)
+                selected = frozenset(v.target for name in survey.random for v in survey.targets[name])
             if chain.name in selected:
                 problems.append(Problem("unreachable-endpoint", _where(table, chain.name), "its selection chain never picks it (probability 0)"))
     services.sort(key=lambda s: (s.name, s.chain))
     return Report(tuple(services), tuple(problems))
 
 
-def _selects(table: Table, chain: Chain) -> bool:
+@dataclass(frozen=True, slots=True)
+class _Survey:
+    """What `check` asks of every chain of a table, found in one pass over its rules (320 000
+    at 10 000 services in iptables): where each chain's rules can go, which chains DNAT and
+    which make a random choice."""
+
+    targets: dict[str, tuple[Verdict, ...]]  # named verdict maps included
+    dnat: frozenset[str]
+    random: frozenset[str]
+
+
+def _survey(table: Table) -> _Survey:
+    targets: dict[str, tuple[Verdict, ...]] = {}
+    dnat: list[str] = []
+    random: list[str] = []
+    for name, chain in table.chains.items():
+        found: list[Verdict] = []
+        draws = does_dnat = False
+        for rule in chain.rules:
+            found.extend(_targets(table, rule))
+            if not does_dnat and any(isinstance(st, Dnat) for st in rule.statements):
+                does_dnat = True
+            if not draws and _is_random(table, rule):
+                draws = True
+        targets[name] = tuple(found)
+        if does_dnat:
+            dnat.append(name)
+        if draws:
+            random.append(name)
+    return _Survey(targets, frozenset(dnat), frozenset(random))
+
+
+def _selects(chain: Chain, survey: _Survey) -> bool:
     """An endpoint-selection chain: a random choice, or jumps straight to DNAT chains."""
     if chain.is_base:
         return False
-    if any(_is_random(table, r) for r in chain.rules):
+    if chain.name in survey.random:
         return True  # a cascade, a numgen vmap, or a DNAT through a numgen-indexed map
-    if _has_dnat(chain):
+    if chain.name in survey.dnat:
         return False
-    for rule in chain.rules:
-        for v in _targets(table, rule):
-            target = table.chains.get(v.target) if v.kind in ("jump", "goto") else None
-            if target is not None and _has_dnat(target):
-                return True
-    return False
-
-
-def _randomly_selected(table: Table) -> frozenset[str]:
-    """The chains some random choice can go to, found once per table."""
-    return frozenset(
-        v.target
-        for chain in table.chains.values() if any(_is_random(table, r) for r in chain.rules)
-        for rule in chain.rules for v in _targets(table, rule)
-    )
+    return any(v.kind in ("jump", "goto") and v.target in survey.dnat for v in survey.targets[chain.name])
 
 
 def _selection(
