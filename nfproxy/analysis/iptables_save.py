@@ -193,6 +193,9 @@ def _line(current: _TableBuilder, line: str, number: int, fam: str) -> None:
     if not tokens:
         return
     op = tokens[0]
+    if op in ("-A", "--append") and len(tokens) >= 2:  # almost every line: first
+        current.rules.setdefault(tokens[1], []).append(_rule(tokens[2:], line, current, fam, number))
+        return
     if op in ("-X", "--delete-chain"):
         for chain in tokens[1:2]:
             current.rules.pop(chain, None)
@@ -239,7 +242,7 @@ def _split(line: str, number: int) -> list[str]:
                 raise ParseError(f"unbalanced quote in {line[:200]!r}", number)
             tokens.append(bare)
         else:
-            tokens.append(_UNESCAPE.sub(r"\1", quoted))
+            tokens.append(_UNESCAPE.sub(r"\1", quoted) if "\\" in quoted else quoted)
     return tokens
 
 
@@ -347,7 +350,14 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
         if tok == "!":
             negate = True
             continue
-        if tok in ("-p", "--protocol"):
+        # The options every kube-proxy rule has come first: `-m` two or three times a rule.
+        if tok in ("-m", "--match"):
+            module = ts.next()
+            if module == "recent":
+                recent = {}
+        elif tok == "--comment" and module == "comment":
+            comment = ts.next()
+        elif tok in ("-p", "--protocol"):
             value = canonical(ts.next(), "proto")
             proto = str(value)
             if value != "all":
@@ -358,14 +368,8 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
         elif tok in ("-i", "--in-interface", "-o", "--out-interface"):
             name = "iifname" if tok.startswith(("-i", "--in")) else "oifname"
             cmp(Field(name), Const(ts.next()))
-        elif tok in ("-m", "--match"):
-            module = ts.next()
-            if module == "recent":
-                recent = {}
         elif tok in ("-j", "--jump", "-g", "--goto"):
             tail.extend(_target(tok, ts, line))
-        elif tok == "--comment" and module == "comment":
-            comment = ts.next()
         elif tok in ("--dport", "--destination-port", "--sport", "--source-port") and module in (
             "tcp", "udp", "sctp", "dccp", "udplite"
         ):
