@@ -287,6 +287,8 @@ class _Survey:
 
 
 def _survey(table: Table) -> _Survey:
+    """Written out over the statements (`_targets` and `_is_random` per rule cost twice as much)."""
+    numgen = _numgen_dialect(table)
     targets: dict[str, tuple[Verdict, ...]] = {}
     dnat: list[str] = []
     random: list[str] = []
@@ -294,10 +296,16 @@ def _survey(table: Table) -> _Survey:
         found: list[Verdict] = []
         draws = does_dnat = False
         for rule in chain.rules:
-            found.extend(_targets(table, rule))
-            if not does_dnat and any(isinstance(st, Dnat) for st in rule.statements):
-                does_dnat = True
-            if not draws and _is_random(table, rule):
+            for st in rule.statements:
+                if isinstance(st, Verdict):
+                    found.append(st)
+                elif isinstance(st, Dnat):
+                    does_dnat = True
+                elif isinstance(st, Statistic):
+                    draws = True
+                elif isinstance(st, VerdictMap):
+                    found.extend(_map_verdicts(table, st))
+            if numgen and not draws and _draws_numgen(rule):
                 draws = True
         targets[name] = tuple(found)
         if does_dnat:
@@ -305,6 +313,18 @@ def _survey(table: Table) -> _Survey:
         if draws:
             random.append(name)
     return _Survey(targets, frozenset(dnat), frozenset(random))
+
+
+def _map_verdicts(table: Table, st: VerdictMap) -> Iterator[Verdict]:
+    """The verdicts of a verdict map's elements, anonymous or named."""
+    if isinstance(st.map, SetRef):
+        sdef = table.sets.get(st.map.name)
+        elements = sdef.elements if sdef is not None else ()
+    else:
+        elements = st.map.elements
+    for el in elements:
+        if isinstance(el.data, Verdict):
+            yield el.data
 
 
 def _selects(chain: Chain, survey: _Survey) -> bool:
