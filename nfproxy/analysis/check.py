@@ -244,11 +244,11 @@ def check(
     services: list[ServiceReport] = []
     problems: list[Problem] = []
     for table in ruleset.tables:
-        problems.extend(_missing_chains(table))
+        survey = _survey(table)
+        problems.extend(_missing_chains(table, survey))
         problems.extend(_ungated(table))
         problems.extend(_undrawable_slots(table))
         reached: set[str] = set()
-        survey = _survey(table)
         referenced = {v.target for targets in survey.targets.values() for v in targets if v.kind in ("jump", "goto")}
         for chain in table.chains.values():
             if not _selects(chain, survey):
@@ -609,13 +609,19 @@ def _union(ranges: list[range]) -> tuple[list[int], list[int]]:
     return starts, stops
 
 
-def _missing_chains(table: Table) -> Iterator[Problem]:
-    for chain in table.chains.values():
+def _missing_chains(table: Table, survey: _Survey) -> Iterator[Problem]:
+    """Rule by rule only in the chains whose targets, as surveyed, name a missing chain."""
+    chains = table.chains
+    for chain in chains.values():
+        if all(v.target in chains for v in survey.targets[chain.name] if v.kind in ("jump", "goto")):
+            continue
         for i, rule in enumerate(chain.rules):
             for v in rule.verdicts():
                 if v.kind in ("jump", "goto") and v.target not in table.chains:
                     yield Problem("missing-chain", _where(table, chain.name, i), f"{v.kind} to {v.target}, which does not exist")
     for sdef in table.sets.values():
+        if sdef.kind != "map":
+            continue  # no data, no verdicts
         for el in sdef.elements:
             if isinstance(el.data, Verdict) and el.data.kind in ("jump", "goto") and el.data.target not in table.chains:
                 yield Problem("missing-chain", f"{table.family} {table.name} map {sdef.name}", f"an element goes to {el.data.target}, which does not exist")
