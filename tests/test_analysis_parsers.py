@@ -157,3 +157,38 @@ def test_addresses_read_as_ipaddress_reads_them(text: str) -> None:
 def test_odd_address_spellings_are_refused_as_ipaddress_refuses_them(text: str) -> None:
     with pytest.raises(ValueError):
         iptables_save._network(text)
+
+
+# ---- a save read while it is written (kernel/process.lines)
+
+
+def test_a_tools_lines_arrive_before_it_ends(tmp_path: Path) -> None:
+    """The first line is read while the tool still runs: it waits for a file the reader makes
+    after that line has arrived."""
+    from nfproxy.kernel.process import lines
+
+    go = tmp_path / "go"
+    out = lines(["sh", "-c", f'echo "*nat"; while [ ! -e {go} ]; do sleep 0.01; done; echo COMMIT'])
+    assert next(out) == "*nat\n"
+    go.touch()
+    assert list(out) == ["COMMIT\n"]
+
+
+def test_a_tool_that_fails_after_writing_raises_with_its_stderr() -> None:
+    from nfproxy.kernel.process import KernelError, lines
+
+    out = lines(["sh", "-c", "echo '*nat'; echo 'no such table' >&2; exit 3"])
+    with pytest.raises(KernelError, match=r"exit 3\): no such table"):
+        iptables_save.parse(out, 4)
+
+
+def test_a_tool_that_hangs_is_killed() -> None:
+    from nfproxy.kernel.process import KernelError, lines
+
+    with pytest.raises(KernelError, match="timed out after 1s"):
+        list(lines(["sh", "-c", "echo start; exec sleep 60"], timeout=1))
+
+
+def test_streamed_lines_parse_as_the_text_does() -> None:
+    text = (DUMPS / "kube-proxy-iptables-save.txt").read_text()
+    assert iptables_save.parse(iter(text.splitlines(keepends=True)), 4) == iptables_save.parse(text, 4)

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,16 +59,32 @@ def read_live(backend: str, netns: str | None) -> Source:
     used = []
     for flavour in (Flavour.LEGACY, Flavour.NFT):
         for family in IPFamily:
+            saved = _Kube(IptablesRunner(family, netns, flavour).save_lines())
             try:
-                text = IptablesRunner(family, netns, flavour).save()
+                ruleset = iptables_save.parse(saved, family)  # while the save is still writing
             except KernelError:
                 continue
-            if "KUBE-" in text:
-                tables.extend(iptables_save.parse(text, family).tables)
+            if saved.seen:
+                tables.extend(ruleset.tables)
                 used.append(f"{'ip6' if family is IPFamily.V6 else 'ip'}tables-{flavour.value}")
     if not used:
         raise KernelError(f"no KUBE-* iptables rules in {where} (looked at iptables-legacy and iptables-nft)")
     return Source(Ruleset(tuple(tables)), "iptables", f"{', '.join(used)} in {where}")
+
+
+class _Kube:
+    """Lines passed through, noting whether any names a KUBE- chain: a save without one is
+    not kube-proxy's or nfproxy's (the other flavour's or family's empty tables)."""
+
+    def __init__(self, lines: Iterator[str]) -> None:
+        self.lines = lines
+        self.seen = False
+
+    def __iter__(self) -> Iterator[str]:
+        for line in self.lines:
+            if not self.seen and "KUBE-" in line:
+                self.seen = True
+            yield line
 
 
 # Times the ruleset may change between the listing and the element dumps before the reader

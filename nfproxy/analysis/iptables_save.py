@@ -16,7 +16,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis import quantize
@@ -140,15 +140,16 @@ class _TableBuilder:
 
 
 @gc_paused()  # as nft_json.parse
-def parse(text: str, family: object = IPFamily.V4) -> Ruleset:
+def parse(text: str | Iterable[str], family: object = IPFamily.V4) -> Ruleset:
     """A table must end with COMMIT: a dump cut short (a truncated file, a killed save) is an
-    error, not a smaller ruleset that looks clean."""
+    error, not a smaller ruleset that looks clean. `text` may be lines as a tool writes them
+    (`IptablesRunner.save_lines`): parsed while the rest is still being written."""
     fam = _family(family)
     tables: dict[str, _TableBuilder] = {}
     current: _TableBuilder | None = None
     opened = 0
     number = 0
-    for number, raw in enumerate(text.splitlines(), 1):
+    for number, raw in enumerate(text.splitlines() if isinstance(text, str) else text, 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue

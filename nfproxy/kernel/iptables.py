@@ -18,7 +18,7 @@ from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
 from nfproxy.kernel.lock import LOCK_DIR
 from nfproxy.kernel.nfacct import Nfacct
-from nfproxy.kernel.process import KernelError, find_tool, run
+from nfproxy.kernel.process import KernelError, find_tool, lines, run
 
 # The tables an iptables backend writes, and their built-in chains (never owned by anybody).
 TABLES = ("filter", "nat")
@@ -117,6 +117,10 @@ class IptablesRunner:
         """`iptables-save` (`counters`: with `-c`, each rule's [packets:bytes] before it)."""
         argv = [self.save_cmd] + (["-c"] if counters else []) + (["-t", table] if table else [])
         return run(argv, netns=self.netns)
+
+    def save_lines(self, table: str | None = None) -> Iterator[str]:
+        """`iptables-save`, line by line as it writes them (see `process.lines`)."""
+        return lines([self.save_cmd] + (["-t", table] if table else []), netns=self.netns)
 
     def chains(self, table: str | None = None) -> dict[str, list[str]]:
         """Chain names per table (one table, or all), from `iptables-save`'s declarations."""

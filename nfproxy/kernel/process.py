@@ -1,7 +1,8 @@
 """Running the kernel tools (iptables-restore, nft, ...) in the right network namespace.
 
-Every external command nfproxy runs goes through `run`, so there is one place that decides how
-a namespace is entered and how a tool's failure becomes a `KernelError` with its stderr.
+Every external command nfproxy runs goes through `run` (or `lines`, for output read as it is
+written), so there is one place that decides how a namespace is entered and how a tool's
+failure becomes a `KernelError` with its stderr.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
 
 # Debian puts the netfilter tools in /usr/sbin, which a non-login root shell may not have.
 _SBIN = ("/usr/sbin", "/sbin")
@@ -52,3 +55,34 @@ def run(
         detail = (proc.stderr or proc.stdout).strip()
         raise KernelError(f"{argv[0]}{where} failed (exit {proc.returncode}): {detail}")
     return proc.stdout
+
+
+def lines(argv: Sequence[str], *, netns: str | None = None, timeout: float = 600.0) -> Iterator[str]:
+    """A tool's stdout line by line, as it writes it (`iptables-save` of 10 000 services writes
+    for half a second, which the reader can spend parsing). After the last line, a KernelError
+    if the tool failed; killed after `timeout` seconds, as `run` would. Its stderr goes to a
+    temporary file, so that a chatty tool cannot block on a pipe nobody reads."""
+    full = [*netns_argv(netns), find_tool(argv[0]), *argv[1:]]
+    timed_out = threading.Event()
+    with tempfile.TemporaryFile() as err, subprocess.Popen(full, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+        assert proc.stdout is not None
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        watchdog = threading.Timer(timeout, kill)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            yield from proc.stdout
+            code = proc.wait()
+        finally:
+            watchdog.cancel()
+        err.seek(0)
+        detail = err.read().decode(errors="replace").strip()
+    if timed_out.is_set():
+        raise KernelError(f"{argv[0]} timed out after {timeout:.0f}s")
+    if code != 0:
+        where = f" in netns {netns}" if netns else ""
+        raise KernelError(f"{argv[0]}{where} failed (exit {code}): {detail}")
