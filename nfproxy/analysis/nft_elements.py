@@ -1,7 +1,7 @@
 """Set elements read over netlink (kernel/nft_elements.py), as rule IR.
 
-`nft -j -t list ruleset` lists everything but the elements of named sets in a third of the time
-of the full listing at 10 000 services, and prints a tenth of the JSON. The elements come from
+`nft -j -t list ruleset` lists everything but the elements of named sets in a quarter of the
+time of the full listing at 10 000 services, and prints a third of the JSON. The elements come from
 the kernel's own dump instead and are made into the IR `nft_json.parse` would make of
 libnftables' JSON for them: the same constants, through the same memo, so the two ways of
 reading a namespace give equal rulesets (tests/test_nft_elements.py holds them equal on the
