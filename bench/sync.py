@@ -15,12 +15,14 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 - a no-op on an equal, newly built snapshot (one service's values rebuilt equal and reported
   touched, as a watch event that changes nothing the rules read; target: <= 1 ms);
 - with `--shapes`, the published large shapes (30 000 x 10, 44 000 x 1, 5 000 x 50): a full nft
-  sync (target: < 60 s) and a one-service change at each.
+  sync (target: < 60 s) and a one-service change at each;
+- with `--memory`, the daemon's RSS for both backends, steady (target: < 250 MiB) and at its
+  peak with its children (target: < 400 MiB), run as bench/memory.py runs it.
 
 Changes go through `Proxier.sync(state, touched=...)` with the keys a tracking source reports
 (nfproxy/core/changes.py), as the daemon's sync loop passes them.
 
-Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5] [--shapes]
+Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5] [--shapes] [--memory]
        [--skip-iptables-nft | --skip-iptables]
        sudo .venv/bin/python bench/sync.py --services 5000 --repeat 3 --compare-tree /tmp/old-checkout
 (--compare-tree: full syncs only, nft and iptables-legacy, this tree against OLD alternately.)
@@ -379,6 +381,25 @@ def weights_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def memory_rows(services: int, endpoints: int) -> list[tuple[str, float, str, bool]]:
+    """The daemon's RSS as bench/memory.py measures it (the real daemon on manifest files, sampled
+    from /proc), for both backends, as rows of this table."""
+    import tempfile
+
+    import memory  # bench/memory.py, beside this file
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="nfp-mem-") as tmp:
+        memory.write_manifests(services, endpoints, Path(tmp))
+        for backend in ("nft", "iptables"):
+            r = memory.run_daemon(backend, Path(tmp), memory.ROOT, 20.0, 5.0, "1h")
+            steady, peak = r["steady_mib"], max(r["peak_tree_mib"], r["peak_daemon_mib"])
+            label = "nft" if backend == "nft" else "iptables-legacy"
+            rows.append((f"daemon RSS steady, {label} (MiB)", steady, "< 250", steady < 250))
+            rows.append((f"daemon peak RSS (with its children), {label} (MiB)", peak, "< 400", peak < 400))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", type=int, default=10_000)
@@ -397,6 +418,8 @@ def main() -> int:
                     help="with --weights: no iptables-legacy full syncs (they need /run/xtables.lock)")
     ap.add_argument("--skip-iptables", action="store_true", help="no iptables full syncs at all")
     ap.add_argument("--shapes", action="store_true", help="also 30000x10, 44000x1 and 5000x50")
+    ap.add_argument("--memory", action="store_true",
+                    help="also the daemon's RSS, steady and peak, for both backends (bench/memory.py's run)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/sync.py: needs root (network namespaces)", file=sys.stderr)
@@ -436,6 +459,7 @@ def main() -> int:
     noop = max(med(big_t.noop), med(small_t.noop))
     api_noop = med(api_source_noops(S, N, args.repeat))
     shapes = shape_rows(max(3, args.repeat // 2)) if args.shapes else []
+    memory = memory_rows(S, N) if args.memory else []
 
     rows = [(f"nft full sync at {S} x {N} (s)", nft_full, "(reference)", True)]
     if legacy_full is not None:
@@ -453,6 +477,7 @@ def main() -> int:
         (f"(libnftables instead of nfnetlink) change at {S} (ms)", med(lib_big.change) * 1000, "(reference)", True),
         (f"(libnftables instead of nfnetlink) change at {S} / at {args.small}", med(lib_big.change) / med(lib_small.change), "(reference)", True),
         *shapes,
+        *memory,
     ]
     print()
     print(f"| measure | value | target | met |")
