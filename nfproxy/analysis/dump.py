@@ -101,7 +101,7 @@ def read_nft(netns: str | None) -> Ruleset:
 
     from nfproxy.analysis import nft_elements
     from nfproxy.kernel.nft import NftSession
-    from nfproxy.kernel.nft_elements import ElementReader
+    from nfproxy.kernel.nft_elements import FAMILIES, ElementReader
     from nfproxy.kernel.nft_netlink import Unsupported
 
     session = NftSession(netns)
@@ -110,8 +110,10 @@ def read_nft(netns: str | None) -> Ruleset:
             before = reader.generation()
             listing = pool.submit(session.list_ruleset, terse=True)
             try:
-                tables = {where: reader.table(*where) for where in reader.tables()}
-            except Unsupported as exc:
+                # Tables of other families (netdev, bridge, arp) are not read: a set of theirs
+                # makes the parse below give up (`nft_elements.reader`), their chains do not.
+                tables = {where: reader.table(*where) for where in reader.tables() if where[0] in FAMILIES}
+            except (Unsupported, KernelError) as exc:  # a table gone between two dumps, too
                 listing.result()
                 log.info("listing the ruleset through libnftables: %s", exc)
                 break

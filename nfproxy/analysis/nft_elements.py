@@ -29,12 +29,16 @@ _ADDRESS_TYPES = (7, 8)  # ipv4_addr, ipv6_addr
 
 
 def reader(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> Any:
-    """The `elements` hook of `nft_json.parse`: a set's elements from the netlink dump."""
+    """The `elements` hook of `nft_json.parse`: a set's elements from the netlink dump. A set
+    the dump does not have (a table of a family the reader does not read) raises
+    `Unsupported`: the terse listing holds none of its elements, so it must not look empty."""
 
     def elements(family: str, table: str, name: str, key_kinds: tuple[Kind, ...],
-                 data_kinds: tuple[Kind, ...], memo: _Memo) -> tuple[Element, ...] | None:
+                 data_kinds: tuple[Kind, ...], memo: _Memo) -> tuple[Element, ...]:
         found = tables.get((family, table), {}).get(name)
-        return None if found is None else ir_elements(found, key_kinds, data_kinds, memo)
+        if found is None:
+            raise Unsupported(f"set {family} {table} {name} was listed but not read")
+        return ir_elements(found, key_kinds, data_kinds, memo)
 
     return elements
 
@@ -43,7 +47,7 @@ def ir_elements(found: SetElements, key_kinds: tuple[Kind, ...], data_kinds: tup
                 memo: _Memo) -> tuple[Element, ...]:
     st = found.type
     if len(key_kinds) != len(st.key) or (st.data and len(data_kinds) != len(st.data)):
-        raise ValueError(f"set {st.name}: the listing's types do not match the kernel's")
+        raise Unsupported(f"set {st.name}: the listing's types do not match the kernel's")
     data_of = _data_reader(st.verdict, data_kinds if st.data else (), memo)
     if st.interval:
         return tuple(_intervals(found, key_kinds[0], data_of, memo))

@@ -53,8 +53,8 @@ _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _NLA_TYPE_MASK = 0x3FFF
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr
 _ATTR = struct.Struct("=HH")
-_FAMILIES = {"ip": 2, "ip6": 10, "inet": 1}
-_FAMILY_NAMES = {v: k for k, v in _FAMILIES.items()}
+FAMILIES = {"ip": 2, "ip6": 10, "inet": 1}  # the families whose sets this reader reads
+_FAMILY_NAMES = {v: k for k, v in FAMILIES.items()} | {3: "arp", 5: "netdev", 7: "bridge"}
 _TABLE_NAME = 1
 
 # Attribute numbers (include/uapi/linux/netfilter/nf_tables.h).
@@ -148,7 +148,7 @@ class ElementReader:
         sock = self._socket()
         self._seq += 1
         seq = self._seq
-        body = struct.pack("=BBH", _FAMILIES.get(family, 0), 0, 0) + attrs
+        body = struct.pack("=BBH", FAMILIES.get(family, 0), 0, 0) + attrs
         flags = _NLM_F_REQUEST | (_NLM_F_DUMP if dump else 0)
         sock.send(_HEADER.pack(_HEADER.size + len(body), _NFTABLES | kind, flags, seq, 0) + body)
         while True:
@@ -229,7 +229,7 @@ class ElementReader:
 
     def table(self, family: str, table: str) -> dict[str, SetElements]:
         """Every named set of one table with its elements."""
-        if family not in _FAMILIES:
+        if family not in FAMILIES:
             raise Unsupported(f"tables of family {family}")
         return {
             name: SetElements(st, bits, tuple(self.elements(family, table, name, st)))
