@@ -101,6 +101,8 @@ def _named(value: int | str, kind: Kind) -> int | str:
 
 def _intervals(found: SetElements, kind: Kind, data_of: Any, memo: _Memo) -> list[Element]:
     """One element per range, from the kernel's starts and end markers in key order."""
+    if kind not in ("addr", "int"):
+        raise Unsupported(f"set {found.type.name}: intervals of {kind} values")  # printed by name
     raws = sorted(found.elements, key=_order)
     address = found.type.key[0].type in _ADDRESS_TYPES
     out: list[Element] = []
