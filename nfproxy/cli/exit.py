@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 _held: list[object] = []
@@ -36,6 +37,6 @@ def entry() -> None:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-    except (BrokenPipeError, ValueError):  # the reader is gone (`| head`)
-        status = status or 120  # what CPython exits with when its final flush fails
+    except BrokenPipeError:  # the reader went away after the last write: as main() says it
+        status = 128 + signal.SIGPIPE
     os._exit(status)
