@@ -161,3 +161,16 @@ def test_tables_of_other_families(netns: str, with_set: bool, caplog: pytest.Log
     assert _by_set(fast) == _by_set(_libnftables(netns))
     bridge = next(t for t in fast.tables if t.family == "bridge")
     assert [len(s.elements) for s in bridge.sets.values()] == ([1] if with_set else [])
+
+
+def test_iptables_nft_tables_are_left_to_the_iptables_backend(netns: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Tables named as iptables-nft names its own are not read, not even their sets (one here
+    that the reader would have no words for)."""
+    NftSession(netns).apply(SHAPES + 'table ip nat {\nset names { type ifname; elements = { "eth0" } }\n'
+                                     "chain KUBE-SERVICES { }\n}\n")
+    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    fast = dump.read_nft(netns)
+    assert "through libnftables" not in caplog.text
+    assert "nat" not in {t.name for t in fast.tables}
+    full = _libnftables(netns)
+    assert _by_set(fast) == _by_set(Ruleset(tuple(t for t in full.tables if t.name != "nat")))

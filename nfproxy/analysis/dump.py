@@ -48,9 +48,7 @@ class Source:
 def read_live(backend: str, netns: str | None) -> Source:
     where = f"netns {netns}" if netns else "the current namespace"
     if backend == "nft":
-        rs = read_nft(netns)
-        rs = Ruleset(tuple(t for t in rs.tables if t.name not in IPTABLES_TABLES))
-        return Source(rs, "nft", f"nft ruleset of {where}")
+        return Source(read_nft(netns), "nft", f"nft ruleset of {where}")
     if backend != "iptables":
         raise ValueError(f"unknown backend {backend!r}")
     from nfproxy.kernel.iptables import Flavour, IptablesRunner
@@ -93,10 +91,12 @@ _ATTEMPTS = 3
 
 
 def read_nft(netns: str | None) -> Ruleset:
-    """`nft -j list ruleset`, read: the terse listing through libnftables (in a thread: it runs
-    without the GIL) while the elements of every named set are read over netlink
-    (analysis/nft_elements.py says why), both within one generation of the ruleset; libnftables'
-    full listing where the netlink reader has no words for a set."""
+    """`nft -j list ruleset` without iptables-nft's tables (the iptables backend reads those),
+    read: the terse listing through libnftables (in a thread: it runs without the GIL) while the
+    elements of every other named set are read over netlink (analysis/nft_elements.py says
+    why), both within one generation of the ruleset; libnftables' full listing where the
+    netlink reader has no words for a set. iptables-nft's tables are left out before they are
+    parsed: during a migration they hold as many rules as ours."""
     from concurrent.futures import ThreadPoolExecutor
 
     from nfproxy.analysis import nft_elements
@@ -112,7 +112,8 @@ def read_nft(netns: str | None) -> Ruleset:
             try:
                 # Tables of other families (netdev, bridge, arp) are not read: a set of theirs
                 # makes the parse below give up (`nft_elements.reader`), their chains do not.
-                tables = {where: reader.table(*where) for where in reader.tables() if where[0] in FAMILIES}
+                tables = {where: reader.table(*where) for where in reader.tables()
+                          if where[0] in FAMILIES and where[1] not in IPTABLES_TABLES}
             except (Unsupported, KernelError) as exc:  # a table gone between two dumps, too
                 listing.result()
                 log.info("listing the ruleset through libnftables: %s", exc)
@@ -120,13 +121,31 @@ def read_nft(netns: str | None) -> Ruleset:
             doc = listing.result()
             if reader.generation() == before:
                 try:
-                    return nft_json.parse(doc, nft_elements.reader(tables))
+                    return nft_json.parse(_without_iptables(doc), nft_elements.reader(tables))
                 except Unsupported as exc:
                     log.info("listing the ruleset through libnftables: %s", exc)
                     break
         else:
             log.info("listing the ruleset through libnftables: it changed %d times while being read", _ATTEMPTS)
-    return nft_json.parse(session.list_ruleset())
+    return nft_json.parse(_without_iptables(session.list_ruleset()))
+
+
+def _without_iptables(doc: dict[str, Any]) -> dict[str, Any]:
+    items = doc.get("nftables") if isinstance(doc, dict) else None
+    if not isinstance(items, list):
+        return doc  # nft_json.parse says what is wrong with it
+    kept = [item for item in items if not _of_iptables(item)]
+    return {**doc, "nftables": kept}
+
+
+def _of_iptables(item: object) -> bool:
+    if not isinstance(item, dict) or len(item) != 1:
+        return False
+    body = next(iter(item.values()))
+    if not isinstance(body, dict):
+        return False
+    name = body.get("name") if "table" in item else body.get("table")
+    return name in IPTABLES_TABLES
 
 
 # A dump of 10 000 services x 10 endpoints is ~40 MB of JSON; parsing costs ~10x its size.
