@@ -174,3 +174,24 @@ def test_iptables_nft_tables_are_left_to_the_iptables_backend(netns: str, caplog
     assert "nat" not in {t.name for t in fast.tables}
     full = _libnftables(netns)
     assert _by_set(fast) == _by_set(Ruleset(tuple(t for t in full.tables if t.name != "nat")))
+
+
+def test_the_endpoint_counters_read_the_same_both_ways(netns: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The endpoint metric's reading (`counters.read_live_counts`): the counted maps' elements
+    over netlink give the counts libnftables' full listing gives (exact counts under real
+    traffic: tests/test_counters_kernel.py)."""
+    from nfproxy.analysis.counters import endpoint_counts_nft
+    from nfproxy.analysis.nft_elements import counted_table
+
+    apply_nft(random_cluster(random.Random(4), 40), netns)
+    caplog.set_level("INFO", logger="nfproxy.analysis.nft_elements")
+    for family in ("ip", "ip6"):
+        fast = counted_table(netns, family, "nfproxy")
+        full = NftSession(netns).list_table(family, "nfproxy")
+        assert fast is not None and full is not None
+        doc, counted = fast
+        assert counted and not any("elem" in i.get("map", {}) for i in doc["nftables"])
+        counts = endpoint_counts_nft(doc, counted)
+        assert counts and counts == endpoint_counts_nft(full)
+    assert "through libnftables" not in caplog.text
+    assert counted_table(netns, "ip", "no-such-table") is None

@@ -302,9 +302,15 @@ def _element_counts(body: dict[str, Any]) -> list[tuple[int, int, int, str]]:
     return out
 
 
-def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
+# A counted map's elements read elsewhere (over netlink: analysis/nft_elements.counted_table),
+# by (family, table, map): what `_element_counts` makes of the listed ones.
+ElementCounts = Mapping[tuple[str, str, str], list[tuple[int, int, int, str]]]
+
+
+def endpoint_counts_nft(ruleset_json: Any, elements: ElementCounts | None = None) -> tuple[EndpointCount, ...]:
     """Per-endpoint counters of `nft -j list ruleset` (or `list table`) output, a parsed document
-    or its text. Endpoint maps without the `counter` flag and per-endpoint chains without a
+    or its text; `elements`, the counted maps' elements when the document (a terse listing)
+    holds none. Endpoint maps without the `counter` flag and per-endpoint chains without a
     counter before their DNAT contribute nothing (an older nfproxy, or counters turned off)."""
     items = _documents(ruleset_json)
     named: dict[str, int] = {}
@@ -317,7 +323,9 @@ def endpoint_counts_nft(ruleset_json: Any) -> tuple[EndpointCount, ...]:
     for item in items:
         if "map" in item and isinstance(item["map"], dict):
             body = item["map"]
-            maps[(body.get("family", ""), body.get("table", ""), body.get("name", ""))] = _element_counts(body)
+            key = (body.get("family", ""), body.get("table", ""), body.get("name", ""))
+            given = elements.get(key) if elements is not None and "elem" not in body else None
+            maps[key] = given if given is not None else _element_counts(body)
     for item in items:
         rule = item.get("rule")
         if not isinstance(rule, dict):
@@ -365,12 +373,12 @@ def read_live_counts(backend: str, netns: str | None) -> tuple[EndpointCount, ..
     from nfproxy.kernel.process import KernelError
 
     if backend == "nft":
-        from nfproxy.kernel.nft import NftSession
+        from nfproxy.analysis.nft_elements import counted_table
         from nfproxy.nftables import TABLE
 
-        session = NftSession(netns)
-        docs = [session.list_table(fam, TABLE) for fam in ("ip", "ip6")]
-        return _merge(c for doc in docs if doc for c in endpoint_counts_nft(doc))
+        # The counted maps' elements over netlink, not libnftables' listing of every element.
+        read = [counted_table(netns, fam, TABLE) for fam in ("ip", "ip6")]
+        return _merge(c for doc, counted in filter(None, read) for c in endpoint_counts_nft(doc, counted))
     if backend != "iptables":
         raise ValueError(f"unknown backend {backend!r}")
     from nfproxy.kernel.iptables import Flavour, IptablesRunner

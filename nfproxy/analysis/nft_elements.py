@@ -17,15 +17,20 @@ reads depends on the order).
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from nfproxy.analysis.ir import PROTOCOL_NAMES, Const, Element, Kind, Prefix, Range, Verdict
 from nfproxy.analysis.nft_json import _Memo, _memo_canonical, _memo_value
+from nfproxy.analysis.counters import _endpoint_text
 from nfproxy.kernel.nft_elements import RawElement, SetElements
-from nfproxy.kernel.nft_netlink import Unsupported
+from nfproxy.kernel.nft_netlink import TYPE_INTEGER, Unsupported
+from nfproxy.kernel.process import KernelError
 
 _ADDRESS_TYPES = (7, 8)  # ipv4_addr, ipv6_addr
+
+log = logging.getLogger(__name__)
 
 
 def reader(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> Any:
@@ -103,18 +108,22 @@ def _intervals(found: SetElements, kind: Kind, data_of: Any, memo: _Memo) -> lis
     """One element per range, from the kernel's starts and end markers in key order."""
     if kind not in ("addr", "int"):
         raise Unsupported(f"set {found.type.name}: intervals of {kind} values")  # printed by name
-    raws = sorted(found.elements, key=_order)
     address = found.type.key[0].type in _ADDRESS_TYPES
-    out: list[Element] = []
+    return [_element(start, high, address, found.key_bits, kind, data_of, memo) for start, high in _spans(found)]
+
+
+def _spans(found: SetElements) -> list[tuple[RawElement, int]]:
+    """(the start element, the range's last value) per range of an interval set."""
+    out: list[tuple[RawElement, int]] = []
     start: RawElement | None = None
-    for raw in raws:
+    for raw in sorted(found.elements, key=_order):
         if start is not None:  # an end marker, or the next range's start, closes the open range
-            out.append(_element(start, _number(raw.key[0]) - 1, address, found.key_bits, kind, data_of, memo))
+            out.append((start, _number(raw.key[0]) - 1))
             start = None
         if not raw.end:
             start = raw
     if start is not None:  # a range up to the key's last value has no end marker
-        out.append(_element(start, (1 << found.key_bits) - 1, address, found.key_bits, kind, data_of, memo))
+        out.append((start, (1 << found.key_bits) - 1))
     return out
 
 
@@ -143,3 +152,55 @@ def _key(low: int | str, high: int, address: bool, bits: int, kind: Kind, memo: 
         return Prefix(ipaddress.ip_network((lo if bits == 32 else ipaddress.IPv6Address(lo), bits - size.bit_length() + 1)))
     top = ipaddress.IPv4Address(high) if bits == 32 else ipaddress.IPv6Address(high)
     return Range(_memo_canonical(low, kind, memo), _memo_canonical(str(top), kind, memo))  # type: ignore[arg-type]
+
+
+# ---- the endpoint counters (analysis/counters.py): a table's listing with its counted maps
+
+
+def counted_table(netns: str | None, family: str, table: str) -> tuple[dict[str, Any], dict[tuple[str, str, str], list[tuple[int, int, int, str]]]] | None:
+    """`nft -j list table FAMILY TABLE` as the endpoint counters read it (`counters.
+    endpoint_counts_nft(doc, elements)`): the terse listing, and the elements of the maps that
+    count (`counter` on the map) with their packets, read over netlink in one generation, as
+    (first value, last value, packets, endpoint) per element. None when there is no such table.
+    libnftables' full listing (and no elements apart) when a counted map is not keyed by
+    integers with an address and port as data (nothing nfproxy writes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nfproxy.kernel.nft import NftSession
+    from nfproxy.kernel.nft_elements import ElementReader
+
+    session = NftSession(netns)
+    with ElementReader(netns) as reader, ThreadPoolExecutor(1) as pool:
+        for _ in range(3):
+            before = reader.generation()
+            listing = pool.submit(session.list_table, family, table, terse=True)
+            try:
+                counted = {(family, table, name): _element_counts(
+                               SetElements(st, bits, tuple(reader.elements(family, table, name, st, counters=True))))
+                           for name, (st, bits, counts) in reader.sets(family, table).items() if counts}
+            except (Unsupported, KernelError) as exc:
+                listing.result()
+                log.info("listing %s %s through libnftables: %s", family, table, exc)
+                break
+            doc = listing.result()
+            if doc is None:
+                return None
+            if reader.generation() == before:
+                return doc, counted
+        else:
+            log.info("listing %s %s through libnftables: it changed 3 times while being read", family, table)
+    doc = session.list_table(family, table)
+    return None if doc is None else (doc, {})
+
+
+def _element_counts(found: SetElements) -> list[tuple[int, int, int, str]]:
+    """`counters._element_counts` of the same map as libnftables would list it: elements
+    without a counter count nothing, and are left out as there."""
+    st = found.type
+    if len(st.key) != 1 or st.key[0].type != TYPE_INTEGER or st.verdict or not st.data or len(st.data) != 2:
+        raise Unsupported(f"map {st.name}: a counted map not keyed by integers to an address and port")
+    spans = _spans(found) if st.interval else [(raw, raw.key[0]) for raw in found.elements]
+    out = [(start.key[0], high, start.packets, _endpoint_text(*start.data))  # type: ignore[misc]
+           for start, high in spans if start.packets is not None]
+    out.sort()
+    return out  # type: ignore[return-value]

@@ -59,9 +59,11 @@ _TABLE_NAME = 1
 
 # Attribute numbers (include/uapi/linux/netfilter/nf_tables.h).
 _SET_TABLE, _SET_NAME, _SET_FLAGS, _SET_KEY_TYPE, _SET_KEY_LEN = 1, 2, 3, 4, 5
-_SET_DATA_TYPE, _SET_DATA_LEN, _SET_USERDATA = 6, 7, 13
+_SET_DATA_TYPE, _SET_DATA_LEN, _SET_USERDATA, _SET_EXPR, _SET_EXPRESSIONS = 6, 7, 13, 17, 18
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3
-_ELEM_KEY, _ELEM_DATA, _ELEM_FLAGS, _ELEM_USERDATA, _ELEM_OBJREF, _ELEM_KEY_END = 1, 2, 3, 6, 9, 10
+_ELEM_KEY, _ELEM_DATA, _ELEM_FLAGS, _ELEM_USERDATA, _ELEM_EXPR, _ELEM_OBJREF, _ELEM_KEY_END = 1, 2, 3, 6, 7, 9, 10
+_ELEM_EXPRESSIONS = 11
+_EXPR_NAME, _EXPR_DATA, _COUNTER_PACKETS = 1, 2, 2
 _DATA_VALUE, _DATA_VERDICT = 1, 2
 _VERDICT_CODE, _VERDICT_CHAIN = 1, 2
 _GEN_ID = 1
@@ -87,6 +89,7 @@ class RawElement:
     data: tuple[int | str, ...] | tuple[str, str] | None = None  # values, or (verdict, chain)
     comment: str | None = None
     packed: bytes = b""  # the key as the kernel compares it (an interval set's: big-endian)
+    packets: int | None = None  # its counter, when asked for and the element has one
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +192,14 @@ class ElementReader:
                     out.append((_FAMILY_NAMES.get(family, str(family)), _string(buf, x, y)))
         return out
 
-    def sets(self, family: str, table: str) -> dict[str, tuple[SetType, int]]:
-        """Each set of the table: its types, and its key's width in bits."""
-        out: dict[str, tuple[SetType, int]] = {}
+    def sets(self, family: str, table: str) -> dict[str, tuple[SetType, int, bool]]:
+        """Each set of the table: its types, its key's width in bits, and whether its elements
+        carry expressions (a counter: nfproxy's endpoint maps)."""
+        out: dict[str, tuple[SetType, int, bool]] = {}
         for buf, a, b in self._dump(_GETSET, family, _attr(_SET_TABLE, table.encode() + b"\0")):
             attrs: dict[str, object] = {}
             name = ""
+            expressions = False
             for kind, x, y in _attrs(buf, a, b):
                 if kind == _SET_TABLE and _string(buf, x, y) != table:
                     break  # kernels before the dump filter send every table's sets
@@ -207,6 +212,8 @@ class ElementReader:
                     key = {_SET_KEY_TYPE: "NFTA_SET_KEY_TYPE", _SET_KEY_LEN: "NFTA_SET_KEY_LEN",
                            _SET_DATA_TYPE: "NFTA_SET_DATA_TYPE", _SET_DATA_LEN: "NFTA_SET_DATA_LEN"}[kind]
                     attrs[key] = struct.unpack_from(">I", buf, x)[0]
+                elif kind in (_SET_EXPR, _SET_EXPRESSIONS):
+                    expressions = True
                 elif kind == _SET_USERDATA:
                     attrs["NFTA_SET_USERDATA"] = _udata(bytes(buf[x:y]), _UDATA_SET_KEYBYTEORDER, "NFTNL_UDATA_SET_KEYBYTEORDER")
             else:
@@ -214,12 +221,13 @@ class ElementReader:
                     if "NFT_SET_ANONYMOUS" in attrs.get("NFTA_SET_FLAGS", frozenset()):  # type: ignore[operator]
                         continue  # a rule's own `{ ... }`: listed with the rule
                     st = set_type_from_kernel(name, attrs)
-                    out[name] = (st, 8 * int(attrs["NFTA_SET_KEY_LEN"]))  # type: ignore[call-overload]
+                    out[name] = (st, 8 * int(attrs["NFTA_SET_KEY_LEN"]), expressions)  # type: ignore[call-overload]
         return out
 
-    def elements(self, family: str, table: str, name: str, st: SetType) -> list[RawElement]:
+    def elements(self, family: str, table: str, name: str, st: SetType, *, counters: bool = False) -> list[RawElement]:
+        """`counters`: read each element's packet counter too (`audit` and the endpoint metric)."""
         request = _attr(_LIST_TABLE, table.encode() + b"\0") + _attr(_LIST_SET, name.encode() + b"\0")
-        decode = _Decoder(st, name)
+        decode = _Decoder(st, name, counters)
         out: list[RawElement] = []
         for buf, a, b in self._dump(_GETSETELEM, family, request):
             for kind, x, y in _attrs(buf, a, b):
@@ -233,7 +241,7 @@ class ElementReader:
             raise Unsupported(f"tables of family {family}")
         return {
             name: SetElements(st, bits, tuple(self.elements(family, table, name, st)))
-            for name, (st, bits) in self.sets(family, table).items()
+            for name, (st, bits, _) in self.sets(family, table).items()
         }
 
 
@@ -253,8 +261,9 @@ class _Decoder:
     data layout: 320 000 elements at 10 000 services, so the walk is written out by hand
     (a generator per attribute cost three times as much)."""
 
-    def __init__(self, st: SetType, name: str) -> None:
+    def __init__(self, st: SetType, name: str, counters: bool = False) -> None:
         self.name = name
+        self.counters = counters
         # An interval set's keys are compared as bytes, so libnftables stores even a host-order
         # key (numgen's) big-endian there, and its rules swap the bytes before the lookup.
         self.key = _layout(st.key, name, big_endian=st.interval)
@@ -274,7 +283,7 @@ class _Decoder:
             key: tuple[int | str, ...] = ()
             data: tuple[int | str, ...] | tuple[str, str] | None = None
             end = False
-            comment = None
+            comment = packets = None
             packed = b""
             while x + 4 <= y:
                 alen, kind = unpack(buf, x)
@@ -296,8 +305,10 @@ class _Decoder:
                     comment = found[0][1].split(b"\0", 1)[0].decode() if found else None
                 elif kind in _UNREAD:
                     raise Unsupported(f"set {name}: element attribute {kind} is outside the reader's vocabulary")
+                elif self.counters and kind in (_ELEM_EXPRESSIONS, _ELEM_EXPR):
+                    packets = _packets(buf, x + 4, x + alen, kind == _ELEM_EXPRESSIONS)
                 x += (alen + 3) & ~3
-            append(RawElement(key, end, data, comment, packed))
+            append(RawElement(key, end, data, comment, packed, packets))
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,3 +378,20 @@ def _verdict(buf: bytes, a: int, b: int, name: str) -> tuple[str, str]:
                 raise Unsupported(f"set {name}: verdict code {code}")
             return VERDICTS[code], chain
     raise Unsupported(f"set {name}: map data that is not a verdict")
+
+
+def _packets(buf: bytes, a: int, b: int, listed: bool) -> int | None:
+    """The packets of an element's counter expression (one of a list, or the only one)."""
+    exprs = [(x, y) for _, x, y in _attrs(buf, a, b)] if listed else [(a, b)]
+    for x, y in exprs:
+        name, data = "", None
+        for kind, p, q in _attrs(buf, x, y):
+            if kind == _EXPR_NAME:
+                name = _string(buf, p, q)
+            elif kind == _EXPR_DATA:
+                data = (p, q)
+        if name == "counter" and data is not None:
+            for kind, p, _ in _attrs(buf, *data):
+                if kind == _COUNTER_PACKETS:
+                    return int(struct.unpack_from(">Q", buf, p)[0])
+    return None
