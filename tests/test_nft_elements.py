@@ -15,6 +15,7 @@ import pytest
 from nfproxy.analysis import dump, nft_json
 from nfproxy.analysis.check import check
 from nfproxy.analysis.ir import Ruleset
+from nfproxy.analysis.nft_elements import ATTEMPTS
 from nfproxy.core.model import ClusterState, sort_endpoints
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.nft_elements import ElementReader
@@ -54,7 +55,7 @@ def test_nfproxy_tables_read_the_same_both_ways(netns: str, seed: int, caplog: p
     if seed == 3:
         state = _weighted(state, rng)
     apply_nft(state, netns)
-    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    caplog.set_level("INFO", logger="nfproxy.analysis")
     fast, full = dump.read_nft(netns), _libnftables(netns)
     assert "through libnftables" not in caplog.text
     assert sum(len(s.elements) for t in fast.tables for s in t.sets.values()) > 100
@@ -95,7 +96,7 @@ table inet mixed {
 
 def test_every_shape_reads_the_same_both_ways(netns: str, caplog: pytest.LogCaptureFixture) -> None:
     NftSession(netns).apply(SHAPES)
-    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    caplog.set_level("INFO", logger="nfproxy.analysis")
     fast, full = dump.read_nft(netns), _libnftables(netns)
     assert "through libnftables" not in caplog.text
     assert _by_set(fast) == _by_set(full)
@@ -112,7 +113,7 @@ OUTSIDE = {
 @pytest.mark.parametrize("what", sorted(OUTSIDE))
 def test_a_set_outside_the_vocabulary_is_listed_by_libnftables(netns: str, what: str, caplog: pytest.LogCaptureFixture) -> None:
     NftSession(netns).apply(SHAPES + f"table ip other {{\n{OUTSIDE[what]}\n}}\n")
-    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    caplog.set_level("INFO", logger="nfproxy.analysis")
     fast = dump.read_nft(netns)
     assert "through libnftables" in caplog.text
     assert _by_set(fast) == _by_set(_libnftables(netns))
@@ -133,9 +134,9 @@ def test_a_ruleset_that_changes_while_read_is_read_again(netns: str, monkeypatch
         return real(self) + len(calls)
 
     monkeypatch.setattr(ElementReader, "generation", moving)
-    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    caplog.set_level("INFO", logger="nfproxy.analysis.nft_elements")
     fast = dump.read_nft(netns)
-    assert len(calls) == 2 * dump._ATTEMPTS
+    assert len(calls) == 2 * ATTEMPTS
     assert "it changed 3 times" in caplog.text
     assert _by_set(fast) == _by_set(_libnftables(netns))
 
@@ -155,7 +156,7 @@ def test_tables_of_other_families(netns: str, with_set: bool, caplog: pytest.Log
     if with_set:
         body += "\nset macs { type ether_addr; elements = { 02:00:00:00:00:01 } }"
     NftSession(netns).apply(SHAPES + f"table bridge br {{\n{body}\n}}\n")
-    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    caplog.set_level("INFO", logger="nfproxy.analysis")
     fast = dump.read_nft(netns)
     assert ("through libnftables" in caplog.text) is with_set
     assert _by_set(fast) == _by_set(_libnftables(netns))
@@ -168,7 +169,7 @@ def test_iptables_nft_tables_are_left_to_the_iptables_backend(netns: str, caplog
     that the reader would have no words for)."""
     NftSession(netns).apply(SHAPES + 'table ip nat {\nset names { type ifname; elements = { "eth0" } }\n'
                                      "chain KUBE-SERVICES { }\n}\n")
-    caplog.set_level("INFO", logger="nfproxy.analysis.dump")
+    caplog.set_level("INFO", logger="nfproxy.analysis")
     fast = dump.read_nft(netns)
     assert "through libnftables" not in caplog.text
     assert "nat" not in {t.name for t in fast.tables}

@@ -203,14 +203,11 @@ def _has_numgen(expr: Expr) -> bool:
 
 def _targets(table: Table, rule: Rule) -> Iterator[Verdict]:
     """Every jump/goto/drop/reject a rule can take, named verdict maps included."""
-    yield from rule.verdicts()
     for st in rule.statements:
-        if isinstance(st, VerdictMap) and isinstance(st.map, SetRef):
-            sdef = table.sets.get(st.map.name)
-            if sdef is not None:
-                for el in sdef.elements:
-                    if isinstance(el.data, Verdict):
-                        yield el.data
+        if isinstance(st, Verdict):
+            yield st
+        elif isinstance(st, VerdictMap):
+            yield from _map_verdicts(table, st)
 
 
 def _label(table: Table, chain: Chain) -> str:

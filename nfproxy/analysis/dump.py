@@ -85,49 +85,33 @@ class _Kube:
             yield line
 
 
-# Times the ruleset may change between the listing and the element dumps before the reader
-# stops trying and lists everything through libnftables (which retries on its own).
-_ATTEMPTS = 3
-
-
 def read_nft(netns: str | None) -> Ruleset:
     """`nft -j list ruleset` without iptables-nft's tables (the iptables backend reads those),
-    read: the terse listing through libnftables (in a thread: it runs without the GIL) while the
-    elements of every other named set are read over netlink (analysis/nft_elements.py says
-    why), both within one generation of the ruleset; libnftables' full listing where the
-    netlink reader has no words for a set. iptables-nft's tables are left out before they are
-    parsed: during a migration they hold as many rules as ours."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    read: the terse listing through libnftables while the elements of every other named set are
+    read over netlink (analysis/nft_elements.py says why), both within one generation of the
+    ruleset; libnftables' full listing where the netlink reader has no words for a set.
+    iptables-nft's tables are left out before they are parsed: during a migration they hold as
+    many rules as ours."""
     from nfproxy.analysis import nft_elements
     from nfproxy.kernel.nft import NftSession
-    from nfproxy.kernel.nft_elements import FAMILIES, ElementReader
+    from nfproxy.kernel.nft_elements import FAMILIES
     from nfproxy.kernel.nft_netlink import Unsupported
 
-    session = NftSession(netns)
-    with ElementReader(netns) as reader, ThreadPoolExecutor(1) as pool:
-        for _ in range(_ATTEMPTS):
-            before = reader.generation()
-            listing = pool.submit(session.list_ruleset, terse=True)
-            try:
-                # Tables of other families (netdev, bridge, arp) are not read: a set of theirs
-                # makes the parse below give up (`nft_elements.reader`), their chains do not.
-                tables = {where: reader.table(*where) for where in reader.tables()
-                          if where[0] in FAMILIES and where[1] not in IPTABLES_TABLES}
-            except (Unsupported, KernelError) as exc:  # a table gone between two dumps, too
-                listing.result()
-                log.info("listing the ruleset through libnftables: %s", exc)
-                break
-            doc = listing.result()
-            if reader.generation() == before:
-                try:
-                    return nft_json.parse(_without_iptables(doc), nft_elements.reader(tables))
-                except Unsupported as exc:
-                    log.info("listing the ruleset through libnftables: %s", exc)
-                    break
-        else:
-            log.info("listing the ruleset through libnftables: it changed %d times while being read", _ATTEMPTS)
-    return nft_json.parse(_without_iptables(session.list_ruleset()))
+    def tables(reader: Any) -> dict[tuple[str, str], Any]:
+        # Tables of other families (netdev, bridge, arp) are not dumped: a set of theirs makes
+        # the parse below give up (`nft_elements.reader`), their chains do not.
+        return {where: reader.table(*where) for where in reader.tables()
+                if where[0] in FAMILIES and where[1] not in IPTABLES_TABLES}
+
+    read = nft_elements.in_one_generation(netns, lambda session: session.list_ruleset(terse=True), tables,
+                                          "the ruleset")
+    if read is not None:
+        doc, dumped = read
+        try:
+            return nft_json.parse(_without_iptables(doc), nft_elements.reader(dumped))
+        except Unsupported as exc:
+            log.info("listing the ruleset through libnftables: %s", exc)
+    return nft_json.parse(_without_iptables(NftSession(netns).list_ruleset()))
 
 
 def _without_iptables(doc: dict[str, Any]) -> dict[str, Any]:

@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from nfproxy.analysis.ir import PROTOCOL_NAMES, Const, Element, Kind, Prefix, Range, Verdict
 from nfproxy.analysis.nft_json import _Memo, _memo_canonical, _memo_value
 from nfproxy.analysis.counters import _endpoint_text
-from nfproxy.kernel.nft_elements import RawElement, SetElements
+from nfproxy.kernel.nft_elements import ElementReader, RawElement, SetElements
 from nfproxy.kernel.nft_netlink import TYPE_INTEGER, Unsupported
 from nfproxy.kernel.process import KernelError
 
 _ADDRESS_TYPES = (7, 8)  # ipv4_addr, ipv6_addr
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 def reader(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> Any:
@@ -157,6 +159,40 @@ def _key(low: int | str, high: int, address: bool, bits: int, kind: Kind, memo: 
 # ---- the endpoint counters (analysis/counters.py): a table's listing with its counted maps
 
 
+# Times the ruleset may change between the listing and the element dumps before a reading
+# gives up and lists everything through libnftables (which retries on its own).
+ATTEMPTS = 3
+
+
+def in_one_generation(netns: str | None, listing: Callable[[Any], T], dump: Callable[[ElementReader], U],
+                      what: str) -> tuple[T, U] | None:
+    """`listing(session)` through libnftables on a worker thread (ctypes drops the GIL, so it runs
+    beside the dump) and `dump(reader)` over netlink, both within one nf_tables generation: read
+    again while a commit came in between. None when the dump has no words for something
+    (`Unsupported`), a table went away between two dumps, or the ruleset kept changing; the
+    caller then lists through libnftables alone, and the log says why."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nfproxy.kernel.nft import NftSession
+
+    session = NftSession(netns)
+    with ElementReader(netns) as reader, ThreadPoolExecutor(1) as pool:
+        for _ in range(ATTEMPTS):
+            before = reader.generation()
+            listed = pool.submit(listing, session)
+            try:
+                dumped = dump(reader)
+            except (Unsupported, KernelError) as exc:
+                listed.result()
+                log.info("listing %s through libnftables: %s", what, exc)
+                return None
+            result = listed.result()
+            if reader.generation() == before:
+                return result, dumped
+    log.info("listing %s through libnftables: it changed %d times while being read", what, ATTEMPTS)
+    return None
+
+
 def counted_table(netns: str | None, family: str, table: str) -> tuple[dict[str, Any], dict[tuple[str, str, str], list[tuple[int, int, int, str]]]] | None:
     """`nft -j list table FAMILY TABLE` as the endpoint counters read it (`counters.
     endpoint_counts_nft(doc, elements)`): the terse listing, and the elements of the maps that
@@ -164,32 +200,19 @@ def counted_table(netns: str | None, family: str, table: str) -> tuple[dict[str,
     (first value, last value, packets, endpoint) per element. None when there is no such table.
     libnftables' full listing (and no elements apart) when a counted map is not keyed by
     integers with an address and port as data (nothing nfproxy writes)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from nfproxy.kernel.nft import NftSession
-    from nfproxy.kernel.nft_elements import ElementReader
 
-    session = NftSession(netns)
-    with ElementReader(netns) as reader, ThreadPoolExecutor(1) as pool:
-        for _ in range(3):
-            before = reader.generation()
-            listing = pool.submit(session.list_table, family, table, terse=True)
-            try:
-                counted = {(family, table, name): _element_counts(
-                               SetElements(st, bits, tuple(reader.elements(family, table, name, st, counters=True))))
-                           for name, (st, bits, counts) in reader.sets(family, table).items() if counts}
-            except (Unsupported, KernelError) as exc:
-                listing.result()
-                log.info("listing %s %s through libnftables: %s", family, table, exc)
-                break
-            doc = listing.result()
-            if doc is None:
-                return None
-            if reader.generation() == before:
-                return doc, counted
-        else:
-            log.info("listing %s %s through libnftables: it changed 3 times while being read", family, table)
-    doc = session.list_table(family, table)
+    def counted(reader: ElementReader) -> dict[tuple[str, str, str], list[tuple[int, int, int, str]]]:
+        return {(family, table, name): _element_counts(
+                    SetElements(st, bits, tuple(reader.elements(family, table, name, st, counters=True))))
+                for name, (st, bits, counts) in reader.sets(family, table).items() if counts}
+
+    read = in_one_generation(netns, lambda session: session.list_table(family, table, terse=True), counted,
+                             f"{family} {table}")
+    if read is not None:
+        doc, elements = read
+        return None if doc is None else (doc, elements)
+    doc = NftSession(netns).list_table(family, table)
     return None if doc is None else (doc, {})
 
 
