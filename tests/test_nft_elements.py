@@ -178,14 +178,14 @@ def test_iptables_nft_tables_are_left_to_the_iptables_backend(netns: str, caplog
 
 
 def test_the_endpoint_counters_read_the_same_both_ways(netns: str, caplog: pytest.LogCaptureFixture) -> None:
-    """The endpoint metric's reading (`counters.read_live_counts`): the counted maps' elements
-    over netlink give the counts libnftables' full listing gives (exact counts under real
-    traffic: tests/test_counters_kernel.py)."""
+    """The endpoint metric's reading (`counters.read_live_counts`) and audit's: the counted
+    maps' elements over netlink give the counts libnftables' full listing gives (exact counts
+    under real traffic: tests/test_counters_kernel.py, tests/test_audit_kernel.py)."""
     from nfproxy.analysis.counters import endpoint_counts_nft
     from nfproxy.analysis.nft_elements import counted_table
 
     apply_nft(random_cluster(random.Random(4), 40), netns)
-    caplog.set_level("INFO", logger="nfproxy.analysis.nft_elements")
+    caplog.set_level("INFO", logger="nfproxy.analysis")
     for family in ("ip", "ip6"):
         fast = counted_table(netns, family, "nfproxy")
         full = NftSession(netns).list_table(family, "nfproxy")
@@ -194,5 +194,9 @@ def test_the_endpoint_counters_read_the_same_both_ways(netns: str, caplog: pytes
         assert counted and not any("elem" in i.get("map", {}) for i in doc["nftables"])
         counts = endpoint_counts_nft(doc, counted)
         assert counts and counts == endpoint_counts_nft(full)
+    # audit's reading: the whole ruleset and the counted maps from one generation
+    reading = dump.read_nft_counted(netns)
+    assert reading.counted and _by_set(reading.ruleset) == _by_set(_libnftables(netns))
+    assert endpoint_counts_nft(reading.doc, reading.counted) == endpoint_counts_nft(NftSession(netns).list_ruleset())
     assert "through libnftables" not in caplog.text
     assert counted_table(netns, "ip", "no-such-table") is None

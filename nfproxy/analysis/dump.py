@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,24 @@ class _Kube:
 
 
 def read_nft(netns: str | None) -> Ruleset:
+    return read_nft_counted(netns, counters=False).ruleset
+
+
+@dataclass(frozen=True, slots=True)
+class NftReading:
+    """One reading of a live nft ruleset, with what the endpoint counters read from it
+    (`counters.endpoint_counts_nft(doc, counted)`, `audit.nft_pins(doc)`): the listed document
+    (without set elements, unless it came from libnftables' full listing), the counted maps'
+    elements, and when the kernel was read (before the parse)."""
+
+    ruleset: Ruleset
+    doc: dict[str, Any]
+    counted: dict[tuple[str, str, str], list[tuple[int, int, int, str]]]
+    taken: float
+
+
+def read_nft_counted(netns: str | None, *, counters: bool = True) -> NftReading:
+    """`read_nft`, with the counters of the maps that count when `counters`."""
     """`nft -j list ruleset` without iptables-nft's tables (the iptables backend reads those),
     read: the terse listing through libnftables while the elements of every other named set are
     read over netlink (analysis/nft_elements.py says why), both within one generation of the
@@ -100,18 +119,23 @@ def read_nft(netns: str | None) -> Ruleset:
     def tables(reader: Any) -> dict[tuple[str, str], Any]:
         # Tables of other families (netdev, bridge, arp) are not dumped: a set of theirs makes
         # the parse below give up (`nft_elements.reader`), their chains do not.
-        return {where: reader.table(*where) for where in reader.tables()
+        return {where: reader.table(*where, counters=counters) for where in reader.tables()
                 if where[0] in FAMILIES and where[1] not in IPTABLES_TABLES}
 
     read = nft_elements.in_one_generation(netns, lambda session: session.list_ruleset(terse=True), tables,
                                           "the ruleset")
     if read is not None:
+        taken = time.monotonic()
         doc, dumped = read
+        doc = _without_iptables(doc)
         try:
-            return nft_json.parse(_without_iptables(doc), nft_elements.reader(dumped))
+            counted = nft_elements.counted_elements(dumped) if counters else {}
+            return NftReading(nft_json.parse(doc, nft_elements.reader(dumped)), doc, counted, taken)
         except Unsupported as exc:
             log.info("listing the ruleset through libnftables: %s", exc)
-    return nft_json.parse(_without_iptables(NftSession(netns).list_ruleset()))
+    doc = _without_iptables(NftSession(netns).list_ruleset())
+    taken = time.monotonic()
+    return NftReading(nft_json.parse(doc), doc, {}, taken)
 
 
 def _without_iptables(doc: dict[str, Any]) -> dict[str, Any]:

@@ -216,6 +216,13 @@ def counted_table(netns: str | None, family: str, table: str) -> tuple[dict[str,
     return None if doc is None else (doc, {})
 
 
+def counted_elements(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> dict[tuple[str, str, str], list[tuple[int, int, int, str]]]:
+    """The counted maps' elements of dumped tables (read with `counters=True`), by map."""
+    return {(family, table, name): _element_counts(found)
+            for (family, table), sets in tables.items() for name, found in sets.items()
+            if any(raw.packets is not None for raw in found.elements)}
+
+
 def _element_counts(found: SetElements) -> list[tuple[int, int, int, str]]:
     """`counters._element_counts` of the same map as libnftables would list it: elements
     without a counter count nothing, and are left out as there."""

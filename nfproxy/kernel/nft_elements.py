@@ -237,13 +237,14 @@ class ElementReader:
                     decode.elements(buf, x, y, out)
         return out
 
-    def table(self, family: str, table: str) -> dict[str, SetElements]:
-        """Every named set of one table with its elements."""
+    def table(self, family: str, table: str, *, counters: bool = False) -> dict[str, SetElements]:
+        """Every named set of one table with its elements (`counters`: and their packets, in the
+        sets whose elements count)."""
         if family not in FAMILIES:
             raise Unsupported(f"tables of family {family}")
         return {
-            name: SetElements(st, bits, tuple(self.elements(family, table, name, st)))
-            for name, (st, bits, _) in self.sets(family, table).items()
+            name: SetElements(st, bits, tuple(self.elements(family, table, name, st, counters=counters and counts)))
+            for name, (st, bits, counts) in self.sets(family, table).items()
         }
 
 

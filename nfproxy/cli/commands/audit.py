@@ -52,18 +52,13 @@ def _check_flags(args: argparse.Namespace) -> float | None:
 def read(backend: str, netns: str | None, node_ips: list[str], mode: str) -> Any:
     """One reading of counters and rules, from one snapshot of the kernel."""
     from nfproxy.analysis import audit, counters
-    from nfproxy.analysis.ir import Ruleset
 
     if backend == "nft":
-        from nfproxy.analysis import nft_json
-        from nfproxy.analysis.dump import IPTABLES_TABLES
-        from nfproxy.kernel.nft import NftSession
+        from nfproxy.analysis.dump import read_nft_counted
 
-        doc = NftSession(netns).list_ruleset()
-        taken = time.monotonic()
-        rs = nft_json.parse(doc)
-        rs = Ruleset(tuple(t for t in rs.tables if t.name not in IPTABLES_TABLES))
-        first = audit.reading(rs, counters.endpoint_counts_nft(doc), node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
+        got = read_nft_counted(netns)  # the counted maps' elements over netlink
+        rs, doc, taken = got.ruleset, got.doc, got.taken
+        first = audit.reading(rs, counters.endpoint_counts_nft(doc, got.counted), node_ips=node_ips, mode=mode)  # type: ignore[arg-type]
         return audit.Reading(first.counts, first.selections, audit.nft_pins(doc),
                              audit.nft_pinned_clients(rs, first.selections), taken)
     return _read_iptables(netns, node_ips, mode)
