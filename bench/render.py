@@ -8,7 +8,8 @@ Prints one table; the ratio columns are what to compare across machines (this on
 With `--restore N` (root), a second table sets nfproxy's iptables full-sync payload for N
 services against a kube-proxy-layout payload of the same services that this bench writes itself
 (see kube_proxy_payload): bytes, and `iptables-legacy-restore` time into a throwaway network
-namespace, whole processes, the two payloads interleaved run by run, best and median.
+namespace, whole processes, the two payloads interleaved run by run, best and median, and the
+restore process's own peak RSS (the iptables backend's cold-start peak is mostly this child's).
 
     .venv/bin/python bench/render.py [--sizes 100,1000,10000] [--endpoints 10] [--repeat 3]
     .venv/bin/python bench/render.py --sizes '' --restore 3000 --restore-runs 7
@@ -175,8 +176,9 @@ def _chains(payload: str) -> set[str]:
     return {line[1:].split(" ", 1)[0] for line in payload.splitlines() if line.startswith(":")}
 
 
-def _restore_once(path: str) -> float:
-    """One whole `iptables-legacy-restore` process into a fresh namespace; its wall time."""
+def _restore_once(path: str) -> tuple[float, float]:
+    """One whole `iptables-legacy-restore` process into a fresh namespace: its wall time and its
+    peak RSS in MiB (`ip netns exec` execs the restore, so the child's rusage is the restore's)."""
     sys.path.insert(0, ROOT)
     from nfproxy.kernel.nfacct import Nfacct
 
@@ -186,9 +188,14 @@ def _restore_once(path: str) -> float:
         Nfacct(ns).ensure("ct_state_invalid_dropped_pkts")
         with open(path, "rb") as payload:
             start = time.perf_counter()
-            subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-restore", "-w", "5", "--noflush"],
-                           stdin=payload, check=True)
-            return time.perf_counter() - start
+            child = subprocess.Popen(["ip", "netns", "exec", ns, "iptables-legacy-restore", "-w", "5", "--noflush"],
+                                     stdin=payload)
+            _, status, usage = os.wait4(child.pid, 0)
+            elapsed = time.perf_counter() - start
+            child.returncode = os.waitstatus_to_exitcode(status)
+            if child.returncode:
+                raise SystemExit(f"iptables-legacy-restore exited {child.returncode}")
+            return elapsed, usage.ru_maxrss / 1024
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=True)
 
@@ -205,6 +212,7 @@ def restore_table(services: int, endpoints: int, runs: int) -> None:
     if _chains(ours) != _chains(theirs):
         raise SystemExit("the two payloads declare different chains: the bench's kube-proxy layout is wrong")
     times: dict[str, list[float]] = {"nfproxy": [], "kube-proxy": []}
+    peaks: dict[str, list[float]] = {"nfproxy": [], "kube-proxy": []}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for who, text in (("nfproxy", ours), ("kube-proxy", theirs)):
@@ -214,19 +222,21 @@ def restore_table(services: int, endpoints: int, runs: int) -> None:
         for i in range(runs):
             order = ("nfproxy", "kube-proxy") if i % 2 == 0 else ("kube-proxy", "nfproxy")
             for who in order:
-                times[who].append(_restore_once(paths[who]))
+                elapsed, peak = _restore_once(paths[who])
+                times[who].append(elapsed)
+                peaks[who].append(peak)
     sizes = {"nfproxy": len(ours.encode()), "kube-proxy": len(theirs.encode())}
     lines = {"nfproxy": ours.count("\n"), "kube-proxy": theirs.count("\n")}
     print(f"iptables payload, {services} services x {endpoints} endpoints, IPv4 full sync; "
           f"iptables-legacy-restore --noflush into a fresh netns, {runs} interleaved runs")
-    print(f"{'payload':>11} {'MB':>7} {'lines':>8} {'best s':>7} {'median s':>9}")
+    print(f"{'payload':>11} {'MB':>7} {'lines':>8} {'best s':>7} {'median s':>9} {'restore peak MiB':>17}")
     for who in ("nfproxy", "kube-proxy"):
         print(f"{who:>11} {sizes[who] / 1e6:>7.2f} {lines[who]:>8} {min(times[who]):>7.3f} "
-              f"{statistics.median(times[who]):>9.3f}")
+              f"{statistics.median(times[who]):>9.3f} {max(peaks[who]):>17.1f}")
     print(f"{'ratio':>11} {sizes['nfproxy'] / sizes['kube-proxy']:>7.3f} {'':>8} "
           f"{min(times['nfproxy']) / min(times['kube-proxy']):>7.3f} "
-          f"{statistics.median(times['nfproxy']) / statistics.median(times['kube-proxy']):>9.3f}"
-          "   (target <= 1.05)")
+          f"{statistics.median(times['nfproxy']) / statistics.median(times['kube-proxy']):>9.3f} "
+          f"{max(peaks['nfproxy']) / max(peaks['kube-proxy']):>17.3f}   (target <= 1.05)")
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from nfproxy.backends.nft import render as nft_backend
 from nfproxy.daemon import logs
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
+from nfproxy.kernel.nft_bulk import SCRATCH_TABLE
 from nfproxy.kernel.process import KernelError
 from nfproxy.core.model import ClusterState, IPFamily
 
@@ -84,8 +85,11 @@ def cleanup_nft(netns: str | None) -> list[Removed]:
     session = NftSession(netns)
     removed = []
     for family in ("ip", "ip6"):
-        if session.delete_table(family, nft_backend.TABLE):
-            removed.append(Removed(f"nft: table {family} {nft_backend.TABLE}", 1))
+        # The scratch table lives for milliseconds of a first full sync (kernel/nft_bulk.py);
+        # one is left only if the daemon died in them.
+        for table in (nft_backend.TABLE, SCRATCH_TABLE):
+            if session.delete_table(family, table):
+                removed.append(Removed(f"nft: table {family} {table}", 1))
     return removed
 
 

@@ -140,10 +140,15 @@ class NftSession:
         return self._cmd("list ruleset")
 
     def delete_table(self, family: str, table: str) -> bool:
-        """Delete a table if it exists; True when something was deleted."""
-        if self.list_table(family, table) is None:
-            return False
-        self._cmd(f"delete table {family} {table}")
+        """Delete a table if it exists; True when something was deleted. (Not by listing it
+        first: that fetches every element, and nft 1.0.6 prints invalid JSON for a dormant
+        table, as a scratch table left by a crash is: kernel/nft_bulk.py.)"""
+        try:
+            self._cmd(f"delete table {family} {table}")
+        except KernelError as exc:
+            if "No such file or directory" in str(exc):
+                return False
+            raise
         return True
 
 
@@ -151,10 +156,12 @@ class NftKernel:
     """The nft Kernel (kernel/base.py) of one family in one namespace: applies Transactions.
 
     Small transactions the netlink encoder can say (`nft_netlink.unencodable`) go as one
-    nfnetlink batch, without libnftables' cache dump; everything else as text (nftables/text.py)
-    through libnftables. Either way one atomic batch, except a partial sync that declares new
-    sets or maps: the declarations go first through libnftables (cheap: no element is listed
-    for them), the rest as a netlink batch (`nft_netlink.declarations_apart`).
+    nfnetlink batch, without libnftables' cache dump; full syncs and other large ones as one
+    batch built from the objects (`nft_bulk`, which lets libnftables encode each declaration
+    once); what neither can say as text (nftables/text.py) through libnftables. Either way one
+    atomic batch, except a partial sync that declares new sets or maps: the declarations go
+    first through libnftables (cheap: no element is listed for them), the rest as a netlink
+    batch (`nft_netlink.declarations_apart`).
     """
 
     def __init__(
@@ -169,6 +176,7 @@ class NftKernel:
         # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
         # None sends everything through libnftables.
         self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
+        self._declared: Any = None  # nft_bulk.Declarations, made on the first full sync
 
     def owned(self) -> Owned:
         fast = self.fast
@@ -195,20 +203,47 @@ class NftKernel:
                 self.session.apply(nft_text.script(split[0]))
                 self.fast.forget()  # the new sets' declarations
                 payload, why = split[1], None
-            if why is None:
-                try:
+            try:
+                if why is None:
                     self.fast.apply(payload)
-                    return
-                except Unsupported as exc:  # a rule body outside the compiler's vocabulary
-                    log.debug("transaction through libnftables: %s", exc)
-            else:
-                log.debug("transaction through libnftables: %s", why)
+                else:  # a full sync, or a large one: one batch built from the objects
+                    self._bulk(payload)
+                return
+            except Unsupported as exc:  # a rule body or declaration outside the vocabulary
+                log.debug("transaction through libnftables: %s", exc)
         try:
             self.session.apply(nft_text.script(payload))
         finally:
             self.session.release()  # libnftables' cache of what it just wrote
         if self.fast is not None:
             self.fast.forget()  # set declarations may have changed with the table
+
+    def _bulk(self, tx: Transaction) -> None:
+        from nfproxy.kernel import nft_bulk
+
+        assert self.fast is not None
+        fast = self.fast
+        batch = nft_bulk.compile_batch(tx, self._declarations(), lambda name: fast.set_type(tx.family, tx.table, name))
+        try:
+            nft_bulk.send(batch, tx, self.session.netns)
+        finally:
+            fast.forget()  # set declarations may have changed with the table
+
+    def _declarations(self) -> Any:
+        """What libnftables sends for each declaration, learned once per kernel (nft_bulk)."""
+        if self._declared is None:
+            from nfproxy.kernel import nft_bulk
+            from nfproxy.kernel.nft_elements import ElementReader
+
+            def apply(script: str) -> None:
+                try:
+                    self.session.apply(script)
+                finally:
+                    self.session.release()
+
+            netns = self.session.netns
+            self._declared = nft_bulk.Declarations(apply, lambda: ElementReader(netns))
+        return self._declared
 
     def dump(self) -> str:
         """The table as nft lists it, chains and sets in name order, elements sorted."""

@@ -35,6 +35,7 @@ import errno as errno_mod
 import ipaddress
 import os
 import re
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -247,10 +248,12 @@ def _encode_value(text: str, f: Field, what: str) -> bytes:
     """One literal of datatype `f`, unpadded."""
     t = f.type
     try:
-        if t == TYPE_IPV4:
-            return ipaddress.IPv4Address(text).packed
+        if t == TYPE_IPV4:  # inet_pton: as strict as ipaddress (no leading zeros), 5x faster
+            return socket.inet_pton(socket.AF_INET, text)
         if t == TYPE_IPV6:
-            return ipaddress.IPv6Address(text).packed
+            if "%" in text:  # a scope: inet_pton would ignore what nft refuses
+                raise ValueError(text)
+            return socket.inet_pton(socket.AF_INET6, text)
         if t == TYPE_INET_PROTO:
             n = _PROTOCOLS[text] if text in _PROTOCOLS else int(text, 0)
             return n.to_bytes(1, "big")
@@ -258,7 +261,7 @@ def _encode_value(text: str, f: Field, what: str) -> bytes:
             return int(text, 10).to_bytes(2, "big")
         if t in (TYPE_INTEGER, TYPE_MARK):
             return int(text, 0).to_bytes(f.size, _HOST if f.host_order else "big")
-    except (ValueError, KeyError, OverflowError):
+    except (ValueError, KeyError, OverflowError, OSError):
         raise Unsupported(f"{what}: {text!r} is not a value of datatype {t}") from None
     raise Unsupported(f"{what}: datatype {t} is outside the netlink vocabulary")
 
@@ -951,21 +954,36 @@ def _start_element(key: bytes, el: Element, st: SetType, command: str, with_valu
 
 
 def _interval_element(el: Element, st: SetType, command: str, *, with_values: bool) -> list[dict[str, Any]]:
-    """`LOW-HIGH` (or one value) of an interval set of integers, keys big-endian: nft stores
-    interval keys in network order and byte-swaps a host-order key (numgen) in the rule."""
-    if len(st.key) != 1 or st.key[0].type not in (TYPE_INTEGER, TYPE_MARK):
-        raise Unsupported(f"interval set {st.name} of non-integer keys: {command}")
+    """`LOW-HIGH` (or one value) of an interval set of integers, or an address, prefix or
+    address range of an interval set of addresses; keys big-endian: nft stores interval keys in
+    network order and byte-swaps a host-order key (numgen) in the rule. A range that runs to
+    the key's last value has no end element, as nft sends it."""
+    if len(st.key) != 1 or st.key[0].type not in (TYPE_INTEGER, TYPE_MARK, TYPE_IPV4, TYPE_IPV6):
+        raise Unsupported(f"interval set {st.name} of concatenated or other keys: {command}")
     size = st.key[0].size
-    low_text, _, high_text = el.key.partition("-")
-    try:
-        low, high = int(low_text, 10), int(high_text or low_text, 10)
-    except ValueError:
-        raise Unsupported(f"{el.key!r} is not an integer interval: {command}") from None
-    if not 0 <= low <= high or high + 1 >= 1 << (8 * size):
-        raise Unsupported(f"interval {el.key!r} outside what a closed range of {size} bytes holds: {command}")
+    low, high = _interval_bounds(el.key, st.key[0], command)
+    if not 0 <= low <= high < 1 << (8 * size):
+        raise Unsupported(f"interval {el.key!r} outside what {size} bytes hold: {command}")
     start = _start_element(low.to_bytes(size, "big"), el, st, command, with_values)
+    if high + 1 == 1 << (8 * size):
+        return [start]
     end = {"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((high + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
     return [start, end]
+
+
+def _interval_bounds(text: str, f: Field, command: str) -> tuple[int, int]:
+    """The first and last value of an interval element's key."""
+    try:
+        if f.type in (TYPE_IPV4, TYPE_IPV6):
+            if "/" in text:
+                net = ipaddress.ip_network(text, strict=False)
+                return int(net.network_address), int(net.broadcast_address)
+            low_text, _, high_text = text.partition("-")
+            return int(ipaddress.ip_address(low_text)), int(ipaddress.ip_address(high_text or low_text))
+        low_text, _, high_text = text.partition("-")
+        return int(low_text, 10), int(high_text or low_text, 10)
+    except ValueError:
+        raise Unsupported(f"{text!r} is not an interval: {command}") from None
 
 
 def unencodable(tx: Transaction) -> str | None:

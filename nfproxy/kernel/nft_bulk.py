@@ -1,0 +1,668 @@
+"""Full syncs as one nfnetlink batch, without libnftables.
+
+libnftables holds a whole transaction in memory several times over before it sends a byte: the
+script, its parse tree, its evaluated commands, its cache of the table, the batch. For a full
+sync at 10 000 services x 10 that is ~600 MiB on top of the daemon (docs/benchmarks.md), and
+the IPv6 table's few lines cost another 160 MiB and 0.4 s because libnftables first fetches
+the IPv4 table's 200 000 elements into its cache. This module sends the same transaction as
+one nfnetlink batch built straight from the objects: rules through nft_netlink's compiler,
+elements from their fields, each message encoded to bytes at once (kernel/nft_wire.py), so the
+batch is the only copy.
+
+Declarations (tables, sets and maps, chains with hooks or comments, counters) carry libnftnl's
+user data: comments, typeof expressions, key byte orders. Rather than a second encoder of those,
+libnftables encodes each declaration once, into a dormant scratch table (a dormant table's base
+chains hook nothing), and its attributes, read back over netlink, are replayed into the real
+table: the kernel receives what `nft -f` would send, and `nft list` shows the same table. What
+was learned is kept for the life of the kernel object, so a daemon asks once per declaration.
+
+One batch, so one transaction: the kernel commits all of it or none. A transaction this module
+cannot say raises `Unsupported` before anything is sent, and the caller uses libnftables.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import functools
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from nfproxy.kernel import netns as netns_mod
+from nfproxy.kernel import nft_wire
+from nfproxy.kernel.nft_elements import ElementReader
+from nfproxy.kernel.nft_netlink import (
+    Field,
+    TYPE_INTEGER,
+    TYPE_IPV4,
+    TYPE_IPV6,
+    TYPE_MARK,
+    NetlinkKernelError,
+    SetType,
+    Unsupported,
+    _encode_value,
+    _interval_bounds,
+    _rule_messages,
+    _verdict,
+)
+from nfproxy.kernel.process import KernelError
+from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
+from nfproxy.nftables import text as nft_text
+from nfproxy.nftables.objects import Elements, quote_comment
+
+SCRATCH_TABLE = "nfproxy-scratch"
+NETLINK_NETFILTER = 12
+_SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33
+_NETLINK_CAP_ACK = 10
+_NFPROTO = {"ip": 2, "ip6": 10}
+
+# Message types and attribute numbers: include/uapi/linux/netfilter/nf_tables.h.
+_NEWTABLE, _DELTABLE, _NEWCHAIN, _GETCHAIN, _DELCHAIN, _DELRULE = 0, 2, 3, 4, 5, 8
+_NEWSET, _GETSET, _DELSET, _NEWSETELEM, _DELSETELEM = 9, 10, 11, 12, 14
+_NEWOBJ, _GETOBJ, _DELOBJ = 18, 19, 20
+_TABLE_NAME, _TABLE_FLAGS, _TABLE_USERDATA = 1, 2, 6
+_CHAIN_TABLE, _CHAIN_NAME, _CHAIN_FLAGS = 1, 3, 10
+_CHAIN_BASE = 0x1
+_RULE_TABLE, _RULE_CHAIN = 1, 2
+_NEWRULE, _GETRULE = 6, 7
+_SET_TABLE, _SET_NAME, _SET_ID = 1, 2, 10
+_OBJ_TABLE, _OBJ_NAME, _OBJ_TYPE = 1, 2, 3
+_OBJ_COUNTER = 1
+_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3
+_NLA_F_NESTED = 0x8000
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_CREATE, _NLM_F_APPEND = 0x1, 0x4, 0x400, 0x800
+_NLMSG_ERROR = 2
+_HEADER = struct.Struct("=IHHII")
+_ATTR = struct.Struct("=HH")
+_ELEMENTS_PER_MESSAGE = 256  # one attribute nest holds at most 64 KiB
+# The attributes of a dumped object that say what it is, and so are sent back: not where it
+# lives (its table, its chain), its handle, use count or element count, padding, its backend,
+# a base chain's counters. A kernel that dumps more (newer attributes) still replays this.
+_REPLAYED = {
+    _GETCHAIN: frozenset({3, 4, 5, 7, _CHAIN_FLAGS, 12}),  # name, hook, policy, type, flags, userdata
+    _GETSET: frozenset({2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 17, 18}),  # NAME .. EXPRESSIONS, not ID, HANDLE
+    _GETOBJ: frozenset({2, 3, 4, 8}),  # name, type, data, userdata
+    _GETRULE: frozenset({4, 7}),  # expressions, userdata
+}
+
+
+_PAD = (b"", b"\0\0\0", b"\0\0", b"\0")
+
+
+def attr(kind: int, value: bytes) -> bytes:
+    n = len(value)
+    return _ATTR.pack(4 + n, kind) + value + _PAD[n & 3]
+
+
+def strz(kind: int, text: str) -> bytes:
+    return attr(kind, text.encode() + b"\0")
+
+
+def frame(msg_type: int, flags: int, family: int, seq: int, payload: bytes) -> bytes:
+    """One nf_tables message: nlmsghdr, nfgenmsg, attributes."""
+    body = struct.pack("=BBH", family, 0, 0) + payload
+    return _HEADER.pack(_HEADER.size + len(body), (10 << 8) | msg_type, _NLM_F_REQUEST | flags, seq, 0) + body
+
+
+# --------------------------------------------------------------------------------------------
+# Declarations, encoded by libnftables once and replayed.
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """A declaration as the kernel holds it: its message type and every attribute but its
+    table's (the table goes first when it is replayed); a set's element types too."""
+
+    msg_type: int
+    attrs: bytes
+    set_type: SetType | None = None
+
+
+Declaration = Chain | Set | Map | Counter
+
+
+class Declarations:
+    """What libnftables sends for each declaration, learned through a dormant scratch table.
+
+    `apply_script` runs an nft script in the namespace (libnftables); `reader` opens a netlink
+    reader there. The scratch table exists only while a batch of declarations is learned.
+    """
+
+    def __init__(self, apply_script: Callable[[str], None], reader: Callable[[], ElementReader]) -> None:
+        self._apply = apply_script
+        self._reader = reader
+        self._known: dict[tuple[str, Declaration], Declared] = {}
+
+    def get(self, family: str, obj: Declaration) -> Declared:
+        return self._known[(family, obj)]
+
+    def retain(self, family: str, objs: list[object]) -> None:
+        """Forget what a full sync of `family` no longer declares (services come and go; their
+        affinity sets would pile up for the life of the daemon)."""
+        keep = {(family, o) for o in objs}
+        self._known = {k: v for k, v in self._known.items() if k[0] != family or k in keep}
+
+    def learn(self, family: str, objs: list[Declaration]) -> None:
+        missing = list(dict.fromkeys(o for o in objs if (family, o) not in self._known))
+        if not missing:
+            return
+        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in missing])
+        for o in missing:
+            kind = _GETCHAIN if type(o) is Chain else _GETOBJ if type(o) is Counter else _GETSET
+            self._known[(family, o)] = self._found(found, kind, o.name, o)
+
+    def rule(self, family: str, rule: Rule) -> Declared | None:
+        return self._known.get((family, rule))  # type: ignore[call-overload]
+
+    def learn_rules(self, family: str, rules: list[Rule], context: list[Declaration]) -> None:
+        """Rules the compiler has no words for (the few fixed rules of the base chains: `ct
+        state`, `masquerade`, `reject`, mark arithmetic), each in a plain chain of its own
+        beside the sets, counters and chains it names."""
+        missing = list(dict.fromkeys(r for r in rules if (family, r) not in self._known))
+        if not missing:
+            return
+        where = _scratch(family)
+        named = {o.name for o in context if type(o) is Chain}
+        targets = {t for r in missing for t in _chain_targets(r.body)} - named
+        script = [nft_text.command(Verb.ADD, o, where) for o in dict.fromkeys(context)]
+        script += [f"add chain {where} {name}" for name in sorted(targets)]
+        for i, r in enumerate(missing):
+            script += [f"add chain {where} rule-{i}", f"add rule {where} rule-{i} {r.body}"]
+        found = self._scratch(family, script)
+        for i, r in enumerate(missing):
+            got = self._found(found, _GETRULE, f"rule-{i}", r)
+            if b"__set" in got.attrs:  # an anonymous set lives and dies with its rule: not replayable
+                raise Unsupported(f"{r!r}: a rule with an anonymous set the compiler cannot say")
+            self._known[(family, r)] = got  # type: ignore[index]
+
+    @staticmethod
+    def _found(found: dict[tuple[int, str], Declared], kind: int, name: str, obj: object) -> Declared:
+        got = found.get((kind, name))
+        if got is None:
+            raise Unsupported(f"{obj!r}: not found in the scratch table")
+        return got
+
+    def _scratch(self, family: str, commands: list[str]) -> dict[tuple[int, str], Declared]:
+        """Run `commands` in a fresh dormant scratch table, read its objects back, remove it."""
+        where = _scratch(family)
+        head = [f"add table {where}", f"delete table {where}", f"add table {where} {{ flags dormant ; }}"]
+        self._apply("\n".join(head + commands) + "\n")
+        try:
+            with self._reader() as reader:
+                return _read_back(reader, family)
+        finally:
+            self._apply(f"delete table {where}\n")
+
+
+def _scratch(family: str) -> str:
+    return f"{family} {SCRATCH_TABLE}"
+
+
+def _chain_targets(body: str) -> set[str]:
+    """Chains a rule body jumps or goes to."""
+    words = body.replace("{", " ").replace("}", " ").replace(",", " ").split()
+    return {words[i + 1] for i, w in enumerate(words[:-1]) if w in ("jump", "goto")}
+
+
+def _read_back(reader: ElementReader, family: str) -> dict[tuple[int, str], Declared]:
+    """Every chain, set and counter of the scratch table, by (dump kind, name)."""
+    table = SCRATCH_TABLE
+    sets = reader.sets(family, table)
+    out: dict[tuple[int, str], Declared] = {}
+    filters = {
+        _GETCHAIN: (_CHAIN_TABLE, _CHAIN_NAME, b""),
+        _GETSET: (_SET_TABLE, _SET_NAME, strz(_SET_TABLE, table)),
+        _GETOBJ: (_OBJ_TABLE, _OBJ_NAME, strz(_OBJ_TABLE, table) + attr(_OBJ_TYPE, struct.pack(">I", _OBJ_COUNTER))),
+        _GETRULE: (_RULE_TABLE, _RULE_CHAIN, strz(_RULE_TABLE, table)),
+    }
+    for kind, (table_attr, name_attr, request) in filters.items():
+        for buf, a, b in reader.replies(kind, family, request):
+            name, in_table, kept = "", False, []
+            for t, x, y in _attrs(buf, a, b):
+                if t == table_attr:
+                    in_table = buf[x:y].rstrip(b"\0").decode() == table
+                elif t == name_attr:
+                    name = buf[x:y].rstrip(b"\0").decode()
+                if kind == _GETCHAIN and t == _CHAIN_FLAGS:
+                    flags = struct.unpack_from(">I", buf, x)[0] & ~_CHAIN_BASE  # a hook says base
+                    if flags:
+                        kept.append(attr(t, struct.pack(">I", flags)))
+                elif t in _REPLAYED[kind]:
+                    kept.append(buf[x - 4: x - 4 + ((y - x + 4 + 3) & ~3)])
+            if in_table and name:
+                st = sets[name][0] if kind == _GETSET and name in sets else None
+                new = {_GETCHAIN: _NEWCHAIN, _GETSET: _NEWSET, _GETOBJ: _NEWOBJ, _GETRULE: _NEWRULE}[kind]
+                out[(kind, name)] = Declared(new, b"".join(kept), st)
+    return out
+
+
+def _attrs(buf: bytes, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+    """(type with its flags, value start, value stop) of each attribute in buf[start:stop]."""
+    while start + 4 <= stop:
+        length, kind = _ATTR.unpack_from(buf, start)
+        if length < 4:
+            raise Unsupported(f"netlink attribute of length {length}")
+        yield kind & 0x3FFF, start + 4, start + length
+        start += (length + 3) & ~3
+
+
+# --------------------------------------------------------------------------------------------
+# The batch.
+
+
+@dataclass(slots=True)
+class Batch:
+    """A transaction's messages, encoded, and what each came from (for an error's command)."""
+
+    data: bytearray
+    origins: list[tuple[int, int, int]]  # per message: (index in tx.ops, first element, last element)
+    last: int = 0  # where the last message starts in `data`
+
+
+class _Compiler:
+    """Turns one Transaction into one Batch. Messages are numbered from 1 (seq)."""
+
+    def __init__(self, tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType]) -> None:
+        self.tx = tx
+        self.family = _NFPROTO[tx.family]
+        self.declarations = declarations
+        self.outer_set_type = set_type
+        self.parts: list[bytes] = []
+        self.origins: list[tuple[int, int, int]] = []
+        self.learned_rules: list[tuple[int, Rule]] = []  # (index in parts, rule): filled in last
+        self.set_ids = iter(range(1, 1 << 30))
+        self.table_attr = strz(1, tx.table)  # NFTA_{CHAIN,SET,OBJ,RULE,SET_ELEM_LIST}_TABLE are all 1
+        self.new_sets: dict[str, SetType] = {}
+
+    def set_type(self, name: str) -> SetType:
+        st = self.new_sets.get(name)
+        return st if st is not None else self.outer_set_type(name)
+
+    def emit(self, msg: bytes, origin: tuple[int, int, int]) -> None:
+        self.parts.append(msg)
+        self.origins.append(origin)
+
+    def seq(self) -> int:
+        return len(self.origins) + 1
+
+    def compile(self) -> Batch:
+        tx = self.tx
+        declared = [o for verb, o in tx.ops if verb is Verb.ADD and _learned(o)]
+        self.declarations.learn(tx.family, declared)  # type: ignore[arg-type]
+        for i, (verb, obj) in enumerate(tx.ops):
+            kind = type(obj)
+            if verb is Verb.NOTE:
+                continue
+            if verb is Verb.CREATE:
+                raise Unsupported(f"create {kind.__name__.lower()}: not in the bulk vocabulary")
+            if kind is Elements:
+                self.elements(i, verb, obj.set, _rows(obj), len(obj))  # type: ignore[arg-type]
+            elif kind is Element:
+                self.elements(i, verb, obj.set, iter(((obj.key, obj.value, obj.comment),)), 1)  # type: ignore[union-attr]
+            elif kind is Rule:
+                self.rule(i, obj)  # type: ignore[arg-type]
+            else:
+                self.other(i, verb, obj)
+        self.fill_learned_rules(declared)  # type: ignore[arg-type]
+        if any(type(o) is Table for _, o in tx.ops):  # a full sync: all it declares is here
+            self.declarations.retain(tx.family, [*declared, *(r for _, r in self.learned_rules)])
+        data = bytearray().join(self.parts) if self.parts else bytearray()
+        batch = Batch(data, self.origins, len(data) - len(self.parts[-1]) if self.parts else 0)
+        self.parts = []
+        return batch
+
+    def fill_learned_rules(self, declared: list[Declaration]) -> None:
+        if not self.learned_rules:
+            return
+        family = self.tx.family
+        self.declarations.learn_rules(family, [r for _, r in self.learned_rules], declared)
+        for at, r in self.learned_rules:
+            known = self.declarations.rule(family, r)
+            assert known is not None
+            payload = self.table_attr + strz(_RULE_CHAIN, r.chain) + known.attrs
+            self.parts[at] = frame(_NEWRULE, _NLM_F_CREATE | _NLM_F_APPEND, self.family, at + 1, payload)
+
+    def other(self, i: int, verb: Verb, obj: object) -> None:
+        kind, t, origin = type(obj), self.table_attr, (i, 0, 0)
+        if kind is Table:
+            if verb is Verb.DELETE:
+                self.emit(frame(_DELTABLE, 0, self.family, self.seq(), t), origin)
+                return
+            comment = obj.comment  # type: ignore[union-attr]
+            payload = t + attr(_TABLE_FLAGS, b"\0\0\0\0")
+            if comment:
+                text = comment.encode() + b"\0"
+                payload += attr(_TABLE_USERDATA, bytes((0, len(text))) + text)  # NFTNL_UDATA_TABLE_COMMENT
+            self.emit(frame(_NEWTABLE, _NLM_F_CREATE, self.family, self.seq(), payload), origin)
+        elif verb is Verb.ADD and _learned(obj):
+            known = self.declarations.get(self.tx.family, obj)  # type: ignore[arg-type]
+            payload = t + known.attrs
+            if known.set_type is not None:
+                payload += attr(_SET_ID, struct.pack(">I", next(self.set_ids)))
+                self.new_sets[obj.name] = known.set_type  # type: ignore[union-attr]
+            self.emit(frame(known.msg_type, _NLM_F_CREATE, self.family, self.seq(), payload), origin)
+        elif kind is Chain:
+            name = strz(_CHAIN_NAME, obj.name)  # type: ignore[union-attr]
+            if verb is Verb.ADD:
+                self.emit(frame(_NEWCHAIN, _NLM_F_CREATE, self.family, self.seq(), t + name), origin)
+            elif verb is Verb.FLUSH:
+                self.emit(frame(_DELRULE, 0, self.family, self.seq(), t + strz(_RULE_CHAIN, obj.name)), origin)  # type: ignore[union-attr]
+            else:
+                self.emit(frame(_DELCHAIN, 0, self.family, self.seq(), t + name), origin)
+        elif kind in (Set, Map):
+            name = strz(_SET_NAME, obj.name)  # type: ignore[union-attr]
+            if verb is Verb.FLUSH:  # every element: DELSETELEM without a list
+                self.emit(frame(_DELSETELEM, 0, self.family, self.seq(), t + strz(_LIST_SET, obj.name)), origin)  # type: ignore[union-attr]
+            else:
+                self.emit(frame(_DELSET, 0, self.family, self.seq(), t + name), origin)
+        elif kind is Counter and verb is Verb.DELETE:
+            payload = t + strz(_OBJ_NAME, obj.name) + attr(_OBJ_TYPE, struct.pack(">I", _OBJ_COUNTER))  # type: ignore[union-attr]
+            self.emit(frame(_DELOBJ, 0, self.family, self.seq(), payload), origin)
+        else:
+            raise Unsupported(f"{verb.value} {kind.__name__.lower()}: not in the bulk vocabulary")
+
+    def rule(self, i: int, rule: Rule) -> None:
+        command = f"add rule {self.tx.family} {self.tx.table} {rule.chain} {rule.body}"
+        try:
+            messages = _rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids)
+        except Unsupported:  # words the compiler lacks: libnftables encodes it, once
+            self.learned_rules.append((len(self.parts), rule))
+            self.emit(b"", (i, 0, 0))
+            return
+        for message in messages:
+            self.emit(nft_wire.encode_message(message, self.family, self.seq(), ack=False), (i, 0, 0))
+
+    def elements(self, i: int, verb: Verb, name: str, els: Iterator[Row], count: int) -> None:
+        """Up to 256 elements per message, as libnftables groups them (and under the 64 KiB
+        an attribute nest holds)."""
+        if verb not in (Verb.ADD, Verb.DELETE):
+            raise Unsupported(f"{verb.value} element: not in the bulk vocabulary")
+        adding = verb is Verb.ADD
+        write = element_writer(self.set_type(name), adding)
+        msg_type, flags = (_NEWSETELEM, _NLM_F_CREATE) if adding else (_DELSETELEM, 0)
+        head = self.table_attr + strz(_LIST_SET, name)
+        done = 0
+        while done < count:
+            items: list[bytes] = []
+            size, first = 0, done
+            for el in els:
+                try:
+                    parts = write(el)
+                except Unsupported as exc:
+                    where = f"{self.tx.family} {self.tx.table}"
+                    raise Unsupported(f"{exc}: {nft_text.command(verb, Element(name, *el), where)}") from None
+                for part in parts:  # list entries numbered 1, 2, 3 ... as libnftnl numbers them
+                    items.append(attr((len(items) + 1) | _NLA_F_NESTED, part))
+                    size += len(part) + 4
+                done += 1
+                if done - first == _ELEMENTS_PER_MESSAGE or size > _NEST_BUDGET:
+                    break
+            payload = head + attr(_LIST_ELEMENTS | _NLA_F_NESTED, b"".join(items))
+            self.emit(frame(msg_type, flags, self.family, self.seq(), payload), (i, first, done))
+
+
+_NEST_BUDGET = 60000  # bytes of elements per message: a nest's length is 16 bits
+_ELEM_KEY, _ELEM_DATA, _ELEM_FLAGS, _ELEM_USERDATA = 1, 2, 3, 6
+_DATA_VALUE, _DATA_VERDICT, _VERDICT_CODE, _VERDICT_CHAIN = 1, 2, 1, 2
+_INTERVAL_END = attr(_ELEM_FLAGS, struct.pack(">I", 1))
+
+
+Row = tuple[str, str, str]  # an element's key, value and comment, as Elements holds them
+
+
+def element_writer(st: SetType, adding: bool) -> Callable[[Row], tuple[bytes, ...]]:
+    """One element of set `st` -> the bodies of its entries in an element list (an interval's
+    start and end are two), the bytes pyroute2 makes of nft_netlink's `_element`
+    (tests/test_nft_bulk.py holds them equal), made directly: a full sync writes 200 000, so
+    each set's field encoders and attribute headers are made once."""
+    keys = _interval_keys(st) if st.interval else _plain_keys(st)
+    value = _value_writer(st) if adding else None
+
+    def write(row: Row) -> tuple[bytes, ...]:
+        try:
+            start, end = keys(row[0])
+            if value is not None:
+                start += value(row[1])
+                if row[2]:
+                    start += _comment(row[2])
+        except (ValueError, KeyError, OverflowError, OSError) as exc:
+            raise Unsupported(f"element of set {st.name}: {exc}") from None
+        return (start,) if end is None else (start, end)
+
+    return write
+
+
+def _plain_keys(st: SetType) -> Callable[[str], tuple[bytes, None]]:
+    encode = _concat_writer(st.key, st.name)
+    size = sum(-(-f.size // 4) * 4 for f in st.key) if len(st.key) > 1 else st.key[0].size
+    head = _nested_head(_ELEM_KEY, _DATA_VALUE, size)
+    pad = b"\0" * (-size % 4)
+
+    def keys(text: str) -> tuple[bytes, None]:
+        return head + encode(text) + pad, None
+
+    return keys
+
+
+def _interval_keys(st: SetType) -> Callable[[str], tuple[bytes, bytes | None]]:
+    if len(st.key) != 1 or st.key[0].type not in (TYPE_INTEGER, TYPE_MARK, TYPE_IPV4, TYPE_IPV6):
+        raise Unsupported(f"interval set {st.name} of concatenated or other keys")
+    field = st.key[0]
+    size, top = field.size, 1 << (8 * field.size)
+    head = _nested_head(_ELEM_KEY, _DATA_VALUE, size)
+    pad = b"\0" * (-size % 4)
+
+    def keys(text: str) -> tuple[bytes, bytes | None]:
+        low, high = _interval_bounds(text, field, "")
+        if not 0 <= low <= high < top:
+            raise ValueError(f"interval {text!r} outside what {size} bytes hold")
+        start = head + low.to_bytes(size, "big") + pad
+        return start, None if high + 1 == top else _INTERVAL_END + head + (high + 1).to_bytes(size, "big") + pad
+
+    return keys
+
+
+def _value_writer(st: SetType) -> Callable[[str], bytes]:
+    if st.data is None:
+        def none(text: str) -> bytes:
+            if text:
+                raise ValueError(f"a value {text!r} in a set without values")
+            return b""
+        return none
+    if st.verdict:
+        def verdict(text: str) -> bytes:
+            code, chain = _verdict(text.split(" "), "")
+            body = attr(_VERDICT_CODE, struct.pack(">i", code)) + (strz(_VERDICT_CHAIN, chain) if chain is not None else b"")
+            return attr(_ELEM_DATA, attr(_DATA_VERDICT, body))
+        return _required(verdict)
+    encode = _concat_writer(st.data, st.name)
+    size = sum(-(-f.size // 4) * 4 for f in st.data) if len(st.data) > 1 else st.data[0].size
+    head, pad = _nested_head(_ELEM_DATA, _DATA_VALUE, size), b"\0" * (-size % 4)
+    return _required(lambda text: head + encode(text) + pad)
+
+
+def _required(write: Callable[[str], bytes]) -> Callable[[str], bytes]:
+    def value(text: str) -> bytes:
+        if not text:
+            raise ValueError("an element without the value its map needs")
+        return write(text)
+    return value
+
+
+def _nested_head(outer: int, inner: int, size: int) -> bytes:
+    """The two attribute headers of `outer { inner: <size bytes> }`."""
+    padded = size + (-size % 4)
+    return _ATTR.pack(8 + padded, outer) + _ATTR.pack(4 + size, inner)
+
+
+def _concat_writer(fields: tuple[Field, ...], name: str) -> Callable[[str], bytes]:
+    """` . `-joined values -> their bytes, each field padded to 4 when concatenated (as
+    nft_netlink._encode_concat); repeated values (protocols, ports) are encoded once."""
+    writers = [_field_writer(f, padded=len(fields) > 1, name=name) for f in fields]
+    if len(writers) == 1:
+        return writers[0]
+    count = len(writers)
+
+    def concat(text: str) -> bytes:
+        parts = text.split(" . ")
+        if len(parts) != count:
+            raise ValueError(f"{len(parts)} fields where the set has {count}")
+        return b"".join([w(x) for w, x in zip(writers, parts)])
+
+    return concat
+
+
+def _field_writer(f: Field, *, padded: bool, name: str) -> Callable[[str], bytes]:
+    if f.type == TYPE_IPV4:
+        return functools.partial(socket.inet_pton, socket.AF_INET)
+    if f.type == TYPE_IPV6:
+        def v6(text: str) -> bytes:
+            if "%" in text:
+                raise ValueError(f"{text!r}: a scope")
+            return socket.inet_pton(socket.AF_INET6, text)
+        return v6
+    known: dict[str, bytes] = {}
+
+    def other(text: str) -> bytes:
+        got = known.get(text)
+        if got is None:
+            got = _encode_value(text, f, f"set {name}")
+            if padded:
+                got += b"\0" * (-len(got) % 4)
+            if len(known) < 1 << 16:
+                known[text] = got
+        return got
+
+    return other
+
+
+def _comment(text: str) -> bytes:
+    text_bytes = quote_comment(text)[1:-1].encode() + b"\0"  # cut as the text writer cuts it
+    return attr(_ELEM_USERDATA, bytes((0, len(text_bytes))) + text_bytes)  # NFTNL_UDATA_SET_ELEM_COMMENT
+
+
+def _rows(batch: Elements) -> Iterator[Row]:
+    n = len(batch.keys)
+    return zip(batch.keys, batch.values or ("",) * n, batch.comments or ("",) * n)
+
+
+def _learned(obj: object) -> bool:
+    """Declarations whose attributes libnftables encodes (plain chains are said directly)."""
+    kind = type(obj)
+    return kind in (Set, Map, Counter) or (kind is Chain and (obj.hook is not None or obj.comment is not None))  # type: ignore[union-attr]
+
+
+def compile_batch(tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType]) -> Batch:
+    """The whole of `tx` as one batch's messages (BEGIN and END not included)."""
+    if tx.family not in _NFPROTO:
+        raise Unsupported(f"family {tx.family!r}")
+    return _Compiler(tx, declarations, set_type).compile()
+
+
+# --------------------------------------------------------------------------------------------
+# Sending it.
+
+
+def send(batch: Batch, tx: Transaction, netns: str | None) -> None:
+    """Send BEGIN, the batch, END in one write, and read what the kernel answered.
+
+    nfnetlink handles a batch inside the sending call, so every answer is queued by the time
+    `send` returns. Only the last message asks for an ack; the kernel reports every refused
+    message whether asked or not, so: no error and the last ack means committed.
+    """
+    if not batch.origins:
+        return
+    last = len(batch.origins)
+    data = batch.data
+    # The last message asks for an ack (its header's flags, after the length and type).
+    at = batch.last
+    flags = struct.unpack_from("=H", data, at + 6)[0]
+    struct.pack_into("=H", data, at + 6, flags | _NLM_F_ACK)
+    data[:0] = nft_wire.batch_begin(0)  # in place: the batch is the one copy
+    data += nft_wire.batch_end(last + 1)
+    sock = _socket(netns, len(data))
+    try:
+        try:
+            sock.send(data)
+        except OSError as exc:  # refused before the kernel read it (too large, no memory): nothing applied
+            raise Unsupported(f"nft netlink{_where(netns)}: a batch of {len(data)} bytes not sent: {os.strerror(exc.errno or 0)}") from None
+        errors, acked = _answers(sock, last, netns)
+    finally:
+        sock.close()
+    if errors:
+        seq, code = errors[0]
+        command = _command(tx, batch.origins[seq - 1]) if 0 < seq <= last else "(the batch)"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise NetlinkKernelError(
+            f"nft netlink{_where(netns)} rejected the transaction: {os.strerror(code)} "
+            f"(errno {errno_mod.errorcode.get(code, code)}) in: {command}{more}",
+            code, command,
+        )
+    if not acked:
+        raise KernelError(f"nft netlink{_where(netns)}: no answer to the batch's last message")
+
+
+def _socket(netns: str | None, size: int) -> socket.socket:
+    def make() -> socket.socket:
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+
+    if netns is None:
+        sock = make()
+    else:
+        with netns_mod.entered(netns):
+            sock = make()
+    try:
+        # The whole batch is one write (nfnetlink reads a batch from one buffer), so the send
+        # buffer must hold it; errors are small with CAP_ACK, but may be many.
+        sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, size + 65536)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 16 << 20)
+        sock.setsockopt(270, _NETLINK_CAP_ACK, 1)  # SOL_NETLINK: errors without the message echoed
+        sock.bind((0, 0))
+    except OSError as exc:
+        sock.close()
+        raise Unsupported(f"netlink socket for a large batch: {os.strerror(exc.errno or 0)}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _answers(sock: socket.socket, last: int, netns: str | None) -> tuple[list[tuple[int, int]], bool]:
+    """(seq, errno) of every refused message, and whether the last message was acked."""
+    errors: list[tuple[int, int]] = []
+    acked = False
+    while True:
+        try:
+            buf = sock.recv(1 << 20)
+        except BlockingIOError:
+            return errors, acked
+        except OSError as exc:
+            if exc.errno == errno_mod.ENOBUFS:  # only errors overflow it: the batch failed
+                return errors or [(0, errno_mod.ENOBUFS)], acked
+            raise KernelError(f"nft netlink{_where(netns)}: reading the answer: {os.strerror(exc.errno or 0)}") from None
+        at = 0
+        while at + _HEADER.size <= len(buf):
+            length, mtype, _, seq, _ = _HEADER.unpack_from(buf, at)
+            if length < _HEADER.size:
+                break
+            if mtype == _NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", buf, at + _HEADER.size)
+                if code:
+                    errors.append((seq, -code))
+                elif seq == last:
+                    acked = True
+            at += (length + 3) & ~3
+
+
+def _command(tx: Transaction, origin: tuple[int, int, int]) -> str:
+    """The command a refused message came from (an element message: its first element)."""
+    i, first, _ = origin
+    verb, obj = tx.ops[i]
+    where = f"{tx.family} {tx.table}"
+    if type(obj) is Elements:
+        obj = next(e for n, e in enumerate(obj.each()) if n == first)
+    return nft_text.command(verb, obj, where)  # type: ignore[arg-type]
+
+
+def _where(netns: str | None) -> str:
+    return f" in netns {netns}" if netns else ""

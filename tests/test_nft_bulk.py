@@ -1,0 +1,224 @@
+"""Full syncs as one nfnetlink batch (kernel/nft_bulk.py): the kernel must end up holding what
+libnftables leaves for the same transaction, all of it or none of it."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+
+import pytest
+
+from nfproxy.core.model import IPFamily
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.kernel import netns, nft_bulk
+from nfproxy.kernel.nft import NftKernel
+from nfproxy.kernel import nft_wire
+from nfproxy.kernel.nft_netlink import (
+    TYPE_INET_PROTO,
+    TYPE_INET_SERVICE,
+    TYPE_INTEGER,
+    TYPE_IPV4,
+    TYPE_IPV6,
+    Field,
+    Message,
+    NetlinkKernelError,
+    SetType,
+    Unsupported,
+    _element,
+    _ElemListMsg,
+)
+from nfproxy.kernel.process import find_tool
+from nfproxy.nftables import Chain, Element, Rule, Transaction, Verb
+from nfproxy.testing import random_cluster
+
+from tests.test_nft_netlink import kernel_view
+
+def _proxier(ns: str, *, bulk: bool) -> Proxier:
+    return Proxier("nft", netns=ns, kernels=lambda f: NftKernel(f, netns=ns, netlink=bulk))
+
+
+def _view(ns: str) -> dict[str, object]:
+    """`kernel_view`, less what a table's history decides and its contents do not: the order
+    nft lists objects in (creation order) and the numbers the kernel gives anonymous maps."""
+    out: dict[str, object] = {}
+    for key, value in kernel_view(ns).items():
+        if isinstance(value, dict):
+            out[key] = sorted(json.dumps(o, sort_keys=True) for o in value["nftables"])
+        else:
+            anonymous = re.compile(r"__(map|set)\d+")
+            out[key] = sorted(
+                (anonymous.sub(r"__\1", head), [anonymous.sub(r"__\1", line) for line in body])
+                for head, body in value  # type: ignore[attr-defined]
+                if not head.startswith("table ")  # the listing again, elements in hash order: the JSON has it
+            )
+    return out
+
+
+def _tables(ns: str) -> str:
+    return subprocess.run([find_tool("ip"), "netns", "exec", ns, find_tool("nft"), "list", "tables"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many batches went through nft_bulk.send, and their sizes in messages."""
+    seen: list[int] = []
+    real = nft_bulk.send
+
+    def counted(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
+        seen.append(len(batch.origins))
+        real(batch, tx, ns)
+
+    monkeypatch.setattr(nft_bulk, "send", counted)
+    return seen
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_full_sync_in_one_batch_leaves_what_libnftables_leaves(seed: int, sends: list[int]) -> None:
+    """A cold start, then a restart onto another cluster (the table exists; whatever the new
+    state does not render is removed) through one batch each, against libnftables applying
+    each state in a namespace of its own: the kernel must equal a fresh apply of the state.
+
+    (Not against libnftables restarting onto the second state: its cache of the old interval
+    set makes it leave an extra end element at 0.0.0.0 in `nodeport-ips`, which lists the
+    same and which a fresh apply does not have.) Stale objects of the first state are emptied
+    by the full sync and deleted by the cleanup sync after it, as the daemon runs them."""
+    first = random_cluster(random.Random(seed), 40)
+    second = random_cluster(random.Random(seed + 50), 30)
+    with netns.throwaway("nfp-bulk") as ns:
+        for state in (first, second):
+            proxier = _proxier(ns, bulk=True)
+            assert proxier.sync(state).kind == "full"
+            if proxier.backend.pending():  # what the full sync emptied goes in a sync of its own
+                proxier.sync(state)
+            with netns.throwaway("nfp-bulk-fresh") as fresh:
+                assert _proxier(fresh, bulk=False).sync(state).kind == "full"
+                assert _view(ns) == _view(fresh)
+            assert "nfproxy-scratch" not in _tables(ns)
+    assert len(sends) == 4 and min(sends) > 10, sends  # both families, both syncs, all through bulk
+
+
+@pytest.mark.kernel
+def test_declarations_are_learned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = random_cluster(random.Random(7), 20)
+    with netns.throwaway("nfp-bulk-once") as ns:
+        kernel = NftKernel(IPFamily.V4, netns=ns)
+        proxier = Proxier("nft", netns=ns, families=(IPFamily.V4,), kernels=lambda f: kernel)
+        proxier.sync(state)
+        scripts: list[str] = []
+        real = kernel.session.apply
+        monkeypatch.setattr(kernel.session, "apply", lambda text: (scripts.append(text), real(text))[1])
+        Proxier("nft", netns=ns, families=(IPFamily.V4,), kernels=lambda f: kernel).sync(state)
+        assert scripts == []  # the second full sync: nothing through libnftables
+
+
+@pytest.mark.kernel
+def test_a_refused_batch_changes_nothing_and_names_the_command() -> None:
+    state = random_cluster(random.Random(3), 20)
+    with netns.throwaway("nfp-bulk-refused") as ns:
+        _proxier(ns, bulk=True).sync(state)
+        before = kernel_view(ns)
+        kernel = NftKernel(IPFamily.V4, netns=ns)
+        tx = Transaction("ip", "nfproxy")
+        for i in range(5000):  # large: past the partial-sync encoder, into the bulk path
+            tx.add(Chain(f"bulk-{i}"))
+        tx.add(Rule("bulk-4999", "jump no-such-chain"))
+        with pytest.raises(NetlinkKernelError) as caught:
+            kernel.apply(tx)
+        assert "add rule ip nfproxy bulk-4999 jump no-such-chain" in str(caught.value)
+        assert kernel_view(ns) == before
+
+
+# --------------------------------------------------------------------------------------------
+# Elements are written straight to bytes; they must be the bytes the partial-sync path makes.
+
+
+_V4, _V6 = Field(TYPE_IPV4, 4), Field(TYPE_IPV6, 16)
+_PROTO, _PORT = Field(TYPE_INET_PROTO, 1), Field(TYPE_INET_SERVICE, 2)
+_SETS = [
+    (SetType("hairpin", (_V4, _V4), None), ["10.0.0.1 . 10.0.0.1", "10.9.8.7 . 10.9.8.7"]),
+    (SetType("cluster-ips", (_V6,), None), ["fd00::1", "2001:db8::ff"]),
+    (SetType("service-ips", (_V4, _PROTO, _PORT), (), verdict=True),
+     ["172.30.0.1 . tcp . 80 : goto service-X-ns/a/tcp/http", "172.30.0.2 . udp . 53 : drop",
+      "172.30.0.3 . sctp . 9 : jump reject-chain"]),
+    (SetType("endpoints", (Field(TYPE_INTEGER, 4, True),), (_V4, _PORT), interval=True),
+     ["0-99 : 10.1.2.3 . 8080", "100-4294967295 : 10.1.2.4 . 8080", "7 : 10.1.2.5 . 80"]),
+    (SetType("nodeport-ips", (_V4,), None, interval=True),
+     ["192.168.0.2/32", "0.0.0.0/0", "10.0.0.0/8", "10.1.0.1-10.1.0.9"]),
+    (SetType("nodeport-ips6", (_V6,), None, interval=True), ["fd00::/64", "::/0"]),
+]
+
+
+def _element_of(name: str, text: str, comment: str) -> Element:
+    key, _, value = text.partition(" : ")
+    return Element(name, key, value, comment)
+
+
+@pytest.mark.parametrize("st, texts", _SETS, ids=[st.name for st, _ in _SETS])
+@pytest.mark.parametrize("adding", [True, False], ids=["add", "delete"])
+@pytest.mark.parametrize("comment", ["", "ns-1/svc-2:http", 'a "quoted" one'])
+def test_elements_are_the_bytes_the_partial_sync_path_sends(st: SetType, texts: list[str], adding: bool, comment: str) -> None:
+    """Every element of a set in one message each way: the list entries numbered alike too."""
+    els = [_element_of(st.name, text, comment) for text in texts]
+    items = [item for el in els for item in _element(el, st, "", with_values=adding)]
+    message = Message(_ElemListMsg, 12 if adding else 14, 0x400 if adding else 0, (
+        ("NFTA_SET_ELEM_LIST_TABLE", "nfproxy"), ("NFTA_SET_ELEM_LIST_SET", st.name),
+        ("NFTA_SET_ELEM_LIST_ELEMENTS", items, 0x8000)), "")
+    reference = nft_wire.encode_message(message, 2, 1, ack=False)
+    tx = Transaction("ip", "nfproxy")
+    compiler = nft_bulk._Compiler(tx, nft_bulk.Declarations(print, lambda: None), lambda name: st)  # type: ignore[arg-type,return-value]
+    for i, el in enumerate(els):
+        compiler.elements(i, Verb.ADD if adding else Verb.DELETE, st.name, iter(((el.key, el.value, el.comment),)), 1)
+    assert len(compiler.parts) == len(els)
+    # One message per element here, one message for all in the reference: compare the lists.
+    ours = b"".join(_entries(part) for part in compiler.parts)
+    assert _renumbered(ours) == _renumbered(_entries(reference))
+
+
+def _entries(message: bytes) -> bytes:
+    """The element list's entries of one element message."""
+    at = 20 + len(nft_bulk.strz(1, "nfproxy"))
+    at += (int.from_bytes(message[at: at + 2], "little") + 3) & ~3  # the set's name
+    return message[at + 4:]
+
+
+def _renumbered(entries: bytes) -> bytes:
+    out, at, n = bytearray(), 0, 0
+    while at < len(entries):
+        length = int.from_bytes(entries[at: at + 2], "little")
+        n += 1
+        out += entries[at: at + 2] + (n | 0x8000).to_bytes(2, "little") + entries[at + 4: at + ((length + 3) & ~3)]
+        at += (length + 3) & ~3
+    return bytes(out)
+
+
+@pytest.mark.parametrize("st, text", [
+    (_SETS[0][0], "10.0.0.1"),  # one field of two
+    (_SETS[0][0], "10.0.0.01 . 10.0.0.1"),  # a leading zero: nft refuses it
+    (_SETS[1][0], "fd00::1%eth0"),  # a scope
+    (_SETS[3][0], "5-3 : 10.1.2.3 . 80"),  # a backwards range
+    (_SETS[3][0], "0-4294967296 : 10.1.2.3 . 80"),  # past the key's width
+    (_SETS[2][0], "172.30.0.1 . tcp . 80"),  # a map element without its value
+])
+def test_an_element_outside_the_vocabulary_is_refused_before_sending(st: SetType, text: str) -> None:
+    with pytest.raises(Unsupported):
+        el = _element_of(st.name, text, "")
+        nft_bulk.element_writer(st, True)((el.key, el.value, el.comment))
+
+
+@pytest.mark.kernel
+def test_a_scratch_table_left_by_a_crash_is_replaced_and_cleaned_up() -> None:
+    from nfproxy.daemon.cleanup import cleanup_nft
+    from nfproxy.kernel.nft import NftSession
+
+    with netns.throwaway("nfp-bulk-left") as ns:
+        NftSession(ns).apply("add table ip nfproxy-scratch { flags dormant ; }\nadd chain ip nfproxy-scratch stale\n")
+        _proxier(ns, bulk=True).sync(random_cluster(random.Random(5), 10))
+        assert "nfproxy-scratch" not in _tables(ns)  # the learning started from a fresh one
+        NftSession(ns).apply("add table ip6 nfproxy-scratch { flags dormant ; }\n")
+        removed = [r.what for r in cleanup_nft(ns)]
+        assert "nft: table ip6 nfproxy-scratch" in removed and "nft: table ip nfproxy" in removed
+        assert "nfproxy" not in _tables(ns)
