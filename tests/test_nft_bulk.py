@@ -215,10 +215,30 @@ def test_a_scratch_table_left_by_a_crash_is_replaced_and_cleaned_up() -> None:
     from nfproxy.kernel.nft import NftSession
 
     with netns.throwaway("nfp-bulk-left") as ns:
-        NftSession(ns).apply("add table ip nfproxy-scratch { flags dormant ; }\nadd chain ip nfproxy-scratch stale\n")
+        NftSession(ns).apply("add table ip nfproxy-scratch\nadd chain ip nfproxy-scratch stale\n")
         _proxier(ns, bulk=True).sync(random_cluster(random.Random(5), 10))
         assert "nfproxy-scratch" not in _tables(ns)  # the learning started from a fresh one
-        NftSession(ns).apply("add table ip6 nfproxy-scratch { flags dormant ; }\n")
+        NftSession(ns).apply("add table ip6 nfproxy-scratch { flags dormant ; }\n")  # dormant: deleted all the same
         removed = [r.what for r in cleanup_nft(ns)]
         assert "nft: table ip6 nfproxy-scratch" in removed and "nft: table ip nfproxy" in removed
         assert "nfproxy" not in _tables(ns)
+
+
+@pytest.mark.kernel
+def test_nothing_in_the_scratch_table_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The only libnftables scripts of a cold start are the scratch table's, and none declares
+    a hook (it would see traffic) or a dormant table (nft -j lists one as invalid JSON)."""
+    state = random_cluster(random.Random(11), 20)
+    with netns.throwaway("nfp-bulk-hooks") as ns:
+        kernel = NftKernel(IPFamily.V4, netns=ns)
+        scripts: list[str] = []
+        real = kernel.session.apply
+        monkeypatch.setattr(kernel.session, "apply", lambda text: (scripts.append(text), real(text))[1])
+        Proxier("nft", netns=ns, families=(IPFamily.V4,), kernels=lambda f: kernel).sync(state)
+        assert scripts, "the declarations were learned through libnftables"
+        lines = [line for text in scripts for line in text.splitlines() if line.strip()]
+        assert all(" nfproxy-scratch" in line for line in lines), lines
+        assert not [line for line in lines if " hook " in line or "dormant" in line]
+        assert "hook prerouting" in subprocess.run(  # and the real table has its base chains
+            [find_tool("ip"), "netns", "exec", ns, find_tool("nft"), "list", "chain", "ip", "nfproxy", "nat-prerouting"],
+            capture_output=True, text=True, check=True).stdout

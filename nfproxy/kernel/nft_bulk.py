@@ -11,9 +11,9 @@ batch is the only copy.
 
 Declarations (tables, sets and maps, chains with hooks or comments, counters) carry libnftnl's
 user data: comments, typeof expressions, key byte orders. Rather than a second encoder of those,
-libnftables encodes each declaration once, into a dormant scratch table (a dormant table's base
-chains hook nothing), and its attributes, read back over netlink, are replayed into the real
-table: the kernel receives what `nft -f` would send, and `nft list` shows the same table. What
+libnftables encodes each declaration once, into a scratch table where nothing hooks (a base
+chain is learned as a plain chain; its hook is two numbers, said here), and its attributes, read
+back over netlink, are replayed into the real table: the kernel receives what `nft -f` would send, and `nft list` shows the same table. What
 was learned is kept for the life of the kernel object, so a daemon asks once per declaration.
 
 One batch, so one transaction: the kernel commits all of it or none. A transaction this module
@@ -63,7 +63,8 @@ _NEWTABLE, _DELTABLE, _NEWCHAIN, _GETCHAIN, _DELCHAIN, _DELRULE = 0, 2, 3, 4, 5,
 _NEWSET, _GETSET, _DELSET, _NEWSETELEM, _DELSETELEM = 9, 10, 11, 12, 14
 _NEWOBJ, _GETOBJ, _DELOBJ = 18, 19, 20
 _TABLE_NAME, _TABLE_FLAGS, _TABLE_USERDATA = 1, 2, 6
-_CHAIN_TABLE, _CHAIN_NAME, _CHAIN_FLAGS = 1, 3, 10
+_CHAIN_TABLE, _CHAIN_NAME, _CHAIN_HOOK, _CHAIN_TYPE, _CHAIN_FLAGS = 1, 3, 4, 7, 10
+_HOOK_NUM, _HOOK_PRIORITY = 1, 2
 _CHAIN_BASE = 0x1
 _RULE_TABLE, _RULE_CHAIN = 1, 2
 _NEWRULE, _GETRULE = 6, 7
@@ -124,7 +125,7 @@ Declaration = Chain | Set | Map | Counter
 
 
 class Declarations:
-    """What libnftables sends for each declaration, learned through a dormant scratch table.
+    """What libnftables sends for each declaration, learned through a scratch table.
 
     `apply_script` runs an nft script in the namespace (libnftables); `reader` opens a netlink
     reader there. The scratch table exists only while a batch of declarations is learned.
@@ -148,10 +149,13 @@ class Declarations:
         missing = list(dict.fromkeys(o for o in objs if (family, o) not in self._known))
         if not missing:
             return
-        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in missing])
+        found = self._scratch(family, [nft_text.command(Verb.ADD, _unhooked(o), _scratch(family)) for o in missing])
         for o in missing:
             kind = _GETCHAIN if type(o) is Chain else _GETOBJ if type(o) is Counter else _GETSET
-            self._known[(family, o)] = self._found(found, kind, o.name, o)
+            got = self._found(found, kind, o.name, o)
+            if type(o) is Chain and o.hook is not None:
+                got = Declared(got.msg_type, got.attrs + _hook(o), None)
+            self._known[(family, o)] = got
 
     def rule(self, family: str, rule: Rule) -> Declared | None:
         return self._known.get((family, rule))  # type: ignore[call-overload]
@@ -166,7 +170,7 @@ class Declarations:
         where = _scratch(family)
         named = {o.name for o in context if type(o) is Chain}
         targets = {t for r in missing for t in _chain_targets(r.body)} - named
-        script = [nft_text.command(Verb.ADD, o, where) for o in dict.fromkeys(context)]
+        script = [nft_text.command(Verb.ADD, _unhooked(o), where) for o in dict.fromkeys(context)]
         script += [f"add chain {where} {name}" for name in sorted(targets)]
         for i, r in enumerate(missing):
             script += [f"add chain {where} rule-{i}", f"add rule {where} rule-{i} {r.body}"]
@@ -185,15 +189,44 @@ class Declarations:
         return got
 
     def _scratch(self, family: str, commands: list[str]) -> dict[tuple[int, str], Declared]:
-        """Run `commands` in a fresh dormant scratch table, read its objects back, remove it."""
+        """Run `commands` in a fresh scratch table, read its objects back, remove it. A refusal
+        sends the whole transaction to libnftables, which names the fault itself."""
         where = _scratch(family)
-        head = [f"add table {where}", f"delete table {where}", f"add table {where} {{ flags dormant ; }}"]
-        self._apply("\n".join(head + commands) + "\n")
+        head = [f"add table {where}", f"delete table {where}", f"add table {where}"]
+        try:
+            self._apply("\n".join(head + commands) + "\n")
+        except KernelError as exc:
+            raise Unsupported(f"a declaration the scratch table refused: {exc}") from None
         try:
             with self._reader() as reader:
                 return _read_back(reader, family)
         finally:
             self._apply(f"delete table {where}\n")
+
+
+def _unhooked(obj: Declaration) -> Declaration:
+    """A base chain learns as a plain chain, so that nothing in the scratch table hooks: the
+    hook is said by `_hook`. (A dormant table would hook nothing either, but nft 1.0.6 lists a
+    dormant table as invalid JSON, which any `nft -j` reader on the node would meet.)"""
+    if type(obj) is Chain and obj.hook is not None:
+        return Chain(obj.name, comment=obj.comment)
+    return obj
+
+
+def _hook(chain: Chain) -> bytes:
+    """NFTA_CHAIN_HOOK { HOOKNUM, PRIORITY } and NFTA_CHAIN_TYPE, as libnftnl writes them."""
+    number = _HOOKS.get(chain.hook or "")
+    try:
+        priority = int(chain.priority or "")
+    except ValueError:
+        raise Unsupported(f"chain {chain.name}: priority {chain.priority!r} is not a number") from None
+    if number is None or chain.type not in ("filter", "nat", "route"):
+        raise Unsupported(f"chain {chain.name}: hook {chain.hook!r} of type {chain.type!r}")
+    hook = attr(_HOOK_NUM, struct.pack(">I", number)) + attr(_HOOK_PRIORITY, struct.pack(">i", priority))
+    return attr(_CHAIN_HOOK | _NLA_F_NESTED, hook) + strz(_CHAIN_TYPE, chain.type)
+
+
+_HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 4}
 
 
 def _scratch(family: str) -> str:
