@@ -15,7 +15,8 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 - a no-op on an equal, newly built snapshot (one service's values rebuilt equal and reported
   touched, as a watch event that changes nothing the rules read; target: <= 1 ms);
 - with `--shapes`, the published large shapes (30 000 x 10, 44 000 x 1, 5 000 x 50): a full nft
-  sync (target: < 60 s) and a one-service change at each;
+  sync (target: < 60 s) in a fresh process with that process's peak RSS, and a one-service
+  change at each;
 - with `--memory`, the daemon's RSS for both backends, steady (target: < 250 MiB) and at its
   peak with its children (target: < 400 MiB), run as bench/memory.py runs it.
 
@@ -217,15 +218,20 @@ SHAPES = ((30_000, 10), (44_000, 1), (5_000, 50))
 
 
 def shape_rows(repeat: int) -> list[tuple[str, float, str, bool]]:
-    """Full nft sync and one-service change at the published large shapes."""
+    """Full nft sync (in a fresh process, for its peak RSS: the model, the render and the kernel
+    transaction, nothing before them) and one-service change at the published large shapes."""
     rows = []
     for services, endpoints in SHAPES:
+        out = subprocess.run([sys.executable, __file__, "--child-full", "nft", str(services), str(endpoints)],
+                             capture_output=True, text=True, check=True)
+        child = json.loads(out.stdout.splitlines()[-1])
+        full, peak = child["seconds"], child["peak_mib"]
         state = uniform_cluster(services, endpoints)
-        full = full_sync("nft", state)
         change = statistics.median(tracked_syncs(state, repeat).change)
-        print(f"{services} x {endpoints}: nft full sync {full:.2f} s, one-service change "
+        print(f"{services} x {endpoints}: nft full sync {full:.2f} s (peak {peak:.0f} MiB), one-service change "
               f"{change * 1000:.1f} ms", flush=True)
         rows.append((f"nft full sync at {services} x {endpoints} (s)", full, "< 60", full < 60))
+        rows.append((f"  its process's peak RSS (MiB)", peak, "(reference; < 400 at 10000 x 10)", True))
         rows.append((f"one-service change at {services} x {endpoints} (ms)", change * 1000, "(reference)", True))
         del state
         gc.collect()
@@ -235,7 +241,11 @@ def shape_rows(repeat: int) -> list[tuple[str, float, str, bool]]:
 def _child_full(backend: str, services: int, endpoints: int) -> int:
     """One full sync in this process (of the tree NFPROXY_TREE names), printed as JSON."""
     flavour = Flavour.LEGACY if backend == "iptables" else None
-    print(json.dumps({"seconds": full_sync(backend, uniform_cluster(services, endpoints), flavour)}))
+    seconds = full_sync(backend, uniform_cluster(services, endpoints), flavour)
+    # VmHWM, not ru_maxrss: Linux carries the forking parent's peak into ru_maxrss across exec.
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    print(json.dumps({"seconds": seconds, "peak_mib": peak}))
     return 0
 
 
