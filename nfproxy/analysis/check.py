@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from nfproxy.core.forked import split_map
 from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis import quantize
 from nfproxy.analysis.interpret import InterpretError, Mode, Packet, walk_chain
@@ -247,10 +248,9 @@ def check(
         problems.extend(_undrawable_slots(table))
         reached: set[str] = set()
         referenced = {v.target for targets in survey.targets.values() for v in targets if v.kind in ("jump", "goto")}
-        for chain in table.chains.values():
-            if not _selects(chain, survey):
-                continue
-            report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode, weights)
+        selecting = [chain for chain in table.chains.values() if _selects(chain, survey)]
+        walks = split_map(lambda chain: _selection(ruleset, table, chain, node_ips, mode, weights), selecting)
+        for report, found, reached_here in walks:
             problems.extend(found)
             reached |= reached_here
             if report is not None:
