@@ -18,7 +18,7 @@ from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
 from nfproxy.kernel.lock import LOCK_DIR
 from nfproxy.kernel.nfacct import Nfacct
-from nfproxy.kernel.process import KernelError, find_tool, lines, run
+from nfproxy.kernel.process import KernelError, feed, find_tool, lines, run, slices
 
 # The tables an iptables backend writes, and their built-in chains (never owned by anybody).
 TABLES = ("filter", "nat")
@@ -88,6 +88,25 @@ def _nfacct_names(payload: str) -> list[str]:
     return sorted(names)
 
 
+def _with_inserts(payload: str, inserts: Sequence[tuple[str, str]]) -> Iterator[str]:
+    """`payload` in slices, each insert's line before its table's COMMIT (a table the payload
+    does not have gets a block of its own at the end)."""
+    at = 0
+    pending = list(inserts)
+    for table in dict.fromkeys(t for t, _ in inserts):
+        head = payload.find(f"*{table}\n")
+        commit = payload.find("\nCOMMIT\n", head) + 1 if head >= 0 else 0
+        if head < 0 or commit <= 0:
+            continue
+        yield from slices(payload, at, commit)
+        yield "".join(f"{line}\n" for t, line in pending if t == table)
+        pending = [(t, line) for t, line in pending if t != table]
+        at = commit
+    yield from slices(payload, at)
+    for table in dict.fromkeys(t for t, _ in pending):
+        yield f"*{table}\n" + "".join(f"{line}\n" for t, line in pending if t == table) + "COMMIT\n"
+
+
 class IptablesRunner:
     def __init__(
         self, family: IPFamily, netns: str | None = None, flavour: Flavour | None = None
@@ -101,17 +120,19 @@ class IptablesRunner:
         self.cmd = f"{stem}-{self.flavour.value}"
         find_tool(self.restore_cmd)
 
-    def restore(self, payload: str, *, noflush: bool = True) -> None:
+    def restore(self, payload: str, *, noflush: bool = True, inserts: Sequence[tuple[str, str]] = ()) -> None:
         """Restore `payload`, creating first the nfacct counters its rules name (a rule naming a
         missing counter fails the whole restore). Without `noflush` the tables it names are
-        replaced whole (the lab's feature probes in a fresh namespace)."""
+        replaced whole (the lab's feature probes in a fresh namespace). `inserts` are (table,
+        line) pairs written just before that table's COMMIT: the payload is streamed to the
+        tool in slices, never copied whole."""
         names = _nfacct_names(payload)
         if names:
             counters = Nfacct(self.netns)
             for name in names:
                 counters.ensure(name)
         argv = [self.restore_cmd, "-w", "5"] + (["--noflush"] if noflush else [])
-        run(argv, netns=self.netns, stdin=payload)
+        feed(argv, _with_inserts(payload, inserts), netns=self.netns)
 
     def save(self, table: str | None = None, *, counters: bool = False) -> str:
         """`iptables-save` (`counters`: with `-c`, each rule's [packets:bytes] before it)."""
@@ -137,9 +158,10 @@ class IptablesRunner:
     def ensure_rule(self, table: str, chain: str, spec: list[str]) -> bool:
         """Insert `spec` at the top of a built-in chain unless an identical rule is there.
 
-        The jumps from built-in chains are shared with every other user of the host's
-        firewall, so they are never written by a restore (which would duplicate or reorder
-        them) but checked and inserted one by one, as kube-proxy's EnsureRule does. Check and
+        The built-in chains are shared with every other user of the host's firewall, so a
+        jump that may be there already (its chain reaches our chain somehow) is checked and
+        inserted on its own, as kube-proxy's EnsureRule does; one that cannot be goes in with
+        the restore (`IptablesKernel.apply`), as the same `-I CHAIN 1`. Check and
         insert are two commands: two appliers racing both find the rule missing and both
         insert it (issue J.4). So they run under a lock of ours (JUMP_LOCK): two nfproxy
         appliers, in one namespace or not, never interleave them. (No listing after an insert to
@@ -249,14 +271,26 @@ class IptablesKernel:
 
     def apply(self, payload: RestorePayloadLike) -> None:
         """Partial plans carry no jumps: only a full sync (after `owned`) ensures them, from
-        the listing `owned` just made (the restore never touches built-in chains): a jump whose
-        exact line it showed is there. Any other is checked (another spelling of the same rule
-        is not duplicated), then inserted."""
+        the listing `owned` just made: a jump whose exact line it showed is there. A jump to a
+        chain no rule of that built-in chain reaches is certainly missing: it is inserted at the
+        top by the restore itself, in the same commit. (Each `iptables -C` or `-I` loads the
+        whole table: at 10 000 x 10 that was 308 MiB and a second per command, twelve commands on
+        a first sync.) Any other is checked (another spelling of the same rule is not
+        duplicated), then inserted, as kube-proxy's EnsureRule does."""
         listed, self._listed = self._listed or set(), None
-        self.runner.restore(payload.text)
+        inserts, checks = [], []
         for jump in payload.jumps:
-            if (jump.table, f"-A {jump.chain} {jump.spec}") not in listed:
-                self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
+            line = f"-A {jump.chain} {jump.spec}"
+            if (jump.table, line) in listed:
+                continue
+            if _reaches(listed, jump):
+                checks.append(jump)
+            else:
+                inserts.append((jump.table, f"-I {jump.chain} 1 {jump.spec}"))
+        with _jump_lock() if inserts else contextlib.nullcontext():
+            self.runner.restore(payload.text, inserts=inserts)
+        for jump in checks:
+            self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
 
     def dump(self) -> str:
         return canonical_save(self.runner.save("filter") + self.runner.save("nat"))
@@ -266,6 +300,18 @@ class IptablesKernel:
         KUBE-SEP DNAT rules' packets are the connections each endpoint got
         (analysis/counters.py)."""
         return self.runner.save("nat", counters=True)
+
+
+def _reaches(listed: set[tuple[str, str]], jump: JumpLike) -> bool:
+    """Whether some listed rule of the jump's built-in chain jumps to the jump's target."""
+    target = jump.spec.split()[-1]
+    head = f"-A {jump.chain} "
+    for table, line in listed:
+        if table == jump.table and line.startswith(head):
+            words = line.split()
+            if any(words[i] in ("-j", "--jump") and words[i + 1] == target for i in range(len(words) - 1)):
+                return True
+    return False
 
 
 def canonical_save(text: str) -> str:

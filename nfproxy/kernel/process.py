@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 # Debian puts the netfilter tools in /usr/sbin, which a non-login root shell may not have.
 _SBIN = ("/usr/sbin", "/sbin")
@@ -55,6 +55,45 @@ def run(
         detail = (proc.stderr or proc.stdout).strip()
         raise KernelError(f"{argv[0]}{where} failed (exit {proc.returncode}): {detail}")
     return proc.stdout
+
+
+def feed(argv: Sequence[str], pieces: Iterable[str], *, netns: str | None = None, timeout: float = 600.0) -> None:
+    """Run a tool with `pieces` written to its stdin as they come, or raise KernelError.
+
+    `run(stdin=text)` encodes the whole text first: for a 32 MB iptables-restore payload that is
+    a second 32 MB copy beside the text, held while the restore builds its own few hundred MiB.
+    Here each piece is encoded and written on its own (callers hand ~1 MiB slices). The tool's
+    output goes to a temporary file, so that it cannot block on a pipe nobody reads."""
+    full = [*netns_argv(netns), find_tool(argv[0]), *argv[1:]]
+    with tempfile.TemporaryFile() as out, subprocess.Popen(full, stdin=subprocess.PIPE, stdout=out, stderr=out) as proc:
+        assert proc.stdin is not None
+        try:
+            for piece in pieces:
+                proc.stdin.write(piece.encode())
+        except BrokenPipeError:
+            pass  # the tool stopped reading: its exit status and output say why
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise KernelError(f"{argv[0]} timed out after {timeout:.0f}s") from None
+        if code != 0:
+            out.seek(0)
+            where = f" in netns {netns}" if netns else ""
+            detail = out.read().decode(errors="replace").strip()
+            raise KernelError(f"{argv[0]}{where} failed (exit {code}): {detail}")
+
+
+def slices(text: str, start: int = 0, stop: int | None = None, size: int = 1 << 20) -> Iterator[str]:
+    """text[start:stop] in pieces of `size` characters, without a copy of the whole."""
+    end = len(text) if stop is None else stop
+    for at in range(start, end, size):
+        yield text[at: min(at + size, end)]
 
 
 def lines(argv: Sequence[str], *, netns: str | None = None, timeout: float = 600.0) -> Iterator[str]:
