@@ -300,8 +300,9 @@ def test_failed_apply_keeps_previous_rules_and_forces_full_sync(
         else:
             real_restore = IptablesRunner.restore
 
-            def broken_restore(self: IptablesRunner, payload: str, **kw: bool) -> None:
-                real_restore(self, payload.replace("COMMIT\n", "-A NO-SUCH-CHAIN -j ACCEPT\nCOMMIT\n", 1), **kw)
+            def broken_restore(self: IptablesRunner, payload, **kw: bool) -> None:  # noqa: ANN001
+                text = payload if isinstance(payload, str) else "".join(payload())  # pieces, streamed
+                real_restore(self, text.replace("COMMIT\n", "-A NO-SUCH-CHAIN -j ACCEPT\nCOMMIT\n", 1), **kw)
 
             monkeypatch.setattr(IptablesRunner, "restore", broken_restore)
         with pytest.raises(KernelError):

@@ -11,7 +11,7 @@ import enum
 import fcntl
 import os
 import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from nfproxy.core.model import IPFamily
@@ -88,25 +88,6 @@ def _nfacct_names(payload: str) -> list[str]:
     return sorted(names)
 
 
-def _with_inserts(payload: str, inserts: Sequence[tuple[str, str]]) -> Iterator[str]:
-    """`payload` in slices, each insert's line before its table's COMMIT (a table the payload
-    does not have gets a block of its own at the end)."""
-    at = 0
-    pending = list(inserts)
-    for table in dict.fromkeys(t for t, _ in inserts):
-        head = payload.find(f"*{table}\n")
-        commit = payload.find("\nCOMMIT\n", head) + 1 if head >= 0 else 0
-        if head < 0 or commit <= 0:
-            continue
-        yield from slices(payload, at, commit)
-        yield "".join(f"{line}\n" for t, line in pending if t == table)
-        pending = [(t, line) for t, line in pending if t != table]
-        at = commit
-    yield from slices(payload, at)
-    for table in dict.fromkeys(t for t, _ in pending):
-        yield f"*{table}\n" + "".join(f"{line}\n" for t, line in pending if t == table) + "COMMIT\n"
-
-
 class IptablesRunner:
     def __init__(
         self, family: IPFamily, netns: str | None = None, flavour: Flavour | None = None
@@ -120,19 +101,20 @@ class IptablesRunner:
         self.cmd = f"{stem}-{self.flavour.value}"
         find_tool(self.restore_cmd)
 
-    def restore(self, payload: str, *, noflush: bool = True, inserts: Sequence[tuple[str, str]] = ()) -> None:
-        """Restore `payload`, creating first the nfacct counters its rules name (a rule naming a
-        missing counter fails the whole restore). Without `noflush` the tables it names are
-        replaced whole (the lab's feature probes in a fresh namespace). `inserts` are (table,
-        line) pairs written just before that table's COMMIT: the payload is streamed to the
-        tool in slices, never copied whole."""
-        names = _nfacct_names(payload)
+    def restore(self, payload: str | Callable[[], Iterable[str]], *, noflush: bool = True) -> None:
+        """Restore `payload` (a text, or a function giving it in pieces of whole lines, read
+        twice), creating first the nfacct counters its rules name (a rule naming a missing
+        counter fails the whole restore). Without `noflush` the tables it names are replaced
+        whole (the lab's feature probes in a fresh namespace). Pieces are streamed to the tool:
+        the text is never held whole."""
+        pieces = (lambda: (payload,)) if isinstance(payload, str) else payload
+        names = sorted({name for piece in pieces() for name in _nfacct_names(piece)})
         if names:
             counters = Nfacct(self.netns)
             for name in names:
                 counters.ensure(name)
         argv = [self.restore_cmd, "-w", "5"] + (["--noflush"] if noflush else [])
-        feed(argv, _with_inserts(payload, inserts), netns=self.netns)
+        feed(argv, (part for piece in pieces() for part in slices(piece)), netns=self.netns)
 
     def save(self, table: str | None = None, *, counters: bool = False) -> str:
         """`iptables-save` (`counters`: with `-c`, each rule's [packets:bytes] before it)."""
@@ -225,8 +207,13 @@ class JumpLike(Protocol):
 class RestorePayloadLike(Protocol):
     """The backend's RestorePayload, read by shape."""
 
-    text: str
-    jumps: Sequence[JumpLike]
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def jumps(self) -> Sequence[JumpLike]: ...
+
+    def pieces(self, inserts: Mapping[str, Sequence[str]] | None = None) -> Iterator[str]: ...
 
 
 class IptablesKernel:
@@ -278,7 +265,8 @@ class IptablesKernel:
         a first sync.) Any other is checked (another spelling of the same rule is not
         duplicated), then inserted, as kube-proxy's EnsureRule does."""
         listed, self._listed = self._listed or set(), None
-        inserts, checks = [], []
+        inserts: dict[str, list[str]] = {}
+        checks = []
         for jump in payload.jumps:
             line = f"-A {jump.chain} {jump.spec}"
             if (jump.table, line) in listed:
@@ -286,9 +274,9 @@ class IptablesKernel:
             if _reaches(listed, jump):
                 checks.append(jump)
             else:
-                inserts.append((jump.table, f"-I {jump.chain} 1 {jump.spec}"))
+                inserts.setdefault(jump.table, []).append(f"-I {jump.chain} 1 {jump.spec}")
         with _jump_lock() if inserts else contextlib.nullcontext():
-            self.runner.restore(payload.text, inserts=inserts)
+            self.runner.restore(lambda: payload.pieces(inserts))
         for jump in checks:
             self.runner.ensure_rule(jump.table, jump.chain, shlex.split(jump.spec))
 

@@ -75,4 +75,4 @@ class IptablesBackend:
 def _untouched(family: IPFamily) -> IptablesPlan:
     """A family with no service whose kernel holds no KUBE chain: nothing to write, and no
     belief, so the first service of that family gets a full plan (chains and jumps)."""
-    return IptablesPlan(family=family, full=False, operations=0, payload=RestorePayload(""), belief=None)
+    return IptablesPlan(family=family, full=False, operations=0, payload=RestorePayload(), belief=None)

@@ -11,7 +11,8 @@ their endpoint chains are most of the work of a sync.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+import zlib
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from nfproxy.backends.base import Owned, Plan
@@ -27,11 +28,68 @@ from nfproxy.core.model import ClusterState, IPFamily, ServicePortKey
 
 @dataclass(frozen=True, slots=True)
 class RestorePayload:
-    """What the iptables kernel applies: one restore text (both tables, `--noflush`), then the
-    rules in built-in chains to check-then-insert (never restored: they are shared)."""
+    """What the iptables kernel applies: one restore (both tables, `--noflush`), then the rules
+    in built-in chains to ensure (shared with the host's other users: never flushed).
 
-    text: str
+    Kept compressed, table by table, in chunks of whole lines: a full sync's text is 32 MB at
+    10 000 x 10, which the daemon would otherwise hold for the whole restore beside the
+    restore's own 212 MiB (docs/benchmarks.md); zlib at level 1 keeps it in a few MB, and
+    `pieces` gives it back a chunk at a time as the restore reads it."""
+
+    tables: tuple[tuple[str, tuple[bytes, ...]], ...] = ()  # (table, its lines' chunks, compressed)
     jumps: tuple[JumpRule, ...] = ()
+    lines: int = 0  # of the text, `*table` and `COMMIT` included
+
+    @classmethod
+    def of(cls, text_lines: Iterable[str], jumps: tuple[JumpRule, ...] = ()) -> RestorePayload:
+        """The payload of restore-format lines (`*table`, its lines, `COMMIT`, per table)."""
+        tables: list[tuple[str, tuple[bytes, ...]]] = []
+        body: list[str] = []
+        chunks: list[bytes] = []
+        count = 0
+        name = ""
+        for line in text_lines:
+            if not line:
+                continue
+            count += 1
+            if line.startswith("*") and not name:
+                name = line[1:]
+            elif line == "COMMIT" and name:
+                chunks.extend(_packed(body))
+                tables.append((name, tuple(chunks)))
+                name, body, chunks = "", [], []
+            else:
+                body.append(line)
+                if len(body) == _CHUNK_LINES:
+                    chunks.extend(_packed(body))
+                    body = []
+        if name:
+            raise ValueError(f"restore text ends inside *{name}: no COMMIT")
+        return cls(tuple(tables), jumps, count)
+
+    def pieces(self, inserts: Mapping[str, Sequence[str]] | None = None) -> Iterator[str]:
+        """The text, a chunk of whole lines at a time; `inserts` are lines for a table, written
+        just before its COMMIT (a table the payload lacks gets a block of its own)."""
+        extra = dict(inserts or {})
+        for name, chunks in self.tables:
+            yield f"*{name}\n"
+            for chunk in chunks:
+                yield zlib.decompress(chunk).decode()
+            yield "".join(f"{line}\n" for line in extra.pop(name, ())) + "COMMIT\n"
+        for name, lines in extra.items():
+            if lines:
+                yield f"*{name}\n" + "".join(f"{line}\n" for line in lines) + "COMMIT\n"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces())
+
+
+_CHUNK_LINES = 4096
+
+
+def _packed(lines: list[str]) -> list[bytes]:
+    return [zlib.compress(("\n".join(lines) + "\n").encode(), 1)] if lines else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +148,10 @@ def full_plan(state: ClusterState, family: IPFamily, found: Owned | None) -> Ipt
     stale = sorted(
         c for c in (found.chains if found else ()) if c.startswith(SERVICE_CHAIN_PREFIXES) and c not in wanted
     )
-    text = new.restore_text(with_jumps=False, delete_chains=stale)
-    payload = RestorePayload(text, new.jumps)
+    payload = RestorePayload.of(new.restore_lines(with_jumps=False, delete_chains=stale), new.jumps)
     services = {key: held(chains) for key, chains in new.service_chains.items()}
     return IptablesPlan(
-        family=family, full=True, operations=text.count("\n"), payload=payload,
+        family=family, full=True, operations=payload.lines, payload=payload,
         belief=Belief(_top_level(new), services),
     )
 
@@ -134,8 +191,8 @@ def partial_plan(
         return None
     order = {key: i for i, key in enumerate(new.service_chains)}
     changed.sort(key=order.__getitem__)
-    text = new.restore_text(with_jumps=False, services=changed, delete_chains=sorted(gone))
+    payload = RestorePayload.of(new.restore_lines(with_jumps=False, services=changed, delete_chains=sorted(gone)))
     return IptablesPlan(
-        family=family, full=False, operations=text.count("\n"), payload=RestorePayload(text),
+        family=family, full=False, operations=payload.lines, payload=payload,
         belief=Belief(_top_level(new), services),
     )

@@ -258,7 +258,18 @@ class IptablesRules:
         services: Iterable[ServicePortKey] | None = None,
         delete_chains: Iterable[str] = (),
     ) -> str:
-        """The `iptables-restore --noflush` payload (one atomic restore of both tables).
+        """`restore_lines` as one text."""
+        return "\n".join(self.restore_lines(with_jumps, services=services, delete_chains=delete_chains))
+
+    def restore_lines(
+        self,
+        with_jumps: bool = True,
+        *,
+        services: Iterable[ServicePortKey] | None = None,
+        delete_chains: Iterable[str] = (),
+    ) -> list[str]:
+        """The `iptables-restore --noflush` payload (one atomic restore of both tables), a line
+        each (the last one empty, so that the text ends with a newline).
 
         `services` limits the per-service chains to those keys (a partial sync); None writes all.
         `delete_chains` are stale nat service chains to flush and delete (`-X`) in the same
@@ -297,7 +308,7 @@ class IptablesRules:
         out.extend([f"-X {name}" for name in stale])
         out.append("COMMIT")
         out.append("")
-        return "\n".join(out)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
