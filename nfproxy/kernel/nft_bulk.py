@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel import nft_wire
-from nfproxy.kernel.nft_elements import ElementReader
+from nfproxy.kernel.nft_elements import ElementReader, _attrs
 from nfproxy.kernel.nft_netlink import (
     Field,
     TYPE_INTEGER,
@@ -269,16 +269,6 @@ def _read_back(reader: ElementReader, family: str) -> dict[tuple[int, str], Decl
                 new = {_GETCHAIN: _NEWCHAIN, _GETSET: _NEWSET, _GETOBJ: _NEWOBJ, _GETRULE: _NEWRULE}[kind]
                 out[(kind, name)] = Declared(new, b"".join(kept), st)
     return out
-
-
-def _attrs(buf: bytes, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-    """(type with its flags, value start, value stop) of each attribute in buf[start:stop]."""
-    while start + 4 <= stop:
-        length, kind = _ATTR.unpack_from(buf, start)
-        if length < 4:
-            raise Unsupported(f"netlink attribute of length {length}")
-        yield kind & 0x3FFF, start + 4, start + length
-        start += (length + 3) & ~3
 
 
 # --------------------------------------------------------------------------------------------
