@@ -235,14 +235,8 @@ class NftKernel:
             from nfproxy.kernel import nft_bulk
             from nfproxy.kernel.nft_elements import ElementReader
 
-            def apply(script: str) -> None:
-                try:
-                    self.session.apply(script)
-                finally:
-                    self.session.release()
-
             netns = self.session.netns
-            self._declared = nft_bulk.Declarations(apply, lambda: ElementReader(netns))
+            self._declared = nft_bulk.Declarations(self.session.apply, lambda: ElementReader(netns), self.session.release)
         return self._declared
 
     def dump(self) -> str:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel import nft_wire
+from nfproxy.kernel.nft_rule_templates import RuleTemplates
 from nfproxy.kernel.nft_elements import ElementReader, _attrs
 from nfproxy.kernel.nft_netlink import (
     Field,
@@ -128,12 +129,17 @@ class Declarations:
     """What libnftables sends for each declaration, learned through a scratch table.
 
     `apply_script` runs an nft script in the namespace (libnftables); `reader` opens a netlink
-    reader there. The scratch table exists only while a batch of declarations is learned.
+    reader there; `release` drops libnftables' context once the scratch table is gone (one
+    context per learning: closing it after a commit waits out an RCU grace period in the
+    kernel, 10-20 ms). The scratch table exists only while a batch of declarations is learned.
     """
 
-    def __init__(self, apply_script: Callable[[str], None], reader: Callable[[], ElementReader]) -> None:
+    def __init__(
+        self, apply_script: Callable[[str], None], reader: Callable[[], ElementReader], release: Callable[[], None] = lambda: None
+    ) -> None:
         self._apply = apply_script
         self._reader = reader
+        self._release = release
         self._known: dict[tuple[str, Declaration], Declared] = {}
 
     def get(self, family: str, obj: Declaration) -> Declared:
@@ -194,14 +200,17 @@ class Declarations:
         where = _scratch(family)
         head = [f"add table {where}", f"delete table {where}", f"add table {where}"]
         try:
-            self._apply("\n".join(head + commands) + "\n")
-        except KernelError as exc:
-            raise Unsupported(f"a declaration the scratch table refused: {exc}") from None
-        try:
-            with self._reader() as reader:
-                return _read_back(reader, family)
+            try:
+                self._apply("\n".join(head + commands) + "\n")
+            except KernelError as exc:
+                raise Unsupported(f"a declaration the scratch table refused: {exc}") from None
+            try:
+                with self._reader() as reader:
+                    return _read_back(reader, family)
+            finally:
+                self._apply(f"delete table {where}\n")
         finally:
-            self._apply(f"delete table {where}\n")
+            self._release()
 
 
 def _unhooked(obj: Declaration) -> Declaration:
@@ -298,6 +307,7 @@ class _Compiler:
         self.set_ids = iter(range(1, 1 << 30))
         self.table_attr = strz(1, tx.table)  # NFTA_{CHAIN,SET,OBJ,RULE,SET_ELEM_LIST}_TABLE are all 1
         self.new_sets: dict[str, SetType] = {}
+        self.templates = RuleTemplates(self.rule_body)
 
     def set_type(self, name: str) -> SetType:
         st = self.new_sets.get(name)
@@ -387,6 +397,11 @@ class _Compiler:
             raise Unsupported(f"{verb.value} {kind.__name__.lower()}: not in the bulk vocabulary")
 
     def rule(self, i: int, rule: Rule) -> None:
+        body = self.templates.body(rule.body)
+        if body is not None:
+            payload = self.table_attr + strz(_RULE_CHAIN, rule.chain) + body
+            self.emit(frame(_NEWRULE, _NLM_F_CREATE | _NLM_F_APPEND, self.family, self.seq(), payload), (i, 0, 0))
+            return
         command = f"add rule {self.tx.family} {self.tx.table} {rule.chain} {rule.body}"
         try:
             messages = _rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids)
@@ -397,6 +412,15 @@ class _Compiler:
         for message in messages:
             self.emit(nft_wire.encode_message(message, self.family, self.seq(), ack=False), (i, 0, 0))
 
+    def rule_body(self, body: str) -> bytes:
+        """A rule of one message, its attributes after table and chain (for RuleTemplates)."""
+        command = f"add rule {self.tx.family} {self.tx.table} - {body}"
+        messages = _rule_messages(Rule("-", body), self.tx.family, self.tx.table, self.set_type, command, iter(range(1, 2)))
+        if len(messages) != 1:
+            raise Unsupported("a rule of more than one message")
+        encoded = nft_wire.encode_message(messages[0], self.family, 0, ack=False)
+        return encoded[20 + len(self.table_attr) + len(strz(_RULE_CHAIN, "-")) :]
+
     def elements(self, i: int, verb: Verb, name: str, els: Iterator[Row], count: int) -> None:
         """Up to 256 elements per message, as libnftables groups them (and under the 64 KiB
         an attribute nest holds)."""
@@ -406,6 +430,7 @@ class _Compiler:
         write = element_writer(self.set_type(name), adding)
         msg_type, flags = (_NEWSETELEM, _NLM_F_CREATE) if adding else (_DELSETELEM, 0)
         head = self.table_attr + strz(_LIST_SET, name)
+        pack_head = _ATTR.pack
         done = 0
         while done < count:
             items: list[bytes] = []
@@ -417,8 +442,12 @@ class _Compiler:
                     where = f"{self.tx.family} {self.tx.table}"
                     raise Unsupported(f"{exc}: {nft_text.command(verb, Element(name, *el), where)}") from None
                 for part in parts:  # list entries numbered 1, 2, 3 ... as libnftnl numbers them
-                    items.append(attr((len(items) + 1) | _NLA_F_NESTED, part))
-                    size += len(part) + 4
+                    n = len(part)  # a multiple of 4 (every attribute in it is padded), or made one
+                    if n & 3:
+                        part += _PAD[n & 3]
+                        n = len(part)
+                    items.append(pack_head(n + 4, (len(items) + 1) | _NLA_F_NESTED) + part)
+                    size += n + 4
                 done += 1
                 if done - first == _ELEMENTS_PER_MESSAGE or size > _NEST_BUDGET:
                     break
@@ -477,8 +506,14 @@ def _interval_keys(st: SetType) -> Callable[[str], tuple[bytes, bytes | None]]:
     head = _nested_head(_ELEM_KEY, _DATA_VALUE, size)
     pad = b"\0" * (-size % 4)
 
+    integer = field.type in (TYPE_INTEGER, TYPE_MARK)
+
     def keys(text: str) -> tuple[bytes, bytes | None]:
-        low, high = _interval_bounds(text, field, "")
+        if integer:  # the slot ranges of the endpoint maps, 100 000 at 10 000 x 10
+            low_text, _, high_text = text.partition("-")
+            low, high = int(low_text, 10), int(high_text or low_text, 10)
+        else:
+            low, high = _interval_bounds(text, field, "")
         if not 0 <= low <= high < top:
             raise ValueError(f"interval {text!r} outside what {size} bytes hold")
         start = head + low.to_bytes(size, "big") + pad
@@ -527,6 +562,14 @@ def _concat_writer(fields: tuple[Field, ...], name: str) -> Callable[[str], byte
     if len(writers) == 1:
         return writers[0]
     count = len(writers)
+    if count == 2:  # address . port, the endpoint maps' values
+        first, second = writers
+
+        def pair(text: str) -> bytes:
+            a, b = text.split(" . ")  # ValueError for another count, as below
+            return first(a) + second(b)
+
+        return pair
 
     def concat(text: str) -> bytes:
         parts = text.split(" . ")

@@ -1,0 +1,119 @@
+"""Rule templates (kernel/nft_rule_templates.py): a templated rule is byte for byte what the
+compiler makes of it, and a shape whose numbers cannot be found is compiled every time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.kernel import netns, nft_bulk
+from nfproxy.kernel.nft import NftKernel
+from nfproxy.kernel.nft_netlink import TYPE_INET_SERVICE, TYPE_INTEGER, TYPE_IPV4, Field, SetType
+from nfproxy.kernel.nft_rule_templates import RuleTemplates
+from nfproxy.nftables import Transaction
+from nfproxy.testing import random_cluster, uniform_cluster
+
+_SLOTS = SetType("slots", (Field(TYPE_INTEGER, 4, True),), (Field(TYPE_IPV4, 4), Field(TYPE_INET_SERVICE, 2)), False, True)
+
+
+def _compiler() -> nft_bulk._Compiler:
+    return nft_bulk._Compiler(Transaction("ip", "nfproxy"), None, {"slots": _SLOTS}.__getitem__)  # type: ignore[arg-type]
+
+
+def _bodies(rng: random.Random) -> list[str]:
+    out = []
+    for _ in range(300):
+        a = ".".join(str(rng.choice([0, 1, 9, 90, 165, 200, 255, rng.randrange(256)])) for _ in range(4))
+        lane = rng.choice([0, 1, 63, 64, 255, 256, 65535, 65536, 67026960, 4227858432 // 67026960 * 67026960])
+        port = rng.choice([1, 80, 90, 255, 256, 8080, 65535])
+        out += [
+            f"ip daddr {a} ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
+            f"meta l4proto tcp dnat ip to numgen random mod {rng.choice([2, 3, 10, 90, 67026960])} offset {lane} map @slots",
+            f"ip saddr {a} jump mark-for-masquerade",
+            f"ip daddr {a} ip saddr {a} jump chain-{port}",
+        ]
+    return out
+
+
+def test_templated_rules_are_the_compiled_bytes() -> None:
+    compiler = _compiler()
+    templates = RuleTemplates(compiler.rule_body)
+    used = 0
+    for body in _bodies(random.Random(7)):
+        got = templates.body(body)
+        assert got is not None, body
+        assert got == compiler.rule_body(body), body
+        used += 1
+    shapes = templates._known
+    assert used == 1200
+    assert len(shapes) < used / 5  # shapes per byte length (and addresses 0.x, words), not one per rule
+    assert all(t is not None for t in shapes.values())
+    one = RuleTemplates(compiler.rule_body)
+    for lane in range(1, 60):  # one shape: both numbers are written into its bytes
+        body = f"meta l4proto tcp dnat ip to numgen random mod 67026960 offset {lane * 67026960} map @slots"
+        assert one.body(body) == compiler.rule_body(body)
+    assert [len(t.slots) for t in one._known.values() if t is not None] == [2]
+
+
+def test_a_number_that_is_not_one_plain_field_is_not_templated() -> None:
+    """A compiler that writes the number twice, or as text: the shape is compiled every time."""
+    twice = RuleTemplates(lambda body: (int(body.split()[-1]) * 2).to_bytes(4, "big") + int(body.split()[-1]).to_bytes(4, "big"))
+    assert twice.body("x 300") is None
+    assert twice.body("x 301") is None
+    text = RuleTemplates(lambda body: body.encode())
+    assert text.body("x 300") is None
+
+
+def test_zero_is_part_of_the_shape() -> None:
+    """`offset 0` may be said without the attribute: it is never written into a template made
+    from another value (and the other way round)."""
+    calls: list[str] = []
+
+    def compile_body(body: str) -> bytes:
+        calls.append(body)
+        n = int(body.split()[-1])
+        return b"" if n == 0 else n.to_bytes(4, "big")
+
+    templates = RuleTemplates(compile_body)
+    assert templates.body("offset 7") == (7).to_bytes(4, "big")
+    assert templates.body("offset 0") == b""
+    assert templates.body("offset 9") == (9).to_bytes(4, "big")
+    assert templates.body("offset 300") == (300).to_bytes(4, "big")  # two bytes: a shape of its own
+    assert calls == ["offset 7", "offset 93", "offset 0", "offset 300", "offset 374"]
+
+
+@pytest.mark.kernel
+def test_a_full_sync_with_templates_is_the_batch_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole batch of a full sync, rules of every shape the renderer writes (both
+    families, node ports, affinity, firewalls), with and without templates."""
+    state = random_cluster(random.Random(3), 150)
+    big = uniform_cluster(200, 10)
+    sent: list[bytes] = []
+    real = nft_bulk.send
+
+    def capture(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
+        sent.append(bytes(batch.data))
+        real(batch, tx, ns)
+
+    monkeypatch.setattr(nft_bulk, "send", capture)
+    real_body = RuleTemplates.body
+    filled: list[int] = []
+
+    def counted(self: RuleTemplates, text: str) -> bytes | None:
+        got = real_body(self, text)
+        filled.append(got is not None)
+        return got
+
+    monkeypatch.setattr(RuleTemplates, "body", counted)
+    for templated in (True, False):
+        if not templated:
+            monkeypatch.setattr(RuleTemplates, "body", lambda self, text: None)
+        for cluster in (state, big):
+            with netns.throwaway("nfp-tpl") as ns:
+                Proxier("nft", netns=ns, kernels=lambda f, ns=ns: NftKernel(f, netns=ns, netlink=True)).sync(cluster)
+    half = len(sent) // 2
+    assert half >= 3 and len(sent) == 2 * half
+    assert sent[:half] == sent[half:]
+    assert sum(filled) > 400  # the 200 x 10 cluster's two rules per service, at least
