@@ -6,7 +6,8 @@ a node runs: render, delta, kernel transaction), on the benchmark shape of nfpro
 IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 
 - a full nft sync of S x N against a full iptables sync of the same services, with
-  iptables-legacy and iptables-nft (the issue's target: nft at most the legacy time, aim half);
+  iptables-legacy and iptables-nft (target: nft at most 0.3x the legacy time), each the median
+  of `--full-repeat` syncs taken in turns;
 - a one-service change (one endpoint added to one service) at S x N against the same change at
   100 x N (target: <= 20 ms and <= 1.5x), with the part spent in the kernel's transaction
   (send, validation, commit) shown apart;
@@ -23,7 +24,7 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
 Changes go through `Proxier.sync(state, touched=...)` with the keys a tracking source reports
 (nfproxy/core/changes.py), as the daemon's sync loop passes them.
 
-Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5] [--shapes] [--memory]
+Usage: sudo .venv/bin/python bench/sync.py [--services 10000] [--endpoints 10] [--repeat 5] [--full-repeat 3] [--shapes] [--memory]
        [--skip-iptables-nft | --skip-iptables]
        sudo .venv/bin/python bench/sync.py --services 5000 --repeat 3 --compare-tree /tmp/old-checkout
 (--compare-tree: full syncs only, nft and iptables-legacy, this tree against OLD alternately.)
@@ -72,6 +73,23 @@ def full_sync(backend: str, state: ClusterState, flavour: Flavour | None = None)
         elapsed = time.perf_counter() - start
         assert result.kind == "full"
         return elapsed
+
+
+def interleaved_full_syncs(state: ClusterState, rounds: int, *, legacy: bool, xnft: bool) -> dict[str, list[float]]:
+    """`rounds` full syncs of each backend, taking turns (nft, iptables-legacy, iptables-nft,
+    nft, ...): this machine's speed drifts by a third over minutes, and a ratio of medians
+    taken side by side does not drift with it."""
+    runs: list[tuple[str, str, Flavour | None]] = [("nft", "nft", None)]
+    if legacy:
+        runs.append(("iptables-legacy", "iptables", Flavour.LEGACY))
+    if xnft:
+        runs.append(("iptables-nft", "iptables", Flavour.NFT))
+    out: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    for i in range(rounds):
+        for label, backend, flavour in runs:
+            out[label].append(full_sync(backend, state, flavour))
+            print(f"round {i + 1}: {label} full sync {out[label][-1]:.2f} s", flush=True)
+    return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -422,6 +440,8 @@ def main() -> int:
     ap.add_argument("--nft-only", action="store_true",
                     help="with --compare-tree: no iptables-legacy syncs (when other writers hold the xtables lock)")
     ap.add_argument("--child-full", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--full-repeat", type=int, default=3, metavar="N",
+                    help="full syncs of each backend, taking turns; the table shows medians (default 3)")
     ap.add_argument("--weights", metavar="W:W:...", default=None,
                     help="measure weighted endpoints (this pattern cycled) against unweighted instead")
     ap.add_argument("--skip-iptables-restore", action="store_true",
@@ -447,16 +467,11 @@ def main() -> int:
     small = uniform_cluster(args.small, N)
 
     print(f"# sync benchmark: {S} x {N} (and {args.small} x {N}), IPv4 ClusterIP, one run", flush=True)
-    nft_full = full_sync("nft", big)
-    print(f"nft full sync: {nft_full:.2f} s", flush=True)
-    legacy_full = None
-    if not args.skip_iptables:
-        legacy_full = full_sync("iptables", big, Flavour.LEGACY)
-        print(f"iptables-legacy full sync: {legacy_full:.2f} s", flush=True)
-    xnft_full = None
-    if not args.skip_iptables_nft and not args.skip_iptables:
-        xnft_full = full_sync("iptables", big, Flavour.NFT)
-        print(f"iptables-nft full sync: {xnft_full:.2f} s", flush=True)
+    fulls = interleaved_full_syncs(big, args.full_repeat, legacy=not args.skip_iptables,
+                                   xnft=not args.skip_iptables_nft and not args.skip_iptables)
+    nft_full = statistics.median(fulls["nft"])
+    legacy_full = statistics.median(fulls["iptables-legacy"]) if "iptables-legacy" in fulls else None
+    xnft_full = statistics.median(fulls["iptables-nft"]) if "iptables-nft" in fulls else None
 
     big_t = tracked_syncs(big, args.repeat)
     small_t = tracked_syncs(small, args.repeat)
@@ -495,7 +510,7 @@ def main() -> int:
     for name, value, target, met in rows:
         print(f"| {name} | {value:.3f} | {target} | {'yes' if met else 'NO'} |")
     print()
-    print(f"full syncs: nft {nft_full:.2f} s"
+    print(f"full syncs, median of {args.full_repeat} taking turns: nft {nft_full:.2f} s"
           + (f", iptables-legacy {legacy_full:.2f} s" if legacy_full is not None else "")
           + (f", iptables-nft {xnft_full:.2f} s" if xnft_full is not None else ""))
     print(f"one-service change: {S} x {N}: median {big_change * 1000:.1f} ms "
