@@ -1,9 +1,12 @@
-"""split_map: the same list as a plain map, whatever happens to the forked child."""
+"""split_map and beside: the same answer as without the fork, whatever happens to the child."""
 
 from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 
@@ -68,3 +71,61 @@ def test_check_reports_the_same_with_the_walks_split(seed: int, monkeypatch: pyt
         with monkeypatch.context() as m:
             m.setattr(forked, "MIN_ITEMS", 0)
             assert check_mod.check(ruleset) == serial  # type: ignore[arg-type]
+
+
+def test_beside_computes_in_a_child() -> None:
+    parent = os.getpid()
+    child = forked.beside(lambda: (os.getpid() != parent, list(range(5))))
+    assert child is not None
+    assert child.result(60) == (True, [0, 1, 2, 3, 4])
+
+
+def test_beside_without_two_cpus_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forked, "cpus", lambda: 1)
+    assert forked.beside(lambda: 1) is None
+
+
+def test_a_failing_or_silent_child_gives_none_and_is_gone() -> None:
+    def fails() -> int:
+        raise RuntimeError("the child fails")
+
+    child = forked.beside(fails)
+    assert child is not None and child.result(60) is None
+    silent = forked.beside(lambda: time.sleep(600))
+    assert silent is not None
+    pid = silent._pid
+    assert silent.result(0.2) is None  # killed at the deadline, and reaped
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_child_forked_from_a_thread_takes_the_default_signal_actions() -> None:
+    """The daemon forks from its sync thread while its main thread holds the signal handlers
+    and the wakeup pipe: a SIGTERM to the child ends the child, and wakes nobody in the parent."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    old = signal.set_wakeup_fd(write)
+    seen: list[object] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: seen.append("handled"))
+    try:
+        out: list[object] = []
+
+        def run() -> None:
+            child = forked.beside(lambda: time.sleep(600))
+            assert child is not None
+            os.kill(child._pid, signal.SIGTERM)
+            out.append(child.result(60))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(120)
+        assert out == [None]  # the child died of the signal: no value
+        os.set_blocking(read, False)
+        with pytest.raises(BlockingIOError):
+            os.read(read, 16)  # nothing written into the parent's wakeup pipe
+        assert seen == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.set_wakeup_fd(old)
+        os.close(read)
+        os.close(write)

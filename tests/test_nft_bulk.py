@@ -4,6 +4,7 @@ libnftables leaves for the same transaction, all of it or none of it."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -171,7 +172,7 @@ def test_elements_are_the_bytes_the_partial_sync_path_sends(st: SetType, texts: 
     tx = Transaction("ip", "nfproxy")
     compiler = nft_bulk._Compiler(tx, nft_bulk.Declarations(print, lambda: None), lambda name: st)  # type: ignore[arg-type,return-value]
     for i, el in enumerate(els):
-        compiler.elements(i, Verb.ADD if adding else Verb.DELETE, st.name, iter(((el.key, el.value, el.comment),)), 1)
+        compiler.elements(i, Verb.ADD if adding else Verb.DELETE, st.name, iter(((el.key, el.value, el.comment),)), 1, st)
     assert len(compiler.parts) == len(els)
     # One message per element here, one message for all in the reference: compare the lists.
     ours = b"".join(_entries(part) for part in compiler.parts)
@@ -242,3 +243,49 @@ def test_nothing_in_the_scratch_table_hooks(monkeypatch: pytest.MonkeyPatch) -> 
         assert "hook prerouting" in subprocess.run(  # and the real table has its base chains
             [find_tool("ip"), "netns", "exec", ns, find_tool("nft"), "list", "chain", "ip", "nfproxy", "nat-prerouting"],
             capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.kernel
+def test_elements_encoded_by_a_forked_helper_are_the_same_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full sync's elements encoded in a forked child while the rules are compiled here, and
+    again with a child that fails (the parent encodes them itself): the batch is byte for byte
+    the one encoded in the process, and the kernel takes it."""
+    from nfproxy.core import forked
+    from nfproxy.testing import uniform_cluster
+
+    monkeypatch.setattr(forked, "cpus", lambda: 2)
+    parent = os.getpid()
+    real_encode = nft_bulk._Compiler.encode
+    helpers: list[bool] = []
+    real_beside = forked.beside
+
+    def beside(fn):  # noqa: ANN001, ANN202
+        child = real_beside(fn)
+        helpers.append(child is not None)
+        return child
+
+    def failing_in_child(self, jobs):  # noqa: ANN001, ANN202
+        if os.getpid() != parent:
+            raise RuntimeError("the helper fails")
+        return real_encode(self, jobs)
+
+    monkeypatch.setattr(forked, "beside", beside)
+    sent: list[bytes] = []
+    real_send = nft_bulk.send
+
+    def capture(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
+        sent.append(bytes(batch.data))
+        real_send(batch, tx, ns)
+
+    monkeypatch.setattr(nft_bulk, "send", capture)
+    clusters = [random_cluster(random.Random(5), 80), uniform_cluster(120, 10)]
+    for mode in ("here", "helper", "failing helper"):
+        monkeypatch.setattr(nft_bulk, "_ELEMENTS_BESIDE", 1 << 40 if mode == "here" else 0)
+        monkeypatch.setattr(nft_bulk._Compiler, "encode", failing_in_child if mode == "failing helper" else real_encode)
+        for state in clusters:
+            with netns.throwaway("nfp-beside") as ns:
+                _proxier(ns, bulk=True).sync(state)
+    third = len(sent) // 3
+    assert third >= 2 and len(sent) == 3 * third
+    assert sent[:third] == sent[third:2 * third] == sent[2 * third:]
+    assert helpers.count(True) == 2 * third  # every batch of the helper modes had one
