@@ -19,7 +19,7 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
   sync (target: < 60 s) in a fresh process with that process's peak RSS, and a one-service
   change at each;
 - with `--memory`, the daemon's RSS for both backends, steady (target: < 250 MiB) and at its
-  peak with its children (target: < 400 MiB), run as bench/memory.py runs it.
+  peak with its children's private pages (target: < 400 MiB), run as bench/memory.py runs it.
 
 Changes go through `Proxier.sync(state, touched=...)` with the keys a tracking source reports
 (nfproxy/core/changes.py), as the daemon's sync loop passes them.
@@ -424,7 +424,7 @@ def memory_rows(services: int, endpoints: int) -> list[tuple[str, float, str, bo
             steady, peak = r["steady_mib"], max(r["peak_tree_mib"], r["peak_daemon_mib"])
             label = "nft" if backend == "nft" else "iptables-legacy"
             rows.append((f"daemon RSS steady, {label} (MiB)", steady, "< 250", steady < 250))
-            rows.append((f"daemon peak RSS (with its children), {label} (MiB)", peak, "< 400", peak < 400))
+            rows.append((f"daemon peak RSS (with its children's private pages), {label} (MiB)", peak, "< 400", peak < 400))
     return rows
 
 
