@@ -47,7 +47,7 @@ class Beside(Generic[R]):
     def result(self, timeout: float) -> R | None:
         """The child's value, or None: it failed, or sent nothing whole within `timeout` s
         (then it is killed)."""
-        chunks: list[bytes] = []
+        data = bytearray()  # one buffer, not chunks and their join: the result is held beside it
         deadline = time.monotonic() + timeout
         finished = False
         try:
@@ -59,7 +59,7 @@ class Beside(Generic[R]):
                 if not chunk:
                     finished = True
                     break
-                chunks.append(chunk)
+                data += chunk
         finally:
             os.close(self._fd)
             if not finished:
@@ -68,7 +68,7 @@ class Beside(Generic[R]):
         if not finished or os.waitstatus_to_exitcode(status) != 0:
             return None
         try:
-            return pickle.loads(b"".join(chunks))  # type: ignore[no-any-return]
+            return pickle.loads(data)  # type: ignore[no-any-return]
         except Exception:  # noqa: BLE001 - a cut pipe: the caller does the work instead
             return None
 
