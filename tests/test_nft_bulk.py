@@ -8,6 +8,8 @@ import os
 import random
 import re
 import subprocess
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -36,6 +38,8 @@ from nfproxy.testing import random_cluster
 
 from tests.test_nft_netlink import kernel_view
 
+T = TypeVar("T")
+
 def _proxier(ns: str, *, bulk: bool) -> Proxier:
     return Proxier("nft", netns=ns, kernels=lambda f: NftKernel(f, netns=ns, netlink=bulk))
 
@@ -62,18 +66,23 @@ def _tables(ns: str) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
-@pytest.fixture
-def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many batches went through nft_bulk.send, and their sizes in messages."""
-    seen: list[int] = []
+def capture_sends(monkeypatch: pytest.MonkeyPatch, keep: Callable[[nft_bulk.Batch], T]) -> list[T]:
+    """keep(batch) of every batch that goes through nft_bulk.send, which still sends it."""
+    seen: list[T] = []
     real = nft_bulk.send
 
     def counted(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
-        seen.append(len(batch.origins))
+        seen.append(keep(batch))
         real(batch, tx, ns)
 
     monkeypatch.setattr(nft_bulk, "send", counted)
     return seen
+
+
+@pytest.fixture
+def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many batches went through nft_bulk.send, and their sizes in messages."""
+    return capture_sends(monkeypatch, lambda batch: len(batch.origins))
 
 
 @pytest.mark.kernel
@@ -270,14 +279,7 @@ def test_elements_encoded_by_a_forked_helper_are_the_same_batch(monkeypatch: pyt
         return real_encode(self, jobs)
 
     monkeypatch.setattr(forked, "beside", beside)
-    sent: list[bytes] = []
-    real_send = nft_bulk.send
-
-    def capture(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
-        sent.append(bytes(batch.data))
-        real_send(batch, tx, ns)
-
-    monkeypatch.setattr(nft_bulk, "send", capture)
+    sent = capture_sends(monkeypatch, lambda batch: bytes(batch.data))
     clusters = [random_cluster(random.Random(5), 80), uniform_cluster(120, 10)]
     for mode in ("here", "helper", "failing helper"):
         monkeypatch.setattr(nft_bulk, "_ELEMENTS_BESIDE", 1 << 40 if mode == "here" else 0)

@@ -14,6 +14,7 @@ from nfproxy.kernel.nft_netlink import TYPE_INET_SERVICE, TYPE_INTEGER, TYPE_IPV
 from nfproxy.kernel.nft_rule_templates import RuleTemplates
 from nfproxy.nftables import Transaction
 from nfproxy.testing import random_cluster, uniform_cluster
+from tests.test_nft_bulk import capture_sends
 
 _SLOTS = SetType("slots", (Field(TYPE_INTEGER, 4, True),), (Field(TYPE_IPV4, 4), Field(TYPE_INET_SERVICE, 2)), False, True)
 
@@ -90,14 +91,7 @@ def test_a_full_sync_with_templates_is_the_batch_without(monkeypatch: pytest.Mon
     families, node ports, affinity, firewalls), with and without templates."""
     state = random_cluster(random.Random(3), 150)
     big = uniform_cluster(200, 10)
-    sent: list[bytes] = []
-    real = nft_bulk.send
-
-    def capture(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
-        sent.append(bytes(batch.data))
-        real(batch, tx, ns)
-
-    monkeypatch.setattr(nft_bulk, "send", capture)
+    sent = capture_sends(monkeypatch, lambda batch: bytes(batch.data))
     real_body = RuleTemplates.body
     filled: list[int] = []
 
