@@ -391,11 +391,17 @@ def weights_main(args: argparse.Namespace) -> int:
     ]
     if not args.skip_iptables_restore:
         cases.insert(1, ("iptables-legacy full sync", lambda st: full_sync("iptables", st, Flavour.LEGACY)))
+    rounds = max(3, args.full_repeat)
     for label, run in cases:
-        # Interleaved, best of two each: the machine's load drifts over minutes.
-        a1, b1, a2, b2 = (retried(run, st) for st in (plain, heavy, plain, heavy))
-        a, b = min(a1, a2), min(b1, b2)
-        print(f"{label}: unweighted {a1:.3f} {a2:.3f}, weighted {b1:.3f} {b2:.3f}", flush=True)
+        # Taking turns, medians: the machine's speed drifts by a third over minutes.
+        plain_runs: list[float] = []
+        heavy_runs: list[float] = []
+        for _ in range(rounds):
+            plain_runs.append(retried(run, plain))
+            heavy_runs.append(retried(run, heavy))
+        a, b = statistics.median(plain_runs), statistics.median(heavy_runs)
+        print(f"{label}: unweighted {' '.join(f'{x:.3f}' for x in plain_runs)}, "
+              f"weighted {' '.join(f'{x:.3f}' for x in heavy_runs)}", flush=True)
         rows.append((label, a, b))
     change = statistics.median(weight_changes(heavy, args.repeat)) * 1000
     swap = statistics.median(weight_changes(heavy, args.repeat, _swapped)) * 1000
