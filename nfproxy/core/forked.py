@@ -13,7 +13,9 @@ The daemon forks from its sync thread while its servers run on others. The child
 pure Python over objects the parent built (no imports, no logging, no locks another thread could
 hold), takes the default action for SIGTERM and SIGINT (the daemon's handlers and wakeup pipe
 are the parent's), and leaves with `os._exit`; a child that never answers is killed at the
-parent's deadline and its work done by the parent.
+parent's deadline and its work done by the parent. (CPython 3.12 and later warn about any fork
+of a threaded process, with a DeprecationWarning hidden by default: the child's narrow work
+above is why this one is safe.)
 """
 
 from __future__ import annotations
