@@ -330,8 +330,9 @@ class _Compiler:
         tx = self.tx
         declared = [o for verb, o in tx.ops if verb is Verb.ADD and _learned(o)]
         self.declarations.learn(tx.family, declared)  # type: ignore[arg-type]
-        jobs = self.element_jobs()
-        helper = forked.beside(lambda: self.encode(jobs)) if sum(_count(j[2]) for j in jobs) >= _ELEMENTS_BESIDE else None
+        many = sum(_count(o) for _, o in tx.ops if type(o) in (Elements, Element)) >= _ELEMENTS_BESIDE  # type: ignore[arg-type]
+        jobs = self.element_jobs() if many else []  # typed ahead only for a helper to take them
+        helper = forked.beside(lambda: self.encode(jobs)) if jobs else None
         started = time.monotonic()
         pending: list[int] = []  # where the helper's messages go in self.parts
         for i, (verb, obj) in enumerate(tx.ops):
