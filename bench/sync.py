@@ -10,7 +10,9 @@ IPv4 TCP ClusterIP services with N endpoints each. The table compares:
   of `--full-repeat` syncs taken in turns;
 - a one-service change (one endpoint added to one service) at S x N against the same change at
   100 x N (target: <= 20 ms and <= 1.5x), with the part spent in the kernel's transaction
-  (send, validation, commit) shown apart;
+  (send, validation, commit) shown apart; the two clusters stand side by side in two
+  namespaces and take turns, change by change, so that the ratio does not drift with the
+  machine's speed (medians of `--repeat` rounds);
 - an endpoint-only change (one endpoint's address replaced: the batch writes map elements only;
   target: <= 5 ms);
 - a no-op on an equal, newly built snapshot (one service's values rebuilt equal and reported
@@ -40,6 +42,7 @@ elements only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -125,58 +128,74 @@ def _timed(proxier: Proxier, state: ClusterState, touched: "Touched") -> tuple[f
     return time.perf_counter() - start, result
 
 
-def tracked_syncs(state: ClusterState, repeat: int, netlink: bool = True) -> TrackedTimes:
-    """After a full sync: `repeat` rounds of a one-service change, an endpoint-only change and a
-    no-op on an equal new snapshot, each with the touched keys a tracking source reports."""
-    keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
-    times = TrackedTimes()
-    kernel_seconds: list[float] = []
-    with netns.throwaway("nfp-bench") as ns:
-        proxier = Proxier("nft", netns=ns)
-        for kernel in proxier.kernels.values():
+class _Tracked:
+    """One cluster in its own namespace, after a full sync: each `step` is a round of a
+    one-service change, an endpoint-only change and a no-op on an equal new snapshot, each with
+    the touched keys a tracking source reports."""
+
+    def __init__(self, state: ClusterState, ns: str, netlink: bool) -> None:
+        self.keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
+        self.times = TrackedTimes()
+        self.kernel_seconds: list[float] = []
+        self.proxier = Proxier("nft", netns=ns)
+        for kernel in self.proxier.kernels.values():
             if not netlink:
                 kernel.fast = None  # type: ignore[attr-defined]
-            apply = kernel.apply
+            kernel.apply = self._timed_apply(kernel.apply)  # type: ignore[method-assign]
+        self.proxier.sync(state)
+        self.current = state
 
-            def timed_apply(payload: object, _apply=apply) -> None:  # noqa: ANN001
-                start = time.perf_counter()
-                try:
-                    _apply(payload)
-                finally:
-                    kernel_seconds.append(time.perf_counter() - start)
+    def _timed_apply(self, apply):  # noqa: ANN001, ANN202
+        def timed(payload: object) -> None:
+            start = time.perf_counter()
+            try:
+                apply(payload)
+            finally:
+                self.kernel_seconds.append(time.perf_counter() - start)
+        return timed
 
-            kernel.apply = timed_apply  # type: ignore[method-assign]
-        proxier.sync(state)
-        current = state
+    def _sync(self, new: ClusterState, key: ServicePortKey, kind: str) -> tuple[float, object]:
+        seconds, result = _timed(self.proxier, new, Touched(self.current, frozenset({key})))
+        assert result.kind == kind, result
+        self.current = new
+        return seconds, result
+
+    def step(self, i: int) -> None:
+        times, keys = self.times, self.keys
+        key = keys[(i * 7919) % len(keys)]
+        eps = list(self.current.endpoints[key])
+        eps.append(Endpoint(ip=f"10.255.{i // 250}.{i % 250 + 1}", port=8080, node_name="node-b"))
+        self.kernel_seconds.clear()
+        seconds, result = self._sync(_with_endpoints(self.current, key, eps), key, "partial")
+        times.change.append(seconds)
+        times.change_kernel.append(sum(self.kernel_seconds))
+        times.change_ops.append(result.operations)  # type: ignore[attr-defined]
+
+        key = keys[(i * 7919 + 1) % len(keys)]
+        eps = list(self.current.endpoints[key])
+        eps[0] = dataclasses.replace(eps[0], ip=f"10.254.{i // 250}.{i % 250 + 1}")
+        seconds, result = self._sync(_with_endpoints(self.current, key, eps), key, "partial")
+        times.endpoint_only.append(seconds)
+        times.endpoint_only_ops.append(result.operations)  # type: ignore[attr-defined]
+
+        seconds, _ = self._sync(_rebuilt(self.current, key), key, "noop")
+        times.noop.append(seconds)
+
+
+def tracked_syncs_in_turns(states: list[ClusterState], repeat: int, netlink: bool = True) -> list[TrackedTimes]:
+    """`repeat` rounds of changes (see _Tracked) on each cluster, taking turns: the machine's
+    speed drifts by a third over minutes, and the change ratio compares two sizes."""
+    with contextlib.ExitStack() as stack:
+        tracked = [_Tracked(state, stack.enter_context(netns.throwaway("nfp-bench")), netlink) for state in states]
         for i in range(repeat):
-            key = keys[(i * 7919) % len(keys)]
-            eps = list(current.endpoints[key])
-            eps.append(Endpoint(ip=f"10.255.{i // 250}.{i % 250 + 1}", port=8080, node_name="node-b"))
-            new = _with_endpoints(current, key, eps)
-            kernel_seconds.clear()
-            seconds, result = _timed(proxier, new, Touched(current, frozenset({key})))
-            assert result.kind == "partial", result
-            times.change.append(seconds)
-            times.change_kernel.append(sum(kernel_seconds))
-            times.change_ops.append(result.operations)
-            current = new
+            for one in tracked:
+                one.step(i)
+        return [one.times for one in tracked]
 
-            key = keys[(i * 7919 + 1) % len(keys)]
-            eps = list(current.endpoints[key])
-            eps[0] = dataclasses.replace(eps[0], ip=f"10.254.{i // 250}.{i % 250 + 1}")
-            new = _with_endpoints(current, key, eps)
-            seconds, result = _timed(proxier, new, Touched(current, frozenset({key})))
-            assert result.kind == "partial", result
-            times.endpoint_only.append(seconds)
-            times.endpoint_only_ops.append(result.operations)
-            current = new
 
-            new = _rebuilt(current, key)
-            seconds, result = _timed(proxier, new, Touched(current, frozenset({key})))
-            assert result.kind == "noop", result
-            times.noop.append(seconds)
-            current = new
-    return times
+def tracked_syncs(state: ClusterState, repeat: int, netlink: bool = True) -> TrackedTimes:
+    """`repeat` rounds of changes (see _Tracked) on one cluster."""
+    return tracked_syncs_in_turns([state], repeat, netlink)[0]
 
 
 def _api_objects(services: int, endpoints: int) -> list[dict[str, object]]:
@@ -475,10 +494,8 @@ def main() -> int:
     print(f"# sync benchmark: {S} x {N} (and {args.small} x {N}), IPv4 ClusterIP, one run", flush=True)
     # Changes first: a namespace of 10 000 iptables services is torn down by the kernel in the
     # background for seconds after it is deleted, which slows the small syncs that follow.
-    big_t = tracked_syncs(big, args.repeat)
-    small_t = tracked_syncs(small, args.repeat)
-    lib_big = tracked_syncs(big, args.repeat, netlink=False)
-    lib_small = tracked_syncs(small, args.repeat, netlink=False)
+    big_t, small_t = tracked_syncs_in_turns([big, small], args.repeat)
+    lib_big, lib_small = tracked_syncs_in_turns([big, small], args.repeat, netlink=False)
     fulls = interleaved_full_syncs(big, args.full_repeat, legacy=not args.skip_iptables,
                                    xnft=not args.skip_iptables_nft and not args.skip_iptables)
     nft_full = statistics.median(fulls["nft"])
