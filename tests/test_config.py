@@ -532,7 +532,7 @@ def test_the_default_sync_period_is_kube_proxys_and_healthz_follows_it() -> None
 
     from nfproxy.daemon.proxier import Hooks
 
-    no_kernel = SimpleNamespace(hooks=Hooks())  # the bound is all this test reads
+    no_kernel = SimpleNamespace(hooks=Hooks(), close=lambda: None)  # the bound is all this test reads
     daemon = Daemon(ManifestSource(str(EXAMPLES), NodeConfig()), DaemonConfig("nft"), no_kernel)  # type: ignore[arg-type]
     try:
         assert daemon.health.timeout == 60.0, "kube-proxy: /healthz fails after 2 x sync period"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import random
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -419,6 +421,74 @@ def test_named_counters_over_netlink_are_what_nft_lists() -> None:
             assert listed is not None and listed[2] == {"one", "two"}
         finally:
             fast.close()
+
+
+def _loops(fast: NetlinkNft) -> list[object]:
+    return [loop for _, loop in fast._opened]
+
+
+@pytest.mark.kernel
+def test_close_closes_the_sockets_and_loops_of_every_thread() -> None:
+    """pyroute2's own close only closes the calling thread's event loop; the daemon syncs in
+    one thread and shuts down from another."""
+    with netns.throwaway("nfp-nl") as ns:
+        NftSession(ns).apply("add table ip nfp-a\nadd counter ip nfp-a one\n")
+        fast = NetlinkNft(ns)
+        assert fast.counters("ip", "nfp-a") == {"one": 0}  # a socket in this thread
+        worker = threading.Thread(target=lambda: fast.counters("ip", "nfp-a"))
+        worker.start()
+        worker.join()
+        loops = _loops(fast)
+        assert len(loops) == 2 and all(loop is not None and not loop.is_closed() for loop in loops)
+        fast.close()
+        assert all(loop.is_closed() for loop in loops) and _loops(fast) == []
+        # Usable again afterwards: a new socket, in this thread.
+        assert fast.counters("ip", "nfp-a") == {"one": 0} and len(_loops(fast)) == 1
+        fast.close()
+
+
+@pytest.mark.kernel
+def test_a_netlink_object_dropped_unclosed_leaves_no_loop_to_the_collector() -> None:
+    """Dropped without close (a proxier a command or a test lets go of), its sockets' loops are
+    closed when it is collected, not left to die in a cycle with their self-pipes, whose
+    __del__ then fails on a closed descriptor ("Exception ignored in BaseEventLoop.__del__")."""
+    unraisable: list[object] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with netns.throwaway("nfp-nl") as ns:
+            NftSession(ns).apply("add table ip nfp-a\n")
+            fast = NetlinkNft(ns)
+            fast.counters("ip", "nfp-a")
+            worker = threading.Thread(target=lambda: fast.counters("ip", "nfp-a"))
+            worker.start()
+            worker.join()
+            loops = _loops(fast)
+            del fast, worker
+            gc.collect()
+            assert len(loops) == 2 and all(loop.is_closed() for loop in loops)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == []
+
+
+@pytest.mark.kernel
+def test_a_closed_proxier_syncs_again() -> None:
+    """Proxier.close lets go of the sockets, not of what it knows: the next sync is partial."""
+    from nfproxy.daemon.proxier import Proxier
+
+    base = random_cluster(random.Random(5), 10)
+    with netns.throwaway("nfp-nl") as ns, Proxier("nft", netns=ns) as proxier:
+        assert proxier.sync(base).kind == "full"
+        fast = proxier.kernels[IPFamily.V4].fast  # type: ignore[attr-defined]
+        loops = _loops(fast)
+        proxier.close()
+        assert loops and all(loop.is_closed() for loop in loops)
+        key = sorted(k for k in base.services if k[1] is IPFamily.V4 and not base.services[k].affinity_timeout)[0]
+        eps = [*base.endpoints.get(key, ()), Endpoint(ip="10.252.0.9", port=80)]
+        grown = dataclasses.replace(base, endpoints={**base.endpoints, key: sort_endpoints(eps)})
+        assert proxier.sync(grown).kind == "partial"
+        assert fast.messages_sent > 0
 
 
 @pytest.mark.kernel

@@ -261,6 +261,7 @@ class Daemon:
             return self.loop.run_once()
         finally:
             self.health_checks.close()
+            self.proxier.close()
 
     def run_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT; the rules stay in place, as kube-proxy leaves them."""
@@ -284,6 +285,7 @@ class Daemon:
         self.health_checks.close()
         if self.servers is not None:
             self.servers.close()
+        self.proxier.close()  # after the loop: no sync runs any more
 
 
 _STOP_SIGNALS = {signal.SIGTERM.value, signal.SIGINT.value}

@@ -179,6 +179,24 @@ class Proxier:
         """The state of the last successful sync."""
         return self._last
 
+    def close(self) -> None:
+        """Close the kernels' sockets (the rules stay, as kube-proxy leaves them on exit); a
+        later sync opens them again. A sync still running keeps them: shutting down does not
+        wait for it (its thread is a daemon thread, and the process is on its way out)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            for kernel in self.kernels.values():
+                kernel.close()
+        finally:
+            self._lock.release()
+
+    def __enter__(self) -> Proxier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def sync(
         self, state: ClusterState, *, full: bool = False, touched: Touched | None = None
     ) -> SyncResult:

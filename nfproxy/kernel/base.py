@@ -24,6 +24,9 @@ class Kernel(Protocol):
         """Canonical text: nft: sorted `nft list table` style; iptables: iptables-save of nat
         and filter."""
 
+    def close(self) -> None:
+        """Let go of sockets and their event loops (the rules stay); a later call opens anew."""
+
 
 # One family's kernel, for a proxier: how tests hand it the in-memory kernels.
 KernelFactory = Callable[[IPFamily], Kernel]

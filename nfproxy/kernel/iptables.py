@@ -283,6 +283,9 @@ class IptablesKernel:
     def dump(self) -> str:
         return canonical_save(self.runner.save("filter") + self.runner.save("nat"))
 
+    def close(self) -> None:
+        """Nothing held open: every call runs a tool."""
+
     def counted_dump(self) -> str:
         """The nat table with every rule's packet and byte counters (`iptables-save -c`): the
         KUBE-SEP DNAT rules' packets are the connections each endpoint got

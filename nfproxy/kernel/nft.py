@@ -254,6 +254,7 @@ class NftKernel:
     def close(self) -> None:
         if self.fast is not None:
             self.fast.close()
+        self.session.release()
 
 
 def canonical_listing(text: str) -> str:

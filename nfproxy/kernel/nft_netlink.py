@@ -38,6 +38,7 @@ import re
 import socket
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -1155,6 +1156,15 @@ def build(message: Message, family: int, seq: int) -> Any:
 # The socket side.
 
 
+def _close_loops(opened: list[tuple[Any, asyncio.AbstractEventLoop | None]]) -> None:
+    """Close the event loops pyroute2 made for these sockets in other threads (its own `close`
+    only closes the calling thread's). Nothing is run on them; a running loop is left alone."""
+    for _, loop in opened:
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            loop.close()
+    opened.clear()
+
+
 class NetlinkNft:
     """One network namespace's nf_tables, spoken to in nfnetlink batches.
 
@@ -1169,12 +1179,20 @@ class NetlinkNft:
         self._set_types: dict[tuple[str, str, str], SetType] = {}
         self._lock = threading.Lock()
         self.messages_sent = 0
+        # Every socket opened, in any thread, with its thread's event loop: `close` (or the
+        # collection of this object) closes them all. Left to the garbage collector, a loop and
+        # its self-pipe die in one cycle, the socket first, and the loop's __del__ then fails
+        # on a closed descriptor ("Exception ignored in BaseEventLoop.__del__").
+        self._opened: list[tuple[NFTSocket, asyncio.AbstractEventLoop | None]] = []
+        self._generation = 0
+        weakref.finalize(self, _close_loops, self._opened)
 
     # -- sockets -----------------------------------------------------------------------------
     def _socket(self, nfproto: int) -> NFTSocket:
         socks: dict[int, NFTSocket] | None = getattr(self._local, "socks", None)
-        if socks is None:
+        if socks is None or self._local.generation != self._generation:
             socks = self._local.socks = {}
+            self._local.generation = self._generation
         sock = socks.get(nfproto)
         if sock is None:
             if self.netns is None:
@@ -1185,13 +1203,22 @@ class NetlinkNft:
             # Replies about stateful objects, which pyroute2 would leave undecoded.
             sock.asyncore.register_policy({NFT_MSG_NEWOBJ | (NFNL_SUBSYS_NFTABLES << 8): _ObjMsg})
             socks[nfproto] = sock
+            with self._lock:
+                # Only a loop pyroute2 made ("new"), never one it found running ("auto").
+                made = sock.asyncore.status.get("event_loop") == "new"
+                self._opened.append((sock, sock.asyncore.event_loop if made else None))
         return sock
 
     def close(self) -> None:
-        socks = getattr(self._local, "socks", None) or {}
-        for sock in socks.values():
-            sock.close()
-        self._local.socks = {}
+        """Close the sockets of every thread, with their event loops; call it once no thread
+        uses this object (the daemon: after its sync loop stopped). A later use opens anew."""
+        with self._lock:
+            opened = list(self._opened)
+            self._opened.clear()
+            self._generation += 1
+        for sock, _ in opened:
+            sock.close()  # closes the calling thread's loop, and every socket's descriptor
+        _close_loops(opened)
 
     def forget(self) -> None:
         """Drop the cached set declarations (after a full sync may have changed them)."""

@@ -99,6 +99,9 @@ class MemoryIptablesKernel:
     def dump(self) -> str:
         return canonical_save(self.save())
 
+    def close(self) -> None:
+        """Nothing held open."""
+
     # -- what the real tools do
 
     def save(self) -> str:

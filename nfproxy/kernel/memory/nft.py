@@ -105,6 +105,9 @@ class MemoryNft:
         self.last = payload
         self.applied += 1
 
+    def close(self) -> None:
+        """Nothing held open."""
+
     def dump(self) -> str:
         if self.table is None:
             return ""
