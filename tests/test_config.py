@@ -311,6 +311,8 @@ def test_each_flag_parses(argv: list[str], dest: str, value: object) -> None:
     (["--cleanup=2"], "'2' is not a boolean"),
     (["--bind-address-hard-fail=yes"], "'yes' is not a boolean"),
     (["--bind-address", "here"], "--bind-address:"),
+    (["--healthz-bind-address", "garbage"], "--healthz-bind-address: 'garbage' is not ip:port"),
+    (["--metrics-bind-address", "0.0.0.0:99999"], "--metrics-bind-address: '0.0.0.0:99999': port must be"),
     (["--hostname-override", "Bad_Name"], "--node-name"),
     (["--conntrack-max-per-core", "-1"], "--conntrack-max-per-core: -1: must not be negative"),
     (["--conntrack-min", "lots"], "invalid int value: 'lots'"),

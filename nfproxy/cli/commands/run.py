@@ -85,6 +85,15 @@ def _bind_address_as_node_ip(args: argparse.Namespace) -> None:
         args.node_ip = [ip]
 
 
+def _check_bind_addresses(args: argparse.Namespace) -> None:
+    """The servers' addresses, checked at start as kube-proxy checks its configuration: also
+    with --once, --dry-run or --write-config-to, which start no server."""
+    from nfproxy.daemon.server import parse_bind_address
+
+    parse_bind_address(args.healthz_bind_address, "--healthz-bind-address")
+    parse_bind_address(args.metrics_bind_address, "--metrics-bind-address")
+
+
 def _read_be_liberal(args: argparse.Namespace) -> None:
     """kube-proxy: with nf_conntrack_tcp_be_liberal set, INVALID packets are not dropped."""
     from nfproxy.kernel import sysctl
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.backend = backend_of(args.backend)
     _bind_address_as_node_ip(args)
+    _check_bind_addresses(args)
     node_config_from_args(args)  # every node flag checked, also for --write-config-to
     min_sync, sync_period = sync_periods(args)
     parse_feature_gates(args.feature_gates, log)
