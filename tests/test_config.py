@@ -494,6 +494,23 @@ def test_cleanup_flag_is_nfproxy_cleanup(netns: str) -> None:
     assert "nfproxy" not in run(["nft", "list", "tables"], netns=netns)
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("contents", [None, "", "garbage\n"])
+def test_once_with_nothing_to_sync_is_an_error_and_touches_nothing(netns: str, tmp_path: Path, contents: str | None) -> None:
+    """An empty directory, an empty file, a file of no object: exit 2 at once, naming the path,
+    and the namespace has no table (not a 60 s wait for a state that files never send)."""
+    from nfproxy.kernel.process import run
+
+    path = tmp_path
+    if contents is not None:
+        path = tmp_path / "cluster.yaml"
+        path.write_text(contents)
+    proc = nfproxy("--proxy-mode", "nftables", "--manifests", path, "--once", "--netns", netns)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--manifests {path}: nothing to sync" in proc.stderr and "Traceback" not in proc.stderr
+    assert run(["nft", "list", "tables"], netns=netns).strip() == ""
+
+
 def test_bind_address_is_the_node_ip_unless_given() -> None:
     from nfproxy.cli.commands.run import _bind_address_as_node_ip
 

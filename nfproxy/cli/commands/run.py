@@ -220,7 +220,13 @@ def _once(source: Source, daemon: Daemon) -> int:
         source.start(lambda: None)
         try:
             wait = getattr(source, "wait_ready", None)
-            if wait is None or not wait(60):
+            if wait is None:
+                # Files are read at once: nothing usable in them is bad input, not a wait.
+                where = getattr(source, "path", "the manifests")
+                print(f"nfproxy: error: --manifests {where}: nothing to sync: no valid Service, "
+                      "EndpointSlice or Node read (the rules are left as they are)", file=sys.stderr)
+                return 2
+            if not wait(60):
                 print("nfproxy: the source has no state to sync (not ready within 60 s)", file=sys.stderr)
                 return 1
             result = daemon.once()
