@@ -79,6 +79,18 @@ def test_bad_flags_are_named(flags: list[str], message: str) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv", [
+    ("check", "--netns", "nfp-no-such-namespace"),
+    ("trace", "--netns", "nfp-no-such-namespace", "10.0.0.1", "10.96.0.10:53/udp"),
+])
+def test_a_missing_namespace_is_a_bad_flag(argv: tuple[str, ...]) -> None:
+    """Status 2 and the flag named, as for any bad flag (it was 1, as for a kernel failure)."""
+    proc = run(*argv)
+    assert proc.returncode == 2, proc.stderr
+    assert "--netns: no network namespace named 'nfp-no-such-namespace'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_node_flags_change_the_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["render", "--backend", "iptables", "--masquerade-all", str(EXAMPLES)]) == 0
     out = capsys.readouterr().out

@@ -61,6 +61,11 @@ def load_source(args: argparse.Namespace):  # noqa: ANN201
         if getattr(args, "backend", None) and source.backend != args.backend:
             print(f"nfproxy: note: {args.from_file} reads as {source.backend} rules", file=sys.stderr)
         return source
+    if args.netns:
+        from nfproxy.kernel import netns
+
+        if not netns.exists(args.netns):
+            raise SourceError(f"--netns: no network namespace named {args.netns!r} (see `ip netns list`)")
     try:
         return dump.read_live(args.backend or "nft", args.netns)
     except (dump.DumpError, ValueError) as exc:
