@@ -82,6 +82,7 @@ from nfproxy.analysis.ir import (
     VerdictMap,
     canonical,
 )
+from nfproxy.analysis.nft_rule_text import readable
 
 Origin = Literal["pod", "outside", "node"]
 Mode = Literal["kernel", "ideal"]
@@ -927,7 +928,7 @@ class _Interpreter:
             # _Unknown: not modelled. The others: values of a type the rule cannot hold (a
             # dump edited by hand), which a parser let through.
             raise InterpretError(
-                f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {rule.text[:300]})",
+                f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {exc} (rule: {readable(rule.text)[:300]})",
                 rule.line,
             ) from None
 

@@ -14,6 +14,7 @@ from fractions import Fraction
 from nfproxy.analysis.index import indexes
 from nfproxy.analysis.interpret import Origin, Outcome, Path
 from nfproxy.analysis.ir import Field, Match, Prefix, Ruleset, SetRef
+from nfproxy.analysis.nft_rule_text import readable
 
 
 def pod_cidrs(ruleset: Ruleset) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
@@ -113,7 +114,7 @@ def format_trace(
                 lines.append(f"  {step.table} {step.chain}")
                 last = (step.table, step.chain)
             where = "policy" if step.rule < 0 else f"#{step.rule + 1}"
-            lines.append(f"      {where}: {step.text}")
+            lines.append(f"      {where}: {readable(step.text)}")
         if first.lookups:
             lines.append(f"  affinity lookups (a new client matches none): {', '.join(first.lookups)}")
         if first.pins:

@@ -147,6 +147,7 @@ def _answer(
     args: argparse.Namespace, source: Any, src: str, destination: str, origin: str | None, weights: Any = None
 ) -> dict:
     from nfproxy.analysis.interpret import InterpretError, Packet, distribution, trace
+    from nfproxy.analysis.nft_rule_text import readable
     from nfproxy.analysis.trace import endpoint_weights, format_trace, guess_origin, parse_destination
 
     if origin is not None and origin not in ("node", "pod", "outside"):
@@ -188,7 +189,7 @@ def _answer(
                 "written": str(shares.get(p.outcome, 0)),
                 "weight": by_endpoint.get(p.outcome.endpoint or ""),
                 "count": p.count,
-                "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": s.text} for s in p.steps],
+                "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": readable(s.text)} for s in p.steps],
                 "affinity_lookups": list(p.lookups),
                 "pins": list(p.pins),
             }
