@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nfproxy.daemon.node import Daemon, DaemonConfig
-from nfproxy.kernel import netns
+from nfproxy.kernel import netns, sysctl
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import run
 from nfproxy.sources.files import ManifestSource
@@ -183,12 +183,23 @@ def test_daemon_flag_errors() -> None:
 
     p = nfproxy("--backend", "nft", "--manifests", str(EXAMPLES), "--min-sync-period", "fast", "--once")
     assert p.returncode == 2 and "--min-sync-period: not a duration: 'fast'" in p.stderr
-    p = nfproxy("--backend", "nft", "--manifests", "/no/such/dir", "--once")
-    assert p.returncode == 2 and "--manifests: no such file or directory" in p.stderr
     p = nfproxy("--backend", "nft", "--manifests", str(EXAMPLES), "--netns", "nfp-missing-ns", "--once")
     assert p.returncode == 2 and "--netns: no network namespace named 'nfp-missing-ns'" in p.stderr
     p = nfproxy("--backend", "pf", "--manifests", str(EXAMPLES))
     assert p.returncode == 2 and "invalid choice: 'pf'" in p.stderr
+
+
+@pytest.mark.kernel
+def test_a_missing_manifests_path_stops_the_start_before_any_sysctl_is_set() -> None:
+    """The source is built before the conntrack sysctls are written: a bad --manifests changes
+    nothing (it used to set them first, and without --netns that was the root namespace)."""
+    established = "net.netfilter.nf_conntrack_tcp_timeout_established"
+    with netns.throwaway("nfp-flags") as ns:
+        before = sysctl.read(established, ns)
+        p = subprocess.run([sys.executable, "-m", "nfproxy.cli.main", "--backend", "nft", "--manifests",
+                            "/no/such/dir", "--once", "--netns", ns], capture_output=True, text=True)
+        assert p.returncode == 2 and "--manifests: no such file or directory" in p.stderr
+        assert sysctl.read(established, ns) == before
 
 
 def test_per_sync_bookkeeping_from_changes_equals_a_full_walk() -> None:

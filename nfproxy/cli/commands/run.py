@@ -150,8 +150,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings,
          min_sync: float, sync_period: float) -> int:
+    # The source first: a bad --manifests, kubeconfig or API flag stops here, before anything
+    # in the kernel is changed (sysctls included).
+    source = None if args.init_only else _source(args)
     conntrack_sysctls.apply(settings, args.netns)
-    if args.init_only:
+    if source is None:
         return 0
     _read_be_liberal(args)
     from nfproxy.daemon.node import Daemon
@@ -163,7 +166,6 @@ def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings
         from nfproxy.kernel.iptables import Flavour
 
         proxier = Proxier(args.backend, netns=args.netns, flavour=Flavour(args.iptables_flavour))
-    source = _source(args)
     from nfproxy.daemon.localhost import prepare
 
     prepare(args.backend, node_config_from_args(args), args.netns)
