@@ -151,12 +151,15 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings,
          min_sync: float, sync_period: float) -> int:
     # The source first: a bad --manifests, kubeconfig or API flag stops here, before anything
-    # in the kernel is changed (sysctls included).
-    source = None if args.init_only else _source(args)
+    # in the kernel is changed (sysctls included). It is built with the node's configuration,
+    # which takes be_liberal from the namespace (read only; the flag counts too).
+    source = None
+    if not args.init_only:
+        _read_be_liberal(args)
+        source = _source(args)
     conntrack_sysctls.apply(settings, args.netns)
     if source is None:
         return 0
-    _read_be_liberal(args)
     from nfproxy.daemon.node import Daemon
 
     config = _daemon_config(args, min_sync, sync_period)
