@@ -54,10 +54,6 @@ def _statement(e: Any) -> str:
         if op in ("==", "in") and not masked:
             return f"{left} {right}"
         return f"{left} {op} {right}"
-    if kind in ("jump", "goto"):
-        return f"{kind} {body['target']}"
-    if kind in _VERDICTS:
-        return kind
     if kind == "counter":
         return f'counter name "{body}"' if isinstance(body, str) else "counter"
     if kind == "reject":
@@ -78,7 +74,7 @@ def _statement(e: Any) -> str:
         return f"{_expr(body['key'])} set {_expr(body['value'])}"
     if kind == "set":
         return f"{body['op']} {body['set']} {{ {_expr(body['elem'])} }}"
-    return _raw(e)
+    return _expr(e)  # verdicts (as in a verdict map's data), or the JSON of anything else
 
 
 def _nat(kind: str, body: dict[str, Any]) -> str:
