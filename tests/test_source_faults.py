@@ -134,7 +134,26 @@ def _too_big(path: Path) -> None:
     path.write_text(A + "#" * 5000 + "\n")
 
 
+def _cut_inside_an_object(path: Path) -> None:
+    # safe_dump sorts keys: the slice's first line alone is a mapping without a kind.
+    text = path.read_text()
+    path.write_text(text[: text.index("addressType: IPv4") + len("addressType: IPv4\n")])
+
+
+def _overwritten(path: Path) -> None:
+    path.write_text("foo: bar\n")
+
+
+def _empty_list(path: Path) -> None:
+    path.write_text("apiVersion: v1\nkind: List\nitems: []\n")
+
+
 FAULTS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "cut inside an object": (_cut_inside_an_object, "1 new problem in its objects, and EndpointSlice default/a-1 it held is gone"),
+    "overwritten by something else": (
+        _overwritten, "1 new problem in its objects, and EndpointSlice default/a-1, Service default/a it held are gone"
+    ),
+    "an empty List": (_empty_list, "holds no Kubernetes object"),
     "emptied": (_empty, "holds no Kubernetes object"),
     "comment only": (_comment, "holds no Kubernetes object"),
     "half-written": (_garbage, "invalid YAML"),
@@ -180,6 +199,105 @@ def test_a_bad_file_keeps_its_last_good_objects(
     assert settle(source) is True
     assert names(source) == ["a", "b"] and endpoint_count(source, "a") == 3
     assert source.problems() == {}
+
+
+def test_a_file_cut_between_objects_is_applied_and_says_what_went(
+    tree: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cut at a document boundary, a file is valid and cannot be told from an edit: it is
+    applied, and the log names what it no longer holds."""
+    source = ManifestSource(tree, clock=Clock())
+    (tree / "a.yaml").write_text(A.split("---")[0])  # the Service without its EndpointSlice
+    with caplog.at_level(logging.INFO, logger="nfproxy.sources.files"):
+        assert settle(source) is True
+    assert endpoint_count(source, "a") == 0
+    assert any(
+        r.getMessage() == f"{tree / 'a.yaml'} no longer holds EndpointSlice default/a-1" for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_a_service_edited_into_an_invalid_one_is_kept(tree: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An edit that breaks a Service does not remove it: the file keeps its last good objects
+    (and the edit's other changes wait for the fix), with the object's error in the log."""
+    source = ManifestSource(tree, clock=Clock())
+    before = source.snapshot().state
+    (tree / "a.yaml").write_text(A_FIXED.replace("port: 80\n", "port: 80000\n", 1))
+    with caplog.at_level(logging.WARNING, logger="nfproxy.sources.files"):
+        assert settle(source) is False
+    assert source.snapshot().state == before
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("skipped: ") and "Service default/a" in m and "80000" in m for m in messages), messages
+    assert any("1 new problem in its objects, and EndpointSlice default/a-1, Service default/a it held are changed" in m for m in messages), messages
+    (tree / "a.yaml").write_text(A_FIXED)
+    assert settle(source) is True and endpoint_count(source, "a") == 3
+
+
+def test_a_problem_the_file_already_had_does_not_hold_up_its_other_edits(tree: Path) -> None:
+    broken = service_yaml("c", "10.96.0.12", ["10.244.3.1"]).replace("port: 80\n", "port: 0\n", 1)
+    (tree / "a.yaml").write_text(A + "---\n" + broken)
+    source = ManifestSource(tree, clock=Clock())
+    assert names(source) == ["a", "b"]
+    (tree / "a.yaml").write_text(A_FIXED + "---\n" + broken)
+    assert settle(source) is True and endpoint_count(source, "a") == 3
+    assert source.problems() == {}
+
+
+def _refusing(monkeypatch: pytest.MonkeyPatch, where: Path, code: int) -> None:
+    """os.walk cannot list `where` (as without read permission, or out of file descriptors)."""
+    scandir = os.scandir
+
+    def refuse(path: Any = ".") -> Any:
+        if Path(path) == where:
+            raise OSError(code, os.strerror(code), str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refuse)
+
+
+@pytest.mark.parametrize("code", [13, 24], ids=["EACCES", "EMFILE"])
+@pytest.mark.parametrize("unlistable", ["the directory", "a subdirectory"])
+def test_a_directory_that_cannot_be_listed_keeps_its_files_objects(
+    tree: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, unlistable: str, code: int
+) -> None:
+    (tree / "sub").mkdir()
+    (tree / "b.yaml").rename(tree / "sub" / "b.yaml")
+    source = ManifestSource(tree, clock=Clock())
+    errors: list[str] = []
+    source.on_error.append(errors.append)
+    before = source.snapshot().state
+    assert names(source) == ["a", "b"]
+
+    where = tree if unlistable == "the directory" else tree / "sub"
+    _refusing(monkeypatch, where, code)
+    with caplog.at_level(logging.INFO, logger="nfproxy.sources.files"):
+        assert settle(source) is False
+        assert settle(source) is False  # a second look says nothing new
+    assert source.snapshot().state == before
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "cannot list" in m] == [
+        f"{where}: cannot list: {os.strerror(code)}; keeping the last good objects of the files below it"
+    ], messages
+    assert not any("removed" in m or "no longer holds" in m for m in messages), messages
+    assert errors == ["manifests"]
+    assert str(where) in source.problems()
+
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nfproxy.sources.files"):
+        assert settle(source) is False
+    assert [r.getMessage() for r in caplog.records] == [f"{where} can be listed again"]
+    assert source.problems() == {}
+    (tree / "sub" / "b.yaml").unlink()  # a deletion seen through a listing is still one
+    assert settle(source) is True and names(source) == ["a"]
+
+
+def test_a_command_stops_on_a_directory_it_cannot_list(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nfproxy.sources.manifests import UnsafeFile, load
+
+    (tree / "sub").mkdir()
+    _refusing(monkeypatch, tree / "sub", 13)
+    with pytest.raises(UnsafeFile, match=f"^{tree / 'sub'}: cannot list: Permission denied$"):
+        load(tree)
 
 
 def test_a_file_is_read_once_it_has_held_still_for_a_poll(tree: Path) -> None:

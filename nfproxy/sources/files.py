@@ -14,7 +14,13 @@ config-management tool or replaced by garbage, so the source distrusts every *lo
   a symlink loop or over the size cap keeps the objects it last held, with a WARNING naming it
   and a count in `on_error` (the daemon's `nfproxy_source_errors_total{source="manifests"}`).
   A file that is *deleted* (and still gone one poll later, its directory still there) is a
-  deliberate removal: its objects go.
+  deliberate removal: its objects go. A directory that cannot be listed (no permission, no file
+  descriptor left) says nothing about its files: each keeps its objects.
+- per file, again: a file that reads with a new problem in its objects (a line cut off inside
+  an object, an edit that broke one, something else written over it) and loses or changes
+  objects it held keeps its last good objects too; a valid file that holds fewer objects (cut
+  between two of them) cannot be told from an edit and is used, with an INFO line naming what
+  it no longer holds.
 - for the whole source: a state with no service at all, after one with services, is applied only
   once it has stayed so for `empty_grace` seconds; a path that vanished (the directory removed,
   the one file deleted) is never taken to mean "no services": the last state stays until it
@@ -50,7 +56,7 @@ from nfproxy.sources.manifests import (
     ManifestFile,
     ObjectError,
     build,
-    manifest_files,
+    list_manifests,
     read_manifest,
 )
 
@@ -73,6 +79,18 @@ def _file_signature(path: Path) -> FileSignature:
 # (kind, namespace, name) of a Service or EndpointSlice; a Service's (namespace, name).
 ObjectIdentity = tuple[str, str, str]
 ServiceName = tuple[str, str]
+
+
+def _problem_key(err: ObjectError) -> tuple[str, str, str, str, str]:
+    """An object problem without its line: the same problem after lines moved is not new."""
+    return (err.kind, err.namespace, err.name, err.field, err.message)
+
+
+def _listed(identities: set[ObjectIdentity], limit: int = 5) -> str:
+    """`Service ns/a, EndpointSlice ns/a-1 and 3 more`, for a log line."""
+    names = [f"{kind} {namespace}/{name}" for kind, namespace, name in sorted(identities)]
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
 def _identities(contents: ManifestFile | None) -> dict[ObjectIdentity, list[Any]]:
@@ -145,6 +163,7 @@ class ManifestSource:
         self._problem_view: dict[str, str] = {}
         self._object_errors: tuple[ObjectError, ...] = ()
         self._vanished = False
+        self._unlisted: dict[Path, str] = {}  # directories that cannot be listed now, and why
         self._empty_since: float | None = None
         # Change tracking: identities per good file; Services touched since the state last
         # applied (None: unknown); keys touched since the last `snapshot_changes` (None:
@@ -180,13 +199,34 @@ class ManifestSource:
                     "vanished" if isinstance(exc, FileNotFoundError) else exc.strerror,
                 )
             return None
-        files = manifest_files(self.path) if is_dir else [self.path]
+        listing = list_manifests(self.path) if is_dir else None
         if is_dir and not self.path.is_dir():
             return self._listing()  # removed while walking: judge it on the next look
         if self._vanished:
             self._vanished = False
             log.info("%s is back", self.path)
-        return files
+        if listing is None:
+            return [self.path]
+        return self._with_unlisted(list(listing.files), dict(listing.unlisted))
+
+    def _with_unlisted(self, files: list[Path], unlisted: dict[Path, str]) -> list[Path]:
+        """`files`, plus the files seen before below a directory that could not be listed now
+        (no permission, no file descriptor left): they are looked at one by one as before, so
+        they keep their objects (or say why they cannot be read) instead of being taken for
+        deleted."""
+        for where, why in unlisted.items():
+            if where not in self._unlisted:
+                self._error("%s: %s; keeping the last good objects of the files below it", where, why)
+        for where in self._unlisted.keys() - unlisted.keys():
+            log.info("%s can be listed again", where)
+        self._unlisted = unlisted
+        if not unlisted:
+            return files
+        listed = set(files)
+        for path in self._seen:
+            if path not in listed and any(path.is_relative_to(where) for where in unlisted):
+                files.append(path)
+        return sorted(files)
 
     def _read(self, path: Path, signature: FileSignature) -> _Seen:
         try:
@@ -230,6 +270,7 @@ class ManifestSource:
             seen = self._read(path, signature)
             if _file_signature(path) != signature:
                 continue  # written while we read: look again at the next poll
+            seen = self._distrusted(path, seen)
             self._seen[path] = seen
             if seen.contents is not None:
                 if previous is not None and previous.problem is not None:
@@ -249,6 +290,33 @@ class ManifestSource:
                 self._error("%s", seen.problem)
         return changed
 
+    def _distrusted(self, path: Path, seen: _Seen) -> _Seen:
+        """`seen` as a problem when the file has new invalid objects and loses or changes some
+        it held: a file cut off inside an object, overwritten by something else, or an edit
+        that broke an object (a Service whose only port turned invalid would otherwise go).
+        Which of its objects the invalid ones were meant to be cannot be known, so the file
+        keeps its last good objects until it reads without new problems. Problems it already
+        had when it was last used do not hold up edits of its other objects."""
+        kept, contents = self._good.get(path), seen.contents
+        if kept is None or contents is None:
+            return seen
+        known = {_problem_key(p) for p in kept.parsed if isinstance(p, ObjectError)}
+        new = [p for p in contents.parsed if isinstance(p, ObjectError) and _problem_key(p) not in known]
+        if not new:
+            return seen
+        before, after = self._identities.get(path, {}), _identities(contents)
+        hit = {i for i, values in before.items() if after.get(i) != values}
+        if not hit:
+            return seen
+        for err in new:
+            log.warning("skipped: %s", err)
+        n, lost = len(new), hit - after.keys()
+        what = f"{_listed(lost)} it held {'are' if len(lost) > 1 else 'is'} gone" if lost else (
+            f"{_listed(hit)} it held {'are' if len(hit) > 1 else 'is'} changed"
+        )
+        problem = ObjectError("", "", "", "", f"{n} new problem{'s' if n > 1 else ''} in its objects, and {what}", str(path))
+        return _Seen(seen.signature, None, problem)
+
     def _note(self, path: Path, contents: ManifestFile | None) -> None:
         """Record the Services whose objects differ between the file's last good contents and
         `contents` (None: the file is gone)."""
@@ -256,6 +324,8 @@ class ManifestSource:
         after = _identities(contents)
         if contents is not None:
             self._identities[path] = after
+            if gone := before.keys() - after.keys():
+                log.info("%s no longer holds %s", path, _listed(gone))
         touched = self._touched_services
         if touched is None:
             return
@@ -284,7 +354,10 @@ class ManifestSource:
 
     def _problems(self) -> tuple[ObjectError, ...]:
         """File-level problems that matter (an empty file that never held anything does not)."""
-        out = []
+        out = [
+            ObjectError("", "", "", "", f"{why}; the last good objects of its files are kept", str(where))
+            for where, why in sorted(self._unlisted.items())
+        ]
         for path, seen in sorted(self._seen.items()):
             if seen.problem is None or (seen.empty and path not in self._good):
                 continue

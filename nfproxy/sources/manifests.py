@@ -204,7 +204,7 @@ class ManifestFile:
 
     path: Path
     parsed: tuple[_Parsed | ObjectError, ...]
-    # Top-level documents that are mappings: 0 for an empty, comment-only or scalar file.
+    # Objects: top-level mappings, a List's items; 0 for an empty, comment-only or scalar file.
     objects: int = 0
 
 
@@ -228,7 +228,13 @@ def load(
         raise ManifestError(f"{root}: no such file or directory") from None
     except OSError as exc:
         raise UnsafeFile(f"{root}: {_open_failure(exc)}") from None
-    files = manifest_files(root) if root.is_dir() else [root]
+    files: tuple[Path, ...] = (root,)
+    if root.is_dir():
+        listing = list_manifests(root)
+        if listing.unlisted:
+            where, why = listing.unlisted[0]
+            raise UnsafeFile(f"{where}: {why}")
+        files = listing.files
     if not files:
         raise ManifestError(f"{root}: no *.yaml, *.yml or *.json files found")
     read: list[ManifestFile] = []
@@ -260,19 +266,36 @@ def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> Load
     return _assemble(_parse(_Document(obj) for obj in objects), node)
 
 
-def manifest_files(root: Path) -> list[Path]:
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """The manifest files below a root, and the directories that could not be listed, with why:
+    a file below one of those may well exist, so its absence from `files` says nothing."""
+
+    files: tuple[Path, ...]
+    unlisted: tuple[tuple[Path, str], ...] = ()
+
+
+def list_manifests(root: Path) -> Listing:
     """Manifest files below `root`, sorted, skipping hidden entries.
 
     Hidden entries are skipped so editor swap files and `.git` are not read, and so a ConfigMap
     volume (whose `..data` directory holds the same files as the visible symlinks) is read once.
+    os.walk drops a directory it cannot list (no permission, no file descriptor left) without a
+    word; here it is reported, because "no files" read from it would remove its services.
     """
     found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    unlisted: list[tuple[Path, str]] = []
+
+    def failed(exc: OSError) -> None:
+        where = Path(exc.filename) if exc.filename else root
+        unlisted.append((where, f"cannot list: {exc.strerror or exc}"))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=failed):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for filename in filenames:
             if not filename.startswith(".") and filename.endswith(MANIFEST_SUFFIXES):
                 found.append(Path(dirpath) / filename)
-    return sorted(found)
+    return Listing(tuple(sorted(found)), tuple(sorted(unlisted)))
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -337,8 +360,19 @@ def read_manifest(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> ManifestFil
         documents = _read_file(path, read_bytes(path, max_bytes))
     except _FileError as exc:
         raise FileProblem(path, str(exc), exc.line) from None
-    objects = sum(isinstance(d.obj, dict) for d in documents)
-    return ManifestFile(path, tuple(_parse(documents)), objects)
+    return ManifestFile(path, tuple(_parse(documents)), sum(map(_object_count, documents)))
+
+
+def _object_count(doc: _Document) -> int:
+    """Objects a document holds: a mapping is one, a `kind: List` its items (an empty List, as
+    a tool writes one before filling it, holds none, like an empty file)."""
+    obj = doc.obj
+    if not isinstance(obj, dict):
+        return 0
+    kind, items = obj.get("kind"), obj.get("items")
+    if isinstance(kind, str) and kind.endswith("List") and isinstance(items, list):
+        return len(items)
+    return 1
 
 
 class _FileError(Exception):
