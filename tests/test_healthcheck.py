@@ -145,6 +145,7 @@ def test_probe_answers_follow_local_endpoints(hcs: tuple) -> None:
     assert headers["content-type"] == "application/json"
     assert headers["x-content-type-options"] == "nosniff"
     assert headers["x-load-balancing-endpoint-weight"] == "2"
+    assert "connection" not in headers  # kube-proxy sends none (it said close and kept it open)
     # Every address, IPv6 too (dual-stack listener, as Go's).
     assert probe(ns, "::1", 32001)[0] == 200
     server.sync_endpoints({})

@@ -442,6 +442,76 @@ def test_clients_that_hang_up_leave_no_traceback(served: tuple, caplog: pytest.L
 
 
 @pytest.mark.kernel
+def test_malformed_requests_are_answered_400_and_not_logged(served: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    """Go's net/http answers a malformed request 400 and logs nothing; aiohttp logged each at
+    ERROR with the client's bytes, so a flood of them filled the disk."""
+    ns, h, m, servers = served
+    bad = (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+    with caplog.at_level(logging.INFO):
+        for addr in (servers.healthz, servers.metrics):
+            for payload in bad:
+                with netns_mod.entered(ns):
+                    sock = socket.create_connection((addr.host, addr.port), timeout=30)
+                try:
+                    sock.sendall(payload)
+                    answer = sock.recv(64)
+                finally:
+                    sock.close()
+                assert answer.startswith(b"HTTP/1.") and b" 400 " in answer[:16], answer
+        assert get(ns, servers.healthz, "/healthz")[0] == 200
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], [r.getMessage() for r in loud]
+
+
+def test_client_errors_are_debug_lines_and_our_own_stay_errors() -> None:
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from nfproxy.daemon.server import _HTTP_LOG, _ClientErrors
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return _HTTP_LOG.makeRecord(_HTTP_LOG.name, logging.ERROR, __file__, 1, "Error handling request", (), (type(exc), exc, None))
+
+    quiet = _ClientErrors()
+    level = _HTTP_LOG.level
+    try:
+        _HTTP_LOG.setLevel(logging.INFO)
+        assert quiet.filter(record(BadHttpMessage("bad"))) is False
+        assert quiet.filter(record(ConnectionResetError())) is False
+        ours = record(RuntimeError("a bug of ours"))
+        assert quiet.filter(ours) is True and ours.levelno == logging.ERROR
+        _HTTP_LOG.setLevel(logging.DEBUG)
+        shown = record(BadHttpMessage("bad"))
+        assert quiet.filter(shown) is True and shown.levelno == logging.DEBUG
+    finally:
+        _HTTP_LOG.setLevel(level)
+
+
+def test_running_out_of_descriptors_is_reported_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    from nfproxy.daemon.server import ACCEPT_LOG_INTERVAL, _AcceptFailures
+
+    clock = Clock()
+    handler = _AcceptFailures(clock)
+    others: list[dict] = []
+
+    class Loop:
+        def default_exception_handler(self, context: dict) -> None:
+            others.append(context)
+
+    emfile = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
+    with caplog.at_level(logging.ERROR, logger="nfproxy.daemon.server"):
+        for _ in range(1024):
+            handler(Loop(), emfile)  # type: ignore[arg-type]
+        clock.now += ACCEPT_LOG_INTERVAL
+        handler(Loop(), emfile)  # type: ignore[arg-type]
+        handler(Loop(), {"message": "something else"})  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records] == [
+        "Cannot accept connections: [Errno 24] Too many open files; retrying",
+        "Cannot accept connections: [Errno 24] Too many open files (1023 more since the last report); retrying",
+    ]
+    assert others == [{"message": "something else"}]
+
+
+@pytest.mark.kernel
 def test_a_scrape_after_a_change_sees_it(served: tuple) -> None:
     """Concurrent scrapes share one encoding; a later scrape never gets an older one."""
     ns, h, m, servers = served

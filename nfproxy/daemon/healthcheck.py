@@ -275,7 +275,6 @@ class ServiceHealthServer:
             {
                 "X-Content-Type-Options": "nosniff",
                 "X-Load-Balancing-Endpoint-Weight": str(count),
-                "Connection": "close",
             },
         )
 

@@ -277,6 +277,57 @@ def listen_socket(host: str, port: int, backlog: int = BACKLOG) -> socket.socket
 
 Handler = Callable[["web.BaseRequest"], Awaitable["web.StreamResponse"]]
 
+# aiohttp's per-connection log (see _ClientErrors).
+_HTTP_LOG = logging.getLogger("nfproxy.daemon.server.http")
+_ACCEPT_FAILED = "socket.accept() out of system resource"
+ACCEPT_LOG_INTERVAL = 10.0  # seconds between two "cannot accept" errors while it lasts
+
+
+class _ClientErrors(logging.Filter):
+    """A malformed request is the client's problem: Go's net/http answers 400 and logs nothing,
+    so aiohttp's ERROR with the client's bytes becomes a debug line (--v=4), and a flood of
+    bad requests cannot fill the disk. An exception of our own handlers stays an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, (HttpProcessingError, ConnectionError)):
+            return True
+        if not _HTTP_LOG.isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+if not any(isinstance(f, _ClientErrors) for f in _HTTP_LOG.filters):
+    _HTTP_LOG.addFilter(_ClientErrors())
+
+
+class _AcceptFailures:
+    """The loop's exception handler, rate-limiting one error: out of file descriptors,
+    asyncio's accept logs once per connection waiting in the backlog (1 024 a turn, ~10 000
+    lines a second) where Go's server logs once per back-off. Here: one ERROR per
+    ACCEPT_LOG_INTERVAL, saying how many were held back."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last: float | None = None
+        self._held = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if not str(context.get("message", "")).startswith(_ACCEPT_FAILED):
+            loop.default_exception_handler(context)
+            return
+        now = self._clock()
+        if self._last is not None and now - self._last < ACCEPT_LOG_INTERVAL:
+            self._held += 1
+            return
+        exc = context.get("exception")
+        held = f" ({self._held} more since the last report)" if self._held else ""
+        log.error("Cannot accept connections: %s%s; retrying", exc or context["message"], held)
+        self._last, self._held = now, 0
+
 
 class HttpLoop:
     """An asyncio loop on a thread of its own, serving the listeners given to `add`.
@@ -289,10 +340,11 @@ class HttpLoop:
 
         self._web = web
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_AcceptFailures())
         self._thread = threading.Thread(target=self._main, name=f"nfproxy-{name}", daemon=True)
         self._thread.start()
         server = web.Server(
-            handler, access_log=None, keepalive_timeout=idle_timeout, loop=self.loop,
+            handler, access_log=None, keepalive_timeout=idle_timeout, loop=self.loop, logger=_HTTP_LOG,
         )
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT)
         self.run(self._runner.setup())

@@ -161,7 +161,9 @@ def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings
     if source is None:
         return 0
     from nfproxy.daemon.node import Daemon
+    from nfproxy.daemon.open_files import raise_open_file_limit
 
+    raise_open_file_limit()
     config = _daemon_config(args, min_sync, sync_period)
     proxier = None
     if args.iptables_flavour != "auto":
