@@ -431,6 +431,42 @@ def test_a_fifo_never_freezes_the_watcher(tree: Path) -> None:
         source.stop()
 
 
+def test_a_failure_while_reading_never_ends_the_watcher(
+    tree: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever a look at the files raises (a bug, a resource running out), the last state
+    stays and the next poll looks again: one WARNING per distinct failure, counted."""
+    source = ManifestSource(tree, poll=0.01, clock=Clock())
+    errors: list[str] = []
+    source.on_error.append(errors.append)
+    rescan = source.rescan
+    failures = iter([RecursionError("maximum recursion depth exceeded")] * 5)
+
+    def flaky() -> bool:
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        return rescan()
+
+    monkeypatch.setattr(source, "rescan", flaky)
+    changed = threading.Event()
+    with caplog.at_level(logging.INFO, logger="nfproxy.sources.files"):
+        source.start(changed.set)
+        try:
+            (tree / "b.yaml").unlink()
+            assert changed.wait(30), "the watcher stopped after a failure"
+            assert names(source) == ["a"]
+        finally:
+            source.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    failed = [m for m in messages if "reading the manifests failed" in m]
+    assert failed == [
+        f"{tree}: reading the manifests failed (RecursionError: maximum recursion depth exceeded); keeping the last good state"
+    ], messages
+    assert f"{tree} can be read again" in messages
+    assert errors == ["manifests"]
+
+
 def test_source_errors_are_counted_under_their_source() -> None:
     metrics = ProxyMetrics(process_metrics=False)
     metrics.source_error("manifests")

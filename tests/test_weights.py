@@ -242,6 +242,10 @@ def test_annotation_sets_weights(tmp_path: Path) -> None:
         ('{"fd00::1": 2}', "[fd00::1]", "is not an IPv4 address"),
         ('{"10.1.0.1": 2', "", "not JSON"),
         ("[1, 2]", "", "expected a JSON object"),
+        ("[" * 5000, "", "not JSON: nested too deeply"),
+        ('{"10.1.0.1": 1' + "0" * 5000 + "}", "", "not JSON: 'Exceeds the limit"),
+        ('{"10.1.0.1": 1' + "0" * 300 + "}", "[10.1.0.1]", "an integer of about 301 digits is not a valid weight"),
+        ('{"a\\nb": 2}', "['a\\nb']", "'a\\nb' is not a valid IP address"),
     ],
 )
 def test_bad_weights_are_reported_and_ignored(tmp_path: Path, weights: str, field: str, message: str) -> None:
@@ -250,6 +254,7 @@ def test_bad_weights_are_reported_and_ignored(tmp_path: Path, weights: str, fiel
     text = str(result.errors[0])
     assert text.startswith(f"{tmp_path / 'w.yaml'}:8: EndpointSlice demo/web-1: metadata.annotations[nfproxy.io/endpoint-weights]{field}: ")
     assert message in text
+    assert "\n" not in text and len(text) < 400  # a hostile annotation cannot forge or flood lines
     # The slice itself is kept; the bad entry's endpoint keeps weight 1.
     assert [e.weight for e in next(iter(result.state.endpoints.values()))] == [1, 1, 1]
 

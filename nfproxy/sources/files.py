@@ -425,8 +425,24 @@ class ManifestSource:
 
     def start(self, notify: Callable[[], None]) -> None:
         def watch() -> None:
+            failed: str | None = None
             while not self._stop.wait(self.poll):
-                if self.rescan():
+                try:
+                    changed = self.rescan()
+                except Exception as exc:  # noqa: BLE001 - the watcher must outlive any one file
+                    # A bug reading some input must not end the polling: the last state stays
+                    # (nothing is applied from this look) and the next poll tries again.
+                    if repr(exc) != failed:
+                        failed = repr(exc)
+                        self._error("%s: reading the manifests failed (%s: %s); keeping the last good state",
+                                    self.path, type(exc).__name__, exc)
+                        log.debug("the failure", exc_info=True)
+                    changed = False
+                else:
+                    if failed is not None:
+                        log.info("%s can be read again", self.path)
+                    failed = None
+                if changed:
                     notify()
                 with self._polled:
                     self._polls += 1

@@ -894,14 +894,17 @@ def _weights(obj: dict[str, Any], family: IPFamily, addresses: set[str], r: _Rep
     try:
         parsed = json.loads(raw)
     except ValueError as exc:
-        r.add(path, f"not JSON: {exc}")
+        r.add(path, f"not JSON: {show(str(exc))}")
+        return {}
+    except RecursionError:
+        r.add(path, "not JSON: nested too deeply")
         return {}
     if not isinstance(parsed, dict):
         r.add(path, f'expected a JSON object {{"ADDRESS": WEIGHT, ...}}, got {type_name(parsed)} {show(parsed)}')
         return {}
     weights: dict[str, int] = {}
     for key, value in parsed.items():
-        entry = f"{path}[{key}]"
+        entry = f"{path}[{show(key)}]"  # a key is the user's text: it must not forge lines
         address = r.check(entry, v.ip_address, key, family)
         weight = r.check(entry, v.weight, value)
         if address is None or weight is None:

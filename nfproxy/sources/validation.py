@@ -47,7 +47,10 @@ def show(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        return str(value)
+        if value.bit_length() > 3 * _SHOW_LIMIT:  # str() refuses past 4 300 digits, and floods
+            return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+        text = str(value)
+        return text if len(text) <= _SHOW_LIMIT else text[: _SHOW_LIMIT - 3] + "..."
     if isinstance(value, str) and _PLAIN.fullmatch(value):
         return value
     if isinstance(value, (str, int, float)) or value is None:
@@ -132,7 +135,7 @@ def integer(value: object, low: int, high: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FieldError(f"expected an integer, got {type_name(value)} {show(value)}")
     if not low <= value <= high:
-        raise FieldError(f"{value} is not a valid {what} ({low}-{high})")
+        raise FieldError(f"{show(value)} is not a valid {what} ({low}-{high})")
     return value
 
 
