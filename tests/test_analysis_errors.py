@@ -152,6 +152,50 @@ def test_render_output_holds_both_families(tmp_path: Path, capsys: pytest.Captur
     assert code == 0 and "DNAT 10.244.0.41:8080  p = 1/2" in out and "KUBE-SERVICES" in out
 
 
+_SCRIPT_HEAD = "add table ip nfproxy\nadd chain ip nfproxy c { type nat hook prerouting priority -100 ; }\n"
+_SET = "add set ip nfproxy s { type ipv4_addr ; }\n"
+NFT_SCRIPTS = [  # (script, line, message): `nfproxy render --backend nft` text a reader refuses
+    (_SCRIPT_HEAD + _SET + "add element ip nfproxy s {\nbogus\n}\n", 5, "'bogus' does not appear to be an IPv4"),
+    (_SCRIPT_HEAD + _SET + "add element ip nfproxy s {\n0x\n}\n", 5, "invalid literal for int()"),
+    (_SCRIPT_HEAD + "add set ip nfproxy s { type ipv4_addr ; flags interval ; }\nadd element ip nfproxy s {\n10.0.0.0/8/8\n}\n",
+     5, "too many values"),
+    ("add table ip nfproxy\nadd chain ip nfproxy c { type nat hook postrouting priority foo ; }\n", 2, "'foo'"),
+    (_SCRIPT_HEAD + "add rule ip nfproxy c meta mark and 0x4000\n", 3, "outside the JSON vocabulary"),
+    (_SCRIPT_HEAD + "add rule ip nfproxy c numgen random mod 1e400 vmap { 0 : drop }\n", 3, "'1e400'"),
+    (_SCRIPT_HEAD + "add rule ip nfproxy c ip daddr { { 1.2.3.4 } } accept\n", 3, "not supported"),
+    (_SCRIPT_HEAD + _SET + "add element ip nfproxy s {\n1.2.3.4\n", 4, "never closed"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NFT_SCRIPTS)))
+@pytest.mark.parametrize("command", ["check", "trace"])
+def test_a_malformed_nft_script_is_an_error_with_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: int, command: str
+) -> None:
+    text, line, message = NFT_SCRIPTS[case]
+    path = tmp_path / "rules.nft"
+    path.write_text(text)
+    extra = ["10.0.1.1", "172.30.0.41:80/tcp"] if command == "trace" else []
+    code, _, err = run(capsys, command, "--from-file", str(path), *extra)
+    assert code == 2 and err.startswith(f"nfproxy: error: {path}:{line}: ") and message in err, err
+    assert err.count("\n") == 1
+
+
+def test_a_packet_list_gets_the_checks_of_a_dump(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dump_path = str(DUMPS / "kube-proxy-iptables-save.txt")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # reading it would block for ever
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")  # reading it would never end
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"10.0.1.1 172.30.0.41:80/tcp\n\xff\xfe bad\n")
+    expected = {fifo: "a FIFO, not a regular file", zero: "a device or socket, not a regular file",
+                binary: "2: not UTF-8 text"}
+    for path, message in expected.items():
+        code, out, err = run(capsys, "trace", "--from-file", dump_path, "--packets", str(path))
+        assert code == 2 and not out and err.startswith(f"nfproxy: error: {path}:") and message in err, err
+
+
 def test_trace_refuses_a_family_the_dump_lacks(capsys: pytest.CaptureFixture[str]) -> None:
     path = str(DUMPS / "kube-proxy-iptables-save.txt")
     code, out, err = run(capsys, "trace", "--from-file", path, "fd00::1", "[fd00::10]:80/tcp")

@@ -26,12 +26,15 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nfproxy.analysis import iptables_save, nft_json
 from nfproxy.analysis.ir import Ruleset
 from nfproxy.kernel.process import KernelError
 from nfproxy.core.model import IPFamily
+
+if TYPE_CHECKING:
+    from nfproxy.nftables.objects import Object
 
 # Tables iptables-nft creates: the nft backend's check leaves them to the iptables one.
 IPTABLES_TABLES = frozenset({"filter", "nat", "mangle", "raw", "security"})
@@ -184,19 +187,46 @@ def read_nft_script(text: str, name: str = "input") -> Source:
     from nfproxy.kernel.process import KernelError
     from nfproxy.nftables import script
 
+    located: list[tuple[int, Object]] = []
     try:
-        txs = script.parse(text, name)
+        txs = script.parse(text, name, located)
     except script.ScriptError as exc:
         raise DumpError(str(exc)) from None
+    except (ValueError, TypeError) as exc:  # a value the script's own grammar cannot hold
+        raise DumpError(f"{name}: {exc}") from None
     objects: list[object] = []
-    for tx in txs:
-        kernel = MemoryNft(IPFamily.V4 if tx.family == "ip" else IPFamily.V6, table=tx.table)
+    try:
+        for tx in txs:
+            kernel = MemoryNft(IPFamily.V4 if tx.family == "ip" else IPFamily.V6, table=tx.table)
+            try:
+                kernel.apply(tx)
+            except KernelError as exc:
+                raise DumpError(f"{name}: {tx.family} {tx.table}: {exc}") from None
+            objects.extend(kernel.json()["nftables"])  # type: ignore[arg-type]
+        return Source(nft_json.parse({"nftables": objects}), "nft", f"nft script (nfproxy render) from {name}")
+    except (ValueError, TypeError) as exc:  # nft_json.ParseError is a ValueError too
+        raise DumpError(_located_failure(located, txs, exc, name)) from None
+
+
+def _located_failure(located: list[tuple[int, Object]], txs: list[Any], exc: Exception, name: str) -> str:
+    """`exc` (what reading the script as the kernel's JSON refused) with the line of the first
+    object that cannot be read on its own; only on this error path, so its cost is no matter."""
+    from nfproxy.nftables import json as script_json
+    from nfproxy.nftables.objects import Chain, Element, Map, Rule, Set
+
+    family, table = (txs[0].family, txs[0].table) if txs else ("ip", "nfproxy")
+    decls = {obj.name: obj for _, obj in located if isinstance(obj, (Set, Map))}
+    for line, obj in located:
         try:
-            kernel.apply(tx)
-        except KernelError as exc:
-            raise DumpError(f"{name}: {tx.family} {tx.table}: {exc}") from None
-        objects.extend(kernel.json()["nftables"])  # type: ignore[arg-type]
-    return Source(nft_json.parse({"nftables": objects}), "nft", f"nft script (nfproxy render) from {name}")
+            if isinstance(obj, Rule):
+                nft_json.parse({"nftables": [script_json.rule(family, table, obj.chain, obj.body, 1)]})
+            elif isinstance(obj, Chain):
+                script_json.chain(family, table, obj, 1)
+            elif isinstance(obj, Element) and obj.set in decls:
+                nft_json.parse({"nftables": [script_json.set_(family, table, decls[obj.set], [obj], 1)]})
+        except (ValueError, TypeError) as why:
+            return f"{name}:{line}: {why}"
+    return f"{name}: {exc}"
 
 
 def read_text(text: str, name: str = "input") -> Source:
@@ -289,6 +319,12 @@ def _family_blocks(text: str) -> list[tuple[IPFamily, str]]:
 
 def read_file(path: str, max_bytes: int = MAX_DUMP_BYTES) -> Source:
     """Read a dump from a regular file of at most `max_bytes` (symlinks followed)."""
+    return read_text(read_text_file(path, max_bytes, "a dump"), path)
+
+
+def read_text_file(path: str, max_bytes: int = MAX_DUMP_BYTES, what: str = "text") -> str:
+    """A regular file's UTF-8 text, of at most `max_bytes`: a FIFO would block for ever and a
+    device never end, so both are refused before they are opened."""
     try:
         info = os.stat(path)
     except OSError as exc:
@@ -309,5 +345,5 @@ def read_file(path: str, max_bytes: int = MAX_DUMP_BYTES) -> Source:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise DumpError(f"{path}:{line}: not UTF-8 text (byte {exc.start}): binary data, not a dump") from None
-    return read_text(text, path)
+        raise DumpError(f"{path}:{line}: not UTF-8 text (byte {exc.start}): binary data, not {what}") from None
+    return text

@@ -21,8 +21,10 @@ class ScriptError(ValueError):
     pass
 
 
-def parse(text: str, name: str = "input") -> list[Transaction]:
-    """One Transaction per table the script names, in the order they first appear."""
+def parse(text: str, name: str = "input", located: list[tuple[int, Object]] | None = None) -> list[Transaction]:
+    """One Transaction per table the script names, in the order they first appear. `located`,
+    when given, receives (line, object) for every object, so a reader that refuses one later
+    can say on which line it was."""
     txs: dict[tuple[str, str], Transaction] = {}
     lines = text.splitlines()
     i = 0
@@ -45,16 +47,20 @@ def parse(text: str, name: str = "input") -> list[Transaction]:
             tx = txs[(family, table)] = Transaction(family, table)
         last = tx
         if kind == "element" and rest.endswith("{"):  # one element per line, up to "}"
-            body: list[str] = []
+            body: list[tuple[int, str]] = []
             while i < len(lines) and lines[i].strip() != "}":
-                body.append(lines[i].strip().rstrip(","))
+                body.append((i + 1, lines[i].strip().rstrip(",")))
                 i += 1
+            if i == len(lines):
+                raise ScriptError(f"{name}:{lineno}: the element list is never closed by a line '}}'")
             i += 1
-            objs: list[Object] = [_element(rest[:-1].strip(), item) for item in body]
+            objs = [(at, _element(rest[:-1].strip(), item)) for at, item in body]
         else:
-            objs = [_object(kind, family, table, rest, lineno, name)]
-        for obj in objs:
+            objs = [(lineno, _object(kind, family, table, rest, lineno, name))]
+        for at, obj in objs:
             getattr(tx, verb.value)(obj)
+            if located is not None:
+                located.append((at, obj))
         if tx.error is not None:
             raise ScriptError(f"{name}:{lineno}: {tx.error}")
     return list(txs.values())

@@ -10,7 +10,7 @@ import argparse
 import ipaddress
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nfproxy.cli.commands import BACKENDS
@@ -98,12 +98,18 @@ def _requests(args: argparse.Namespace) -> Iterator[tuple[str, str, str, str | N
     if args.source is not None:
         raise SourceError("trace: give either SRC DST:PORT/PROTO or --packets, not both")
     name = "<stdin>" if args.packets == "-" else args.packets
+    if args.packets == "-":
+        lines: Iterable[str] = sys.stdin
+    else:
+        from nfproxy.analysis import dump
+
+        limit = args.max_dump_bytes if args.max_dump_bytes is not None else dump.MAX_DUMP_BYTES
+        try:  # the dump's checks: no FIFO, no device, a size cap, UTF-8
+            lines = dump.read_text_file(args.packets, limit, "a packet list").splitlines()
+        except dump.DumpError as exc:
+            raise SourceError(str(exc)) from None
     try:
-        stream = sys.stdin if args.packets == "-" else open(args.packets, encoding="utf-8")  # noqa: SIM115
-    except OSError as exc:
-        raise SourceError(f"{name}: cannot read: {exc.strerror or exc}") from None
-    with stream:
-        for number, line in enumerate(stream, 1):
+        for number, line in enumerate(lines, 1):
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
@@ -111,6 +117,8 @@ def _requests(args: argparse.Namespace) -> Iterator[tuple[str, str, str, str | N
                 yield f"{name}:{number}", "", "", None, f"expected SRC DST:PORT/PROTO [ORIGIN], got {line.strip()[:80]!r}"
                 continue
             yield f"{name}:{number}", fields[0], fields[1], fields[2] if len(fields) == 3 else args.origin, None
+    except UnicodeDecodeError as exc:  # stdin
+        raise SourceError(f"{name}: not UTF-8 text (byte {exc.start})") from None
 
 
 def run(args: argparse.Namespace) -> int:
