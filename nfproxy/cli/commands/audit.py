@@ -8,6 +8,7 @@ Exit status: 0 nothing skewed, 1 some service port skewed, 2 bad flags or unread
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 from nfproxy.cli.commands import BACKENDS
 from nfproxy.cli.commands.trace import fail
+from nfproxy.sources.validation import show
 
 DEFAULT_INTERVAL = "30s"
 
@@ -46,6 +48,16 @@ def _check_flags(args: argparse.Namespace) -> float | None:
             raise AuditError(f"--service {args.service!r}: expected NAMESPACE/NAME")
     if args.once and args.interval is not None:
         raise AuditError("--once and --interval exclude each other")
+    for ip in args.node_ip:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise AuditError(f"--node-ip {show(ip)}: not an IP address") from None
+    if args.netns:
+        from nfproxy.kernel import netns
+
+        if not netns.exists(args.netns):
+            raise AuditError(f"--netns: no network namespace named {show(args.netns)} (see `ip netns list`)")
     return None if args.once else _interval(args)
 
 
@@ -110,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             interval = second.taken_at - first.taken_at  # what the counters really spanned
         report = audit(first, second, alpha=args.alpha, only=args.service)
     except (AuditError, KernelError, InterpretError, ValueError) as exc:
-        return fail(f"audit: {args.netns + ': ' if args.netns else ''}{exc}")
+        return fail(f"audit: {args.netns + ': ' if args.netns and not isinstance(exc, AuditError) else ''}{exc}")
     if args.service is not None and not report.ports:
         return fail(f"audit: --service {args.service}: no rules or counters for this service")
     if args.metrics_file:
