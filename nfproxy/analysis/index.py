@@ -185,7 +185,13 @@ class ElementIndex:
 
 
 def _first_wins(spans: list[tuple[int, int, int, Element]]) -> list[tuple[int, int, int, Element]]:
-    """Clip overlapping spans so each integer belongs to the span of the earliest element."""
+    """Clip overlapping spans so each integer belongs to the span of the earliest element.
+
+    Disjoint spans (every map nfproxy or the kernel writes: an interval set refuses overlaps)
+    are returned sorted at once; the clipping below compares each span with all before it."""
+    ordered = sorted(spans)
+    if all(ordered[i][1] < ordered[i + 1][0] for i in range(len(ordered) - 1)):
+        return ordered
     out: list[tuple[int, int, int, Element]] = []
     for span in sorted(spans, key=lambda s: s[2]):
         pieces = [span]
