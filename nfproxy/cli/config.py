@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 
 from nfproxy.cli import duration as go_duration
+from nfproxy.cli.flag_types import INT32_MAX, display, integer_in
 from nfproxy.core.flags import FlagError
 from nfproxy.core.model import MASQUERADE_BIT, NODEPORT_PRIMARY, IPFamily, LocalMode, NodeConfig
 from nfproxy.sources.validation import FieldError, cidr, dns_subdomain, family_of, ip_address
@@ -29,7 +30,8 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
                    nargs="?", const=True, default=True, metavar="BOOL",
                    help="iptables backend: accept node ports on 127.0.0.1 too (default true; "
                         "sets net.ipv4.conf.all.route_localnet=1)")
-    g.add_argument("--iptables-masquerade-bit", dest="masquerade_bit", type=int, default=MASQUERADE_BIT,
+    g.add_argument("--iptables-masquerade-bit", dest="masquerade_bit",
+                   type=integer_in(-INT32_MAX - 1, INT32_MAX), default=MASQUERADE_BIT,
                    metavar="N", help="bit of the packet mark that asks for SNAT, 0-31 (default 14)")
     g.add_argument("--detect-local-mode", dest="detect_local_mode", default=LocalMode.CLUSTER_CIDR.value,
                    choices=[m.value for m in LocalMode],
@@ -51,16 +53,27 @@ def _boolean(text: str) -> bool:
         return True
     if value in ("0", "f", "F", "false", "FALSE", "False"):
         return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (true or false)")
+    raise argparse.ArgumentTypeError(f"not a boolean: {display(text)} (true or false)")
 
 
 _IFNAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 
 
-def _interface(flag: str, value: str) -> str:
+def interface_name(value: str) -> str:
+    """An interface name (or prefix) as it will be printed into `-i NAME` / `iifname "NAME"`.
+
+    Raises FieldError; shared by the flags and the config file so both refuse the same values.
+    """
     if _IFNAME_RE.fullmatch(value) is None:
-        raise FlagError(f"{flag}: not an interface name: {value!r} (1-15 of A-Z a-z 0-9 _ . @ -)")
+        raise FieldError(f"not an interface name: {display(value)} (1-15 of A-Z a-z 0-9 _ . @ -)")
     return value
+
+
+def _interface(flag: str, value: str) -> str:
+    try:
+        return interface_name(value)
+    except FieldError as exc:
+        raise FlagError(f"{flag}: {exc}") from None
 
 
 def _local_detection(args: argparse.Namespace) -> dict[str, object]:
@@ -68,20 +81,22 @@ def _local_detection(args: argparse.Namespace) -> dict[str, object]:
     mode = LocalMode(getattr(args, "detect_local_mode", LocalMode.CLUSTER_CIDR.value))
     bridge = getattr(args, "pod_bridge_interface", "") or ""
     prefix = getattr(args, "pod_interface_name_prefix", "") or ""
-    if mode is LocalMode.BRIDGE_INTERFACE:
-        if not bridge:
-            raise FlagError("--pod-bridge-interface: required with --detect-local-mode=BridgeInterface")
+    # Checked whatever the mode: a name that is never used is still written back by
+    # --write-config-to, and a bad one is a mistake to report now, not when the mode changes.
+    if bridge:
         bridge = _interface("--pod-bridge-interface", bridge)
-    if mode is LocalMode.INTERFACE_NAME_PREFIX:
-        if not prefix:
-            raise FlagError("--pod-interface-name-prefix: required with --detect-local-mode=InterfaceNamePrefix")
+    if prefix:
         prefix = _interface("--pod-interface-name-prefix", prefix)
+    if mode is LocalMode.BRIDGE_INTERFACE and not bridge:
+        raise FlagError("--pod-bridge-interface: required with --detect-local-mode=BridgeInterface")
+    if mode is LocalMode.INTERFACE_NAME_PREFIX and not prefix:
+        raise FlagError("--pod-interface-name-prefix: required with --detect-local-mode=InterfaceNamePrefix")
     return {"detect_local_mode": mode, "pod_bridge_interface": bridge, "pod_interface_name_prefix": prefix}
 
 
 def _nodeport_addresses(values: list[str]) -> tuple[str, ...]:
     out = []
-    for v in _split(values):
+    for v in _split(values, "--nodeport-addresses"):
         if v == NODEPORT_PRIMARY:
             out.append(v)
         else:
@@ -89,13 +104,34 @@ def _nodeport_addresses(values: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _split(values: list[str]) -> list[str]:
-    return [v.strip() for raw in values for v in raw.split(",") if v.strip()]
+def split_list(raw: str) -> list[str]:
+    """The items of one comma-separated value; "" is no item, an empty item is an error.
+
+    kube-proxy splits `10.0.0.0/8,` into a CIDR and an empty string and refuses the latter; a
+    silently dropped item could hide a typo (`--cluster-cidr ,,` meaning no CIDR at all).
+    Raises FieldError.
+    """
+    if not raw.strip():
+        return []
+    items = [v.strip() for v in raw.split(",")]
+    if "" in items:
+        raise FieldError(f"{display(raw)}: empty item in a comma-separated list")
+    return items
+
+
+def _split(values: list[str], flag: str = "") -> list[str]:
+    out = []
+    for raw in values:
+        try:
+            out.extend(split_list(raw))
+        except FieldError as exc:
+            raise FlagError(f"{flag}: {exc}" if flag else str(exc)) from None
+    return out
 
 
 def _each(flag: str, values: list[str], check: Callable[[object], str]) -> tuple[str, ...]:
     out = []
-    for v in _split(values):
+    for v in _split(values, flag):
         try:
             out.append(check(v))
         except FieldError as exc:
@@ -103,13 +139,21 @@ def _each(flag: str, values: list[str], check: Callable[[object], str]) -> tuple
     return tuple(out)
 
 
-def _one_per_family(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
-    """kube-proxy takes at most one value per IP family for these flags (dual-stack pairs)."""
+def one_per_family(values: tuple[str, ...]) -> tuple[str, ...]:
+    """kube-proxy takes at most one value per IP family (a dual-stack pair); raises FieldError."""
     for family in IPFamily:
         of = [v for v in values if family_of(v.split("/")[0]) is family]
         if len(of) > 1:
-            raise FlagError(f"{flag}: more than one IPv{family.value} value: {', '.join(of)}")
+            raise FieldError(f"more than one IPv{family.value} value: {', '.join(of)} "
+                             "(one per IP family: a dual-stack pair at most)")
     return values
+
+
+def _one_per_family(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        return one_per_family(values)
+    except FieldError as exc:
+        raise FlagError(f"{flag}: {exc}") from None
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -154,19 +198,47 @@ def duration(flag: str, text: str) -> float:
     try:
         nanoseconds = go_duration.parse(text)
     except go_duration.DurationError as exc:
-        raise FlagError(f"{flag}: not a duration: {text!r}: {exc} (examples: 1s, 500ms, 1h30m)") from None
+        raise FlagError(f"{flag}: not a duration: {display(text)}: {exc} (examples: 1s, 500ms, 1h30m)") from None
     if nanoseconds < 0:
-        raise FlagError(f"{flag}: {text!r}: must not be negative")
+        raise FlagError(f"{flag}: {display(text)}: must not be negative")
     return nanoseconds / 1e9
 
 
-_SIZE_RE = re.compile(r"(\d+)(Ki|Mi|Gi|k|M|G)?")
+# ASCII digits only (`\d` takes any Unicode digit, which int() then reads), bounded before int().
+_SIZE_RE = re.compile(r"([0-9]{1,19})(Ki|Mi|Gi|k|M|G)?")
 _SIZE_UNIT = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+# A file is read into one buffer of the limit's size: a limit of terabytes is a MemoryError
+# waiting, not a manifest set.
+MAX_BYTE_SIZE = 2**30
 
 
 def byte_size(flag: str, text: str) -> int:
     """A size in bytes with an optional Kubernetes quantity suffix ("16Mi", "500k", "4096")."""
     m = _SIZE_RE.fullmatch(text.strip())
     if m is None or int(m.group(1)) == 0:
-        raise FlagError(f"{flag}: not a positive size: {text!r} (examples: 16Mi, 500Ki, 1048576)")
-    return int(m.group(1)) * _SIZE_UNIT[m.group(2)]
+        raise FlagError(f"{flag}: not a positive size: {display(text)} (examples: 16Mi, 500Ki, 1048576)")
+    size = int(m.group(1)) * _SIZE_UNIT[m.group(2)]
+    if size > MAX_BYTE_SIZE:
+        raise FlagError(f"{flag}: {display(text)}: must be at most 1Gi")
+    return size
+
+
+_PORT_RE = re.compile(r"[0-9]{1,5}")
+# "[" + the longest IPv6 text with a scope id + "]:" + five digits, with room to spare.
+_MAX_BIND_ADDRESS = 100
+
+
+def bind_address(flag: str, value: str) -> None:
+    """Check `ip:port` / `[ipv6]:port` (or "" for off) as the daemon's servers will parse it.
+
+    The port must be ASCII digits: the server's parser uses str.isdigit(), which also takes
+    `٨٠` (and int() then reads it as 80), and a 5000-digit port is a ValueError inside int().
+    """
+    if len(value) > _MAX_BIND_ADDRESS:
+        raise FlagError(f"{flag}: {display(value)}: too long to be ip:port")
+    _, sep, port = value.rpartition(":")
+    if value and sep and _PORT_RE.fullmatch(port) is None:
+        raise FlagError(f"{flag}: {display(value)}: port must be a number from 0 to 65535")
+    from nfproxy.daemon.server import parse_bind_address
+
+    parse_bind_address(value, flag)

@@ -21,7 +21,11 @@ NANOSECONDS = {
     "h": 3600 * 1_000_000_000,
 }
 _MAX = (1 << 63) - 1
-_TERM = re.compile(r"(\d*)(?:\.(\d*))?([^\d.]*)")
+# ASCII digits only: `\d` would take any Unicode digit (`٣s`), which Go refuses.
+_TERM = re.compile(r"([0-9]*)(?:\.([0-9]*))?([^0-9.]*)")
+# Go keeps at most this many digits of a fraction (the rest cannot change a nanosecond count)
+# and refuses a whole part that overflows int64; both bound what int() is given.
+_MAX_DIGITS = 19
 
 
 class DurationError(ValueError):
@@ -37,29 +41,41 @@ def parse(text: str) -> int:
     if rest == "0":
         return 0
     if not rest:
-        raise DurationError(f'invalid duration "{text}"')
+        raise DurationError(f'invalid duration "{_short(text)}"')
     total = Fraction(0)
     while rest:
         m = _TERM.match(rest)
         assert m is not None  # the pattern matches the empty string
         whole, frac, unit = m.group(1), m.group(2), m.group(3)
         if not whole and not frac:
-            raise DurationError(f'invalid duration "{text}"')
+            raise DurationError(f'invalid duration "{_short(text)}"')
         if not unit:
-            raise DurationError(f'missing unit in duration "{text}"')
+            raise DurationError(f'missing unit in duration "{_short(text)}"')
         size = NANOSECONDS.get(unit)
         if size is None:
-            raise DurationError(f'unknown unit "{unit}" in duration "{text}"')
+            raise DurationError(f'unknown unit "{_short(unit)}" in duration "{_short(text)}"')
+        whole = whole.lstrip("0")
+        if len(whole) > _MAX_DIGITS:
+            raise DurationError(f'invalid duration "{_short(text)}"')
+        frac = (frac or "")[:_MAX_DIGITS]
         value = Fraction(int(whole or "0"))
         if frac:
             value += Fraction(int(frac), 10 ** len(frac))
         total += value * size
         if total > _MAX + (1 if sign < 0 else 0):
-            raise DurationError(f'invalid duration "{text}"')
+            raise DurationError(f'invalid duration "{_short(text)}"')
         rest = rest[m.end():]
     # Go truncates the fractional nanoseconds of each term; summing exactly then truncating
     # differs only below one nanosecond.
     return sign * int(total)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """The value as quoted in an error, as Go quotes it: escaped (a newline cannot start a forged
+    log line) and cut, so a 100 KB flag does not become a 100 KB line."""
+    cut = text if len(text) <= limit else text[: limit - 3] + "..."
+    return "".join(c if c.isprintable() and c not in '"\\' else repr(c)[1:-1] if c != '"' else '\\"'
+                   for c in cut)
 
 
 def format(nanoseconds: int) -> str:  # noqa: A001 - Go's name, used as duration.format

@@ -12,15 +12,16 @@ strict decoding makes it one.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from nfproxy.cli import duration as go_duration
+from nfproxy.cli.flag_types import INT32_MAX, display
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
@@ -28,6 +29,16 @@ MODES = ("iptables", "nftables")
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 LOGGING_FORMATS = ("text", "json")
 _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# kubeadm's file is about 2 KB; a config file is never near this, and nothing larger is read
+# (`--config /dev/zero` must not read until memory runs out).
+MAX_BYTES = 2**20
+# A field path or map key printed as it is; anything else is shown quoted, escaped and cut.
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9_.-]{1,120}")
+
+
+def _field(path: str) -> str:
+    """A field path (or map key) for a message: a hostile key cannot forge a line or flood it."""
+    return path if _PLAIN_PATH.fullmatch(path) else display(path)
 
 
 class ConfigFileError(ValueError):
@@ -58,7 +69,7 @@ def _string(v: object) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str):
-        raise _Bad(f"{v!r}: must be a string")
+        raise _Bad(f"{display(v)}: must be a string")
     return v or None
 
 
@@ -66,7 +77,7 @@ def _bool(v: object) -> bool | None:
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise _Bad(f"{v!r}: must be true or false")
+        raise _Bad(f"{display(v)}: must be true or false")
     return v
 
 
@@ -75,7 +86,7 @@ def _int32(low: int, high: int) -> Callable[[object], int | None]:
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
-            raise _Bad(f"{v!r}: must be an integer")
+            raise _Bad(f"{display(v)}: must be an integer")
         if not low <= v <= high:
             raise _Bad(f"{v}: must be from {low} to {high}")
         return v
@@ -88,13 +99,13 @@ def _duration(zero_is_default: bool) -> Callable[[object], str | None]:
         if v is None:
             return None
         if not isinstance(v, str):
-            raise _Bad(f"{v!r}: must be a duration string such as 30s or 1h0m0s")
+            raise _Bad(f"{display(v)}: must be a duration string such as 30s or 1h0m0s")
         try:
             ns = go_duration.parse(v)
         except go_duration.DurationError as exc:
-            raise _Bad(f"{v!r}: {exc}") from None
+            raise _Bad(f"{display(v)}: {exc}") from None
         if ns < 0:
-            raise _Bad(f"{v!r}: must not be negative")
+            raise _Bad(f"{display(v)}: must not be negative")
         return None if ns == 0 and zero_is_default else v
 
     return check
@@ -104,53 +115,78 @@ def _strings(v: object) -> list[str] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise _Bad(f"{v!r}: must be a list of strings")
+        raise _Bad(f"{display(v)}: must be a list of strings")
     return list(v) or None
 
 
+# The checks below are the flags' own (nfproxy.cli.config): a value the file sets must fail
+# here, named by file, line and field, never later as if a flag had been given.
+
+
 def _cidrs(v: object) -> list[str] | None:
-    """clusterCIDR: one string, a comma-separated dual-stack pair."""
+    """clusterCIDR: one CIDR, or a comma-separated dual-stack pair (one per family)."""
+    from nfproxy.cli.config import one_per_family, split_list
+    from nfproxy.sources.validation import FieldError, cidr
+
     text = _string(v)
     if text is None:
         return None
-    for part in text.split(","):
-        try:
-            ipaddress.ip_network(part.strip(), strict=False)
-        except ValueError:
-            raise _Bad(f"{text!r}: {part.strip()!r} is not a CIDR") from None
+    try:
+        one_per_family(tuple(cidr(part) for part in split_list(text)))
+    except FieldError as exc:
+        raise _Bad(str(exc)) from None
     return [text]
 
 
 def _nodeport_addresses(v: object) -> list[str] | None:
+    """nodePortAddresses: a list, each item one CIDR or `primary` (no commas inside an item)."""
+    from nfproxy.sources.validation import FieldError, cidr
+
     values = _strings(v)
     for item in values or ():
         if item == "primary":
             continue
         try:
-            ipaddress.ip_network(item, strict=False)
-        except ValueError:
-            raise _Bad(f"{item!r}: not a CIDR (or primary)") from None
+            cidr(item)
+        except FieldError as exc:
+            raise _Bad(f"{exc} (nor primary)") from None
     return values
 
 
 def _ip(v: object) -> str | None:
+    from nfproxy.sources.validation import FieldError, ip_address
+
     text = _string(v)
     if text is not None:
         try:
-            ipaddress.ip_address(text)
-        except ValueError:
-            raise _Bad(f"{text!r}: not an IP address") from None
+            ip_address(text)
+        except FieldError as exc:
+            raise _Bad(str(exc)) from None
+    return text
+
+
+def _interface(v: object) -> str | None:
+    """detectLocal.bridgeInterface / interfaceNamePrefix: an interface name, whatever the mode,
+    as the flags take it (it is written back by --write-config-to and into rules)."""
+    from nfproxy.cli.config import interface_name
+    from nfproxy.sources.validation import FieldError
+
+    text = _string(v)
+    if text is not None:
+        try:
+            interface_name(text)
+        except FieldError as exc:
+            raise _Bad(str(exc)) from None
     return text
 
 
 def _host_port(v: object) -> str | None:
     text = _string(v)
     if text is not None:
-        from nfproxy.cli.config import FlagError
-        from nfproxy.daemon.server import parse_bind_address
+        from nfproxy.cli.config import FlagError, bind_address
 
         try:
-            parse_bind_address(text, "")
+            bind_address("", text)
         except FlagError as exc:
             raise _Bad(str(exc).lstrip(": ")) from None
     return text
@@ -160,7 +196,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[object], str | None]:
     def check(v: object) -> str | None:
         text = _string(v)
         if text is not None and text not in choices:
-            raise _Bad(f"{text!r}: must be one of {', '.join(choices)}")
+            raise _Bad(f"{display(text)}: must be one of {', '.join(choices)}")
         return text
 
     return check
@@ -171,7 +207,7 @@ def _mode(v: object) -> str | None:
     if text is None:
         return None
     if text not in MODES:
-        raise _Bad(f"{text!r}: nfproxy has the iptables and nftables modes only")
+        raise _Bad(f"{display(text)}: nfproxy has the iptables and nftables modes only")
     return text
 
 
@@ -194,12 +230,12 @@ def _gates(v: object) -> str | None:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise _Bad(f"{v!r}: must be a map of gate names to true or false")
+        raise _Bad(f"{display(v)}: must be a map of gate names to true or false")
     for name, value in v.items():
         if not isinstance(name, str) or not _GATE.fullmatch(name):
-            raise _Bad(f"{name!r}: not a feature gate name", str(name))
+            raise _Bad(f"{display(name)}: not a feature gate name", str(name))
         if not isinstance(value, bool):
-            raise _Bad(f"{value!r}: must be true or false", name)
+            raise _Bad(f"{display(value)}: must be true or false", name)
     return ",".join(f"{k}={str(val).lower()}" for k, val in sorted(v.items())) or None
 
 
@@ -248,15 +284,15 @@ FIELDS: tuple[Field, ...] = (
     Field("clusterCIDR", _cidrs, "cluster_cidr"),
     _warned("configSyncPeriod", "nfproxy's watches never resync from their cache", _duration(True),
             ("15m0s", "15m")),
-    Field("conntrack.maxPerCore", _int32(0, 2**31 - 1), "conntrack_max_per_core"),
-    Field("conntrack.min", _int32(0, 2**31 - 1), "conntrack_min"),
+    Field("conntrack.maxPerCore", _int32(0, INT32_MAX), "conntrack_max_per_core"),
+    Field("conntrack.min", _int32(0, INT32_MAX), "conntrack_min"),
     Field("conntrack.tcpBeLiberal", _bool, "conntrack_tcp_be_liberal"),
     Field("conntrack.tcpCloseWaitTimeout", _duration(False), "conntrack_tcp_timeout_close_wait"),
     Field("conntrack.tcpEstablishedTimeout", _duration(False), "conntrack_tcp_timeout_established"),
     Field("conntrack.udpStreamTimeout", _duration(False), "conntrack_udp_timeout_stream"),
     Field("conntrack.udpTimeout", _duration(False), "conntrack_udp_timeout"),
-    Field("detectLocal.bridgeInterface", _string, "pod_bridge_interface"),
-    Field("detectLocal.interfaceNamePrefix", _string, "pod_interface_name_prefix"),
+    Field("detectLocal.bridgeInterface", _interface, "pod_bridge_interface"),
+    Field("detectLocal.interfaceNamePrefix", _interface, "pod_interface_name_prefix"),
     Field("detectLocalMode", _choice(DETECT_LOCAL_MODES), "detect_local_mode"),
     _warned("enableProfiling", "nfproxy serves no /debug/pprof", _bool),
     Field("featureGates", _gates, "feature_gates"),
@@ -279,7 +315,7 @@ FIELDS: tuple[Field, ...] = (
     _warned("logging.flushFrequency", "nfproxy's log lines are written unbuffered",
             quiet=("5s", 5_000_000_000)),
     _warned("logging.options", "klog's buffering options do not apply: lines are written unbuffered"),
-    Field("logging.verbosity", _int32(0, 2**31 - 1), "verbosity"),
+    Field("logging.verbosity", _int32(0, INT32_MAX), "verbosity"),
     _warned("logging.vmodule", "per-file verbosity is not supported"),
     Field("metricsBindAddress", _host_port, "metrics_bind_address"),
     Field("mode", _mode, "backend"),
@@ -325,7 +361,11 @@ def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
-        doc = loader.construct_document(node) if node is not None else None
+        try:
+            doc = loader.construct_document(node) if node is not None else None
+        except (ValueError, OverflowError) as exc:
+            assert node is not None
+            raise _unreadable(node, exc) from None
     finally:
         loader.dispose()
     lines: dict[str, int] = {}
@@ -345,33 +385,130 @@ def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
     return doc, lines, (duplicate[0] if duplicate else None)
 
 
-def load(path: str) -> LoadedConfig:
+class _Unreadable(Exception):
+    """A scalar YAML resolves but Python cannot build (a 5000-digit integer, February 30th)."""
+
+    def __init__(self, field: str, line: int, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.line = line
+
+
+def _unreadable(root: yaml.Node, exc: Exception) -> Exception:
+    """The first scalar under `root` that cannot be built, with its key path and line, found by
+    building each scalar alone; `exc` itself when none can be singled out."""
+    builder = _Loader("")
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigFileError(f"{path}: cannot read: {exc.strerror}") from None
+        while stack:
+            n, path = stack.pop()
+            if isinstance(n, yaml.ScalarNode):
+                try:
+                    builder.construct_object(n, deep=True)
+                except (ValueError, OverflowError) as err:
+                    # Python's own advice (sys.set_int_max_str_digits) means nothing to a user.
+                    why = ("an integer with too many digits" if "integer string conversion" in str(err)
+                           else str(err))
+                    return _Unreadable(path, n.start_mark.line + 1, why)
+            elif isinstance(n, yaml.MappingNode):
+                for key, value in reversed(n.value):
+                    name = f"{path}.{key.value}" if path else str(key.value)
+                    stack.extend([(value, name), (key, name)])
+            elif isinstance(n, yaml.SequenceNode):
+                stack.extend((item, path) for item in reversed(n.value))
+    finally:
+        builder.dispose()
+    return exc
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _read(path: str) -> str:
+    """The file's text, read as the manifest reader reads a file: never a FIFO (which would
+    hang), a device (`/dev/zero` never ends) or more than MAX_BYTES; UTF-8 only."""
+    from nfproxy.sources.manifests import FileProblem, read_bytes
+
+    try:
+        data = read_bytes(Path(path), MAX_BYTES)
+    except FileProblem as exc:
+        # The reader names the manifests' flag for its size limit; a config file has its own.
+        message = str(exc).replace(f"the {MAX_BYTES}-byte limit (--max-manifest-bytes)",
+                                   f"the {MAX_BYTES}-byte limit of a configuration file")
+        raise ConfigFileError(f"{path}: cannot read: {message}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(f"{path}: {KIND}: not UTF-8 text (byte {exc.start})") from None
+
+
+def load(path: str, given: Collection[str] = ()) -> LoadedConfig:
+    """The file's settings; raises ConfigFileError naming file, line and field on any fault.
+
+    `given`: the dests the command line sets, which win over the file; a check between fields
+    (detectLocalMode and the interface it needs) is made on what the two together mean.
+    """
+    text = _read(path)
     try:
         doc, lines, duplicate = _located(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else path
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigFileError(f"{where}: {KIND}: invalid YAML: {problem}") from None
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigFileError(f"{where}: {KIND}: invalid YAML: {_one_line(problem)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"{path}: {KIND}: invalid YAML: {_one_line(str(exc))}") from None
+    except RecursionError:
+        raise ConfigFileError(f"{path}: {KIND}: nested too deeply to be a configuration") from None
+    except _Unreadable as exc:
+        raise ConfigFileError(f"{path}:{exc.line}: {KIND}: {_field(exc.field)}: "
+                              f"a value cannot be read: {_one_line(str(exc))}") from None
+    except (ValueError, OverflowError) as exc:
+        # Scalars the YAML resolver accepts but Python cannot build: a 5000-digit integer, a
+        # timestamp on February 30th. The YAML loader does not say where; the message does.
+        raise ConfigFileError(f"{path}: {KIND}: a value cannot be read: {_one_line(str(exc))}") from None
+    try:
+        loaded = _settings(path, doc, lines, duplicate)
+    except RecursionError:  # a warned field's value nested ~1000 deep, walked by _zero
+        raise ConfigFileError(f"{path}: {KIND}: nested too deeply to be a configuration") from None
+    _check_local_mode(path, lines, loaded.defaults, given)
+    return loaded
+
+
+def _check_local_mode(path: str, lines: dict[str, int], defaults: Mapping[str, object],
+                      given: Collection[str]) -> None:
+    """detectLocalMode BridgeInterface / InterfaceNamePrefix from the file needs its interface,
+    from the file or the command line; else the flag's error would blame a flag never given."""
+    if "detect_local_mode" in given:
+        return  # the command line's mode; its flags' own check applies
+    for mode, dest, field in (("BridgeInterface", "pod_bridge_interface", "detectLocal.bridgeInterface"),
+                              ("InterfaceNamePrefix", "pod_interface_name_prefix",
+                               "detectLocal.interfaceNamePrefix")):
+        if defaults.get("detect_local_mode") == mode and not defaults.get(dest) and dest not in given:
+            line = lines.get("detectLocalMode")
+            raise ConfigFileError(f"{path}:{line}: {KIND}: detectLocalMode: {mode}: needs {field}")
+
+
+def _settings(path: str, doc: Any, lines: dict[str, int],
+              duplicate: tuple[str, int] | None) -> LoadedConfig:
+    """What the decoded document sets, every field checked."""
 
     def fail(field: str, message: str) -> ConfigFileError:
         line = lines.get(field)
-        return ConfigFileError(f"{path}:{line}: {KIND}: {field}: {message}" if line
-                               else f"{path}: {KIND}: {field}: {message}")
+        shown = _field(field)
+        return ConfigFileError(f"{path}:{line}: {KIND}: {shown}: {message}" if line
+                               else f"{path}: {KIND}: {shown}: {message}")
 
     if not isinstance(doc, dict):
         raise ConfigFileError(f"{path}: {KIND}: the file must hold one {KIND} object")
     if duplicate is not None:
-        raise ConfigFileError(f"{path}:{duplicate[1]}: {KIND}: {duplicate[0]}: given twice")
+        raise ConfigFileError(f"{path}:{duplicate[1]}: {KIND}: {_field(duplicate[0])}: given twice")
     if doc.get("apiVersion") != API_VERSION:
-        raise fail("apiVersion", f"{doc.get('apiVersion')!r}: must be {API_VERSION}")
+        raise fail("apiVersion", f"{display(doc.get('apiVersion'))}: must be {API_VERSION}")
     if doc.get("kind") != KIND:
-        raise fail("kind", f"{doc.get('kind')!r}: must be {KIND}")
+        raise fail("kind", f"{display(doc.get('kind'))}: must be {KIND}")
     values = _flatten(doc, fail)
     mode = values.get("mode") or ""
     mode_name = mode if mode else "iptables"
@@ -384,11 +521,15 @@ def load(path: str) -> LoadedConfig:
         try:
             checked = f.check(value)
         except _Bad as exc:
-            raise fail(f"{field_path}.{exc.key}" if exc.key else field_path, str(exc)) from None
+            if exc.key:
+                key = exc.key if _GATE.fullmatch(exc.key) and len(exc.key) <= 120 else display(exc.key)
+                line = lines.get(f"{field_path}.{exc.key}") or lines.get(field_path)
+                raise ConfigFileError(f"{path}:{line}: {KIND}: {field_path}.{key}: {exc}") from None
+            raise fail(field_path, str(exc)) from None
         if f.dest is None:
             if not _zero(value) and value not in f.quiet:
                 line = lines.get(field_path)
-                warnings.append(f"{path}:{line}: {KIND}: {field_path}: {value!r}: ignored, {f.why}")
+                warnings.append(f"{path}:{line}: {KIND}: {field_path}: {display(value)}: ignored, {f.why}")
             continue
         if f.mode is not None and f.mode != mode_name:
             continue
@@ -410,7 +551,7 @@ def _flatten(doc: dict[str, Any], fail: Callable[[str, str], ConfigFileError]) -
                 if value is None:
                     continue
                 if not isinstance(value, dict):
-                    raise fail(field_path, f"{value!r}: must be a map")
+                    raise fail(field_path, f"{display(value)}: must be a map")
                 walk(value, field_path)
             else:
                 raise fail(field_path, "unknown field")

@@ -129,7 +129,7 @@ def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]
     if given.get("config"):
         from nfproxy.cli import kubeproxy_config
 
-        loaded = kubeproxy_config.load(str(given["config"]))
+        loaded = kubeproxy_config.load(str(given["config"]), given)
         run_parser = _subparser(parser, "run")
         assert run_parser is not None
         top_dests = {a.dest for a in parser._actions}  # noqa: SLF001

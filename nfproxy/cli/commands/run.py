@@ -13,9 +13,16 @@ import sys
 from typing import TYPE_CHECKING
 
 from nfproxy.cli import conntrack_sysctls
-from nfproxy.cli.config import FlagError, add_node_flags, byte_size, duration, node_config_from_args
+from nfproxy.cli.config import (
+    FlagError,
+    add_node_flags,
+    bind_address,
+    byte_size,
+    duration,
+    node_config_from_args,
+)
 from nfproxy.cli.feature_gates import parse_feature_gates
-from nfproxy.cli.flag_types import go_bool
+from nfproxy.cli.flag_types import INT32_MAX, go_bool, integer_in
 
 if TYPE_CHECKING:
     from nfproxy.daemon.node import Daemon, DaemonConfig
@@ -34,7 +41,7 @@ def backend_of(mode: str) -> str:
 
 def _source(args: argparse.Namespace) -> Source:
     node = node_config_from_args(args)
-    grace = duration("--empty-source-grace", args.empty_source_grace)
+    grace = _source_flags(args)
     kube = bool(getattr(args, "kubeconfig", None) or getattr(args, "master", None))
     if args.manifests and kube:
         raise FlagError("--manifests: cannot be combined with --kubeconfig or --master")
@@ -49,6 +56,13 @@ def _source(args: argparse.Namespace) -> Source:
     from nfproxy.sources.kube import WatchSettings
 
     return source_from_args(args, WatchSettings(empty_grace=grace))
+
+
+def _source_flags(args: argparse.Namespace) -> float:
+    """--empty-source-grace in seconds, with --max-manifest-bytes checked too: at start, so that
+    --write-config-to and --init-only refuse them as the daemon would (docs/running.md)."""
+    byte_size("--max-manifest-bytes", args.max_manifest_bytes)
+    return duration("--empty-source-grace", args.empty_source_grace)
 
 
 def sync_periods(args: argparse.Namespace) -> tuple[float, float]:
@@ -88,10 +102,8 @@ def _bind_address_as_node_ip(args: argparse.Namespace) -> None:
 def _check_bind_addresses(args: argparse.Namespace) -> None:
     """The servers' addresses, checked at start as kube-proxy checks its configuration: also
     with --once, --dry-run or --write-config-to, which start no server."""
-    from nfproxy.daemon.server import parse_bind_address
-
-    parse_bind_address(args.healthz_bind_address, "--healthz-bind-address")
-    parse_bind_address(args.metrics_bind_address, "--metrics-bind-address")
+    bind_address("--healthz-bind-address", args.healthz_bind_address)
+    bind_address("--metrics-bind-address", args.metrics_bind_address)
 
 
 def _read_be_liberal(args: argparse.Namespace) -> None:
@@ -119,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     _bind_address_as_node_ip(args)
     _check_bind_addresses(args)
     node_config_from_args(args)  # every node flag checked, also for --write-config-to
+    _source_flags(args)
     min_sync, sync_period = sync_periods(args)
     parse_feature_gates(args.feature_gates, log)
     settings = conntrack_sysctls.settings_from_args(args)
@@ -260,9 +273,11 @@ def _add_sync_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_conntrack_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("conntrack sysctls, set in the target namespace as kube-proxy sets them")
-    g.add_argument("--conntrack-max-per-core", type=int, default=32768, metavar="N",
+    # kube-proxy's int32 fields: the same range as conntrack.maxPerCore and conntrack.min in
+    # the file, so what --write-config-to writes reads back.
+    g.add_argument("--conntrack-max-per-core", type=integer_in(0, INT32_MAX), default=32768, metavar="N",
                    help="nf_conntrack_max = max(N x CPUs, --conntrack-min); 0 leaves the limit as it is (default 32768)")
-    g.add_argument("--conntrack-min", type=int, default=131072, metavar="N",
+    g.add_argument("--conntrack-min", type=integer_in(0, INT32_MAX), default=131072, metavar="N",
                    help="lower bound of nf_conntrack_max (default 131072)")
     g.add_argument("--conntrack-tcp-timeout-established", default="24h0m0s", metavar="DURATION",
                    help="nf_conntrack_tcp_timeout_established; 0 leaves it (default 24h0m0s)")
