@@ -196,6 +196,24 @@ def test_a_packet_list_gets_the_checks_of_a_dump(tmp_path: Path, capsys: pytest.
         assert code == 2 and not out and err.startswith(f"nfproxy: error: {path}:") and message in err, err
 
 
+@pytest.mark.parametrize("position", ["0", "99999999999999999999", "3"])
+def test_an_insert_at_no_position_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], position: str) -> None:
+    """iptables refuses `-I CHAIN 0` and an index past the end; the reader did `list.insert`
+    (0 became the last but one, a huge one an OverflowError)."""
+    path = tmp_path / "save.txt"
+    path.write_text(f"*nat\n:PREROUTING ACCEPT [0:0]\n:C - [0:0]\n-A C -j RETURN\n-I C {position} -j DROP\nCOMMIT\n")
+    code, _, err = run(capsys, "check", "--from-file", str(path))
+    assert code == 2 and err.startswith(f"nfproxy: error: {path}:5: -I C {position}: no such position"), err
+
+
+def test_an_infinite_priority_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "dump.json"
+    path.write_text('{"nftables": [{"table": {"family": "ip", "name": "t"}}, '
+                    '{"chain": {"family": "ip", "table": "t", "name": "c", "prio": 1e999}}]}')
+    code, _, err = run(capsys, "check", "--from-file", str(path))
+    assert code == 2 and err.startswith(f"nfproxy: error: {path}: ") and "chain 'c'" in err, err
+
+
 def test_trace_refuses_a_family_the_dump_lacks(capsys: pytest.CaptureFixture[str]) -> None:
     path = str(DUMPS / "kube-proxy-iptables-save.txt")
     code, out, err = run(capsys, "trace", "--from-file", path, "fd00::1", "[fd00::10]:80/tcp")

@@ -273,11 +273,14 @@ def _line(current: _TableBuilder, line: str, number: int, fam: str) -> None:
         position: int | None = None
         if op in ("-I", "--insert"):
             position = 0
-            if rest and rest[0].isdigit():
+            if rest and rest[0].isascii() and rest[0].isdigit():
                 position = int(rest[0]) - 1
                 rest = rest[1:]
         rule = _rule(rest, line, current, fam, number)
         rules = current.rules.setdefault(chain, [])
+        if position is not None and not 0 <= position <= len(rules):
+            # iptables refuses these too ("Invalid rule number", "Index of insertion too big").
+            raise ParseError(f"{op} {chain} {position + 1}: no such position ({len(rules)} rules before it)", number)
         if position is None:
             rules.append(rule)
         else:

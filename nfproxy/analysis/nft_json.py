@@ -76,7 +76,7 @@ class ParseError(ValueError):
 
 # What a malformed document makes the readers below raise: a wrong type, a missing key, a
 # nesting too deep. Each is turned into a ParseError naming the item.
-_MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, RecursionError)
+_MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, RecursionError, OverflowError)
 _FAMILIES = ("ip", "ip6", "inet", "arp", "bridge", "netdev")
 
 

@@ -217,7 +217,7 @@ def parse_bind_address(value: str, flag: str) -> BindAddress | None:
         ip = ipaddress.ip_address(host)
     except ValueError:
         raise FlagError(f"{flag}: {value!r}: {host!r} is not an IP address") from None
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
         raise FlagError(f"{flag}: {value!r}: port must be a number from 0 to 65535")
     return BindAddress(str(ip), int(port_text))
 
