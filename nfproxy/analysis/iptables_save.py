@@ -401,6 +401,7 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
     negate = False
     proto: str | None = None
     recent: dict[str, str] = {}
+    unpriced = False
 
     def cmp(left, operand) -> None:  # noqa: ANN001
         matches.append(Match(left, "!=" if negate else "==", operand))
@@ -445,7 +446,10 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
             mode = ts.next()
             if mode != "random":
                 matches.append(Unknown(f"-m statistic --mode {mode}"))
+            else:
+                unpriced = True  # random mode needs its --probability (checked at the end)
         elif module == "statistic" and tok == "--probability":
+            unpriced = False
             value = ts.next()
             quantize.iptables_threshold(value)  # a ValueError unless a number in [0, 1]
             matches.append(Statistic(value, negate))
@@ -480,6 +484,9 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
             args = " ".join(ts.values())
             matches.append(Unknown(f"{'! ' if negate else ''}{tok} {args}".strip()))
         negate = False
+    if unpriced:
+        # iptables-restore refuses it; read as "always" it would hide the cascade's split.
+        raise ValueError("-m statistic --mode random without --probability")
 
     statements: list[Statement] = []
     for st in matches:
