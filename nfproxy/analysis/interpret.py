@@ -1338,7 +1338,9 @@ def walk_chain(
 
 
 def distribution(paths: Sequence[Path]) -> dict[Outcome, Fraction]:
-    out: dict[Outcome, Fraction] = {}
+    """Each outcome's probability: its paths' summed over one common denominator
+    (quantize.fsum), as a deep cascade's k / 2^(31 i) would cost a big gcd per added path."""
+    groups: dict[Outcome, list[Fraction]] = {}
     for p in paths:
-        out[p.outcome] = out.get(p.outcome, Fraction(0)) + p.probability
-    return dict(sorted(out.items()))
+        groups.setdefault(p.outcome, []).append(p.probability)
+    return {o: ps[0] if len(ps) == 1 else quantize.fsum(ps) for o, ps in sorted(groups.items())}

@@ -6,6 +6,12 @@ Public API:
 - `ideal_probability(p_text) -> Fraction` (the simplest rational the printed value stands for)
 - `numgen_buckets(n) -> tuple[int, ...]`, `numgen_probability(k, n) -> Fraction`
 - `cascade(probabilities) -> list[Fraction]` (what each rule of a statistic cascade receives)
+- `TEN_DECIMAL_EXACT_DENOMINATOR`, `ten_decimal_exact(num, den)` (what `ideal_probability` can
+  recover from kube-proxy's `%0.10f` text)
+- `common_denominator(values) -> (numerators, den)`, `fsum(values) -> Fraction` (sums without a
+  gcd per term)
+- `exact_text(value, max_digits) -> str`, `rounded_decimal(value) -> str` (how exact values are
+  shown: a 1000-endpoint cascade's shares have 10 000-digit denominators)
 
 A rule printed `--probability 0.3333333333` does not fire with probability 1/3, and `numgen
 random mod 3` does not give each slot 1/3 either: each is a ratio of integers fixed by the code
@@ -16,11 +22,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from decimal import Decimal
 from fractions import Fraction
 
 STATISTIC_SCALE = 1 << 31
 NUMGEN_SCALE = 1 << 32
+
+# Ten-decimal text (kube-proxy's %0.10f) pins a value to a window 1e-10 wide; two fractions with
+# denominators up to this are at least 1/this^2 = 1e-10 apart, so at most one lies in the window
+# and `ideal_probability` finds it. Beyond it the window can hold a simpler fraction than the one
+# meant (a weighted cascade over 400 endpoints of weight up to 1000 has rules like 1/399 999).
+TEN_DECIMAL_EXACT_DENOMINATOR = 100_000
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,7 +99,10 @@ def ideal_probability(p_text: str) -> Fraction:
     Text exactly as kube-proxy prints it (ten decimals) is read more closely: the value was
     within half a unit of the 10th decimal of what it prints, a window 1e-10 wide. Two fractions
     with denominators up to 100 000 are further apart than that, so every weighted cascade rule
-    w_i / (w_i + ... + w_{n-1}) (sums up to 64 000: core.categorize) is recovered exactly.
+    w_i / (w_i + ... + w_{n-1}) with a reduced denominator up to TEN_DECIMAL_EXACT_DENOMINATOR
+    is recovered exactly (always for up to 100 endpoints of weight <= 1000). Beyond, the window
+    can hold a simpler fraction (971/188343 prints 0.0051554876, read back as 877/170110): no
+    text can say which was meant, so `compare` learns it from the model (`ten_decimal_exact`).
     """
     t = iptables_threshold(p_text)
     if t == 0:
@@ -102,6 +118,14 @@ def ideal_probability(p_text: str) -> Fraction:
     low = max(Fraction(0), (t - half) / STATISTIC_SCALE - digit)
     high = min(Fraction(1), (t + half) / STATISTIC_SCALE + digit)
     return simplest_between(low, high)
+
+
+def ten_decimal_exact(num: int, den: int) -> bool:
+    """Whether num/den, printed `%0.10f`, is read back as exactly num/den by `ideal_probability`
+    (its reduced denominator is within TEN_DECIMAL_EXACT_DENOMINATOR; 0 and 1 always are)."""
+    if den <= TEN_DECIMAL_EXACT_DENOMINATOR or num <= 0 or num >= den:
+        return True
+    return den // math.gcd(num, den) <= TEN_DECIMAL_EXACT_DENOMINATOR
 
 
 def numgen_buckets(n: int) -> tuple[int, ...]:
@@ -147,3 +171,104 @@ def numgen_slot_count(first: int, last: int, n: int) -> int:
     if not 0 <= first <= last < n:
         raise ValueError(f"numgen slots {first}..{last} outside 0..{n - 1}")
     return -((-(last + 1) * NUMGEN_SCALE) // n) + ((-first * NUMGEN_SCALE) // n)
+
+
+# --------------------------------------------------------------------------------------------
+# Summing and showing exact values. A kernel-mode share of an iptables cascade is k / 2^(31 i)
+# for the endpoint at depth i: at 2 000 endpoints, 60 000-bit numbers. Adding such Fractions one
+# by one pays a gcd of that size per term, and `str()` of one exceeds Python's 4 300-digit limit.
+
+# Text output (check, trace) shows the fraction when numerator and denominator both have at
+# most this many digits (nft's k/2^32, iptables cascades to depth 4, every weight share);
+# otherwise the rounded decimal marked with "≈".
+TEXT_EXACT_DIGITS = 40
+# JSON output keeps exactness further: up to this many digits (an iptables cascade to depth
+# ~100); beyond, the rounded decimal. Bounded so that the output stays linear in the rules.
+JSON_EXACT_DIGITS = 1000
+# Significant digits of a rounded decimal: far below any difference the analysis reports
+# (1e-9 tolerances, ppb deviations), far above float's 17.
+ROUNDED_DIGITS = 20
+_LOG10_2 = math.log10(2)
+
+
+def common_denominator(values: Sequence[Fraction]) -> tuple[list[int], int]:
+    """(numerators, den) with values[i] == numerators[i] / den, den the lcm of the denominators.
+
+    The lcm is taken as 2^max(twos) times the lcm of the distinct odd parts: kernel-mode values
+    are all dyadic (odd part 1) and ideal-mode ones have small odd parts, so neither pays a
+    gcd on 60 000-bit numbers, which is what `math.lcm` over the denominators would do."""
+    parts: list[tuple[int, int]] = []  # (odd part, power of two) per denominator
+    for v in values:
+        d = v.denominator
+        tz = (d & -d).bit_length() - 1
+        parts.append((d >> tz, tz))
+    if not parts:
+        return [], 1
+    twos = max(tz for _, tz in parts)
+    odd = math.lcm(*{o for o, _ in parts})
+    # den // d as (odd // o) << (twos - tz): a shift, not a long division of 60 000-bit numbers.
+    nums = [v.numerator * (odd // o) << (twos - tz) for v, (o, tz) in zip(values, parts)]
+    return nums, odd << twos
+
+
+def fsum(values: Iterable[Fraction]) -> Fraction:
+    """`sum(values, Fraction(0))` over one common denominator (`common_denominator`): linear in
+    the total size of the values instead of a big gcd per term."""
+    nums, den = common_denominator(list(values))
+    return Fraction(sum(nums), den)
+
+
+def _digits_at_most(n: int, digits: int) -> bool:
+    return abs(n) < _power_of_ten(digits)
+
+
+@functools.lru_cache(maxsize=64)
+def _power_of_ten(k: int) -> int:
+    return 10**k
+
+
+def rounded_decimal(value: Fraction, digits: int = ROUNDED_DIGITS) -> str:
+    """`value` correctly rounded (half to even) to `digits` significant digits, as a decimal
+    string that `Fraction()` and `float()` read back: positional down to 1e-6, else with an
+    exponent (`1.25E-7`). Integer arithmetic only: never `str()` of a long integer, one
+    division of the value's size."""
+    if value == 0:
+        return "0"
+    sign = "-" if value < 0 else ""
+    n, d = abs(value.numerator), value.denominator
+    # The decimal exponent e with 10^e <= n/d < 10^(e+1): estimated from the bit lengths (off by
+    # at most one), then made exact.
+    e = math.floor((n.bit_length() - d.bit_length()) * _LOG10_2)
+
+    def below(k: int) -> bool:  # n/d < 10^k
+        return n < d * 10**k if k >= 0 else n * 10**-k < d
+
+    while below(e):
+        e -= 1
+    while not below(e + 1):
+        e += 1
+    shift = digits - 1 - e  # scale so that the quotient has `digits` digits
+    num, den = (n * 10**shift, d) if shift >= 0 else (n, d * 10**-shift)
+    q, r = divmod(num, den)
+    if 2 * r > den or (2 * r == den and q % 2):
+        q += 1
+    if q == 10**digits:  # rounded up to the next power of ten
+        q //= 10
+        shift -= 1
+    return sign + str(Decimal(q).scaleb(-shift))
+
+
+def exact_text(value: Fraction, max_digits: int = TEXT_EXACT_DIGITS) -> str:
+    """The exact fraction as `str(Fraction)` writes it ("0", "1", "p/q") when numerator and
+    denominator have at most `max_digits` digits each; else `rounded_decimal(value)`. Which one
+    it is shows in the text itself: an exact value never has a decimal point, a rounded one
+    always does (or an exponent)."""
+    if _digits_at_most(value.numerator, max_digits) and _digits_at_most(value.denominator, max_digits):
+        return str(value)
+    return rounded_decimal(value)
+
+
+def shown(value: Fraction) -> str:
+    """`exact_text` for people: the rounded decimal is marked "≈" (check's and trace's text)."""
+    text = exact_text(value, TEXT_EXACT_DIGITS)
+    return text if "/" in text or text.lstrip("-").isdigit() else "≈" + text

@@ -15,6 +15,7 @@ from nfproxy.analysis.index import indexes
 from nfproxy.analysis.interpret import Origin, Outcome, Path
 from nfproxy.analysis.ir import Field, Match, Prefix, Ruleset, SetRef
 from nfproxy.analysis.nft_rule_text import readable
+from nfproxy.analysis.quantize import fsum, shown
 
 
 def pod_cidrs(ruleset: Ruleset) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
@@ -94,19 +95,25 @@ def format_trace(
     groups: dict[object, list[Path]] = {}
     for p in paths:
         groups.setdefault(p.outcome, []).append(p)
-    order = sorted(groups.items(), key=lambda kv: -sum(p.probability for p in kv[1]))
+    # Each group's total once (quantize.fsum: an iptables cascade's shares are k / 2^(31 i)).
+    totals = {outcome: fsum(p.probability for p in ps) for outcome, ps in groups.items()}
+    order = sorted(groups.items(), key=lambda kv: -totals[kv[0]])
     lines = []
     picks = {p for o, p in (written or {}).items() if o.verdict == "dnat"}
     weighted = len(picks) > 1  # unequal shares as written: say what each is meant to get
     for outcome, ps in order[:limit]:
-        total = sum(p.probability for p in ps)
+        total = totals[outcome]
         count = sum(p.count for p in ps)
         extra = ""
         if weighted and written is not None and outcome in written:
-            extra += f", written {written[outcome]}"
+            extra += f", written {shown(written[outcome])}"
         if weights and outcome.endpoint in weights:
             extra += f", weight {weights[outcome.endpoint]}"
-        lines.append(f"{outcome}  p = {total} ≈ {float(total):.12f}  ({count} path{'s' if count > 1 else ''}{extra})")
+        # The exact fraction while it is short; a long one (a deep cascade) is shown rounded,
+        # marked "≈": docs/semantics.md, "Long fractions".
+        exact = shown(total)
+        value = f"{exact} ≈ {float(total):.12f}" if not exact.startswith("≈") else f"{exact}"
+        lines.append(f"{outcome}  p = {value}  ({count} path{'s' if count > 1 else ''}{extra})")
         first = ps[0]
         last = None
         for step in first.steps:

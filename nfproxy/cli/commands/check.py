@@ -14,6 +14,7 @@ from nfproxy.cli.commands.trace import SourceError, add_source_flags, fail, load
 def run(args: argparse.Namespace) -> int:
     from nfproxy.analysis.check import check
     from nfproxy.analysis.interpret import InterpretError
+    from nfproxy.analysis.quantize import JSON_EXACT_DIGITS, exact_text, shown
 
     try:
         source = load_source(args)
@@ -40,12 +41,14 @@ def run(args: argparse.Namespace) -> int:
                         "chain": s.chain,
                         "protocol": s.protocol,
                         "endpoints": [
-                            {"endpoint": e, "probability": str(p), "decimal": float(p),
-                             **({"intended": str(dict(s.intended)[e])} if s.intended is not None else {})}
+                            # Exact "p/q" while short, else the value rounded to 20 digits
+                            # (a decimal point marks it): docs/semantics.md, "Long fractions".
+                            {"endpoint": e, "probability": exact_text(p, JSON_EXACT_DIGITS), "decimal": float(p),
+                             **({"intended": exact_text(dict(s.intended)[e], JSON_EXACT_DIGITS)} if s.intended is not None else {})}
                             for e, p in s.endpoints
                         ],
                         "worst_deviation_ppb": s.worst_deviation_ppb,
-                        "fallthrough": str(s.fallthrough),
+                        "fallthrough": exact_text(s.fallthrough, JSON_EXACT_DIGITS),
                         "affinity_timeout": s.affinity_timeout,
                     }
                     for s in report.services
@@ -65,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
                   f"worst deviation from {against} {s.worst_deviation_ppb:.3f} ppb{affinity}")
             intended = dict(s.intended or ())
             for e, p in s.endpoints:
-                meant = f"  (weight share {intended[e]})" if e in intended else ""
-                print(f"    {e:<28} {float(p):.12f}  {p}{meant}")
+                meant = f"  (weight share {shown(intended[e])})" if e in intended else ""
+                print(f"    {e:<28} {float(p):.12f}  {shown(p)}{meant}")
         if report.problems:
             print(f"{len(report.problems)} problem(s):")
             for p in report.problems:

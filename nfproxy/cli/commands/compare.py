@@ -13,7 +13,11 @@ from nfproxy.cli.exit import hold
 
 
 def _dist(d: dict) -> dict[str, str]:
-    return {str(k): str(v) for k, v in d.items()}
+    """Outcome -> probability: the exact "p/q" while short, else the value rounded to 20
+    significant digits (a decimal point marks it; docs/semantics.md, "Long fractions")."""
+    from nfproxy.analysis.quantize import JSON_EXACT_DIGITS, exact_text
+
+    return {str(k): exact_text(v, JSON_EXACT_DIGITS) for k, v in d.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
                 "total_variation": float(result.total_variation),
                 "iptables_kernel_deviation": float(result.iptables_deviation),
                 "nft_kernel_deviation": float(result.nft_deviation),
+                "ideal_exact": result.ideal_exact,
+                "ideal_inexact_services": result.ideal_inexact_services,
                 "probes": [
                     {
                         "service": r.probe.service,
@@ -44,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
                         "nft": _dist(r.nft),
                         "max_difference": float(r.max_difference),
                         "total_variation": float(r.total_variation),
+                        "ideal_max_difference": float(r.ideal_max_difference),
+                        "ideal_exact": r.ideal_exact,
                         "equivalent": r.equivalent,
                         "documented_difference": r.probe.nft_only or None,
                     }
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         for r in result.results:
             if r.probe.service != service:
                 service = r.probe.service
-                print(service)
+                print(service if r.ideal_exact else f"{service}  (ideal mode: within 1e-9, not exact; see below)")
             mark = ("doc " if r.documented else "ok  ") if r.equivalent else "DIFF"
             print(f"  {mark} {r.probe.traffic} ({r.probe.src} -> {r.probe.dst}:{r.probe.port})")
             for o in sorted(set(r.iptables) | set(r.nft)):
@@ -72,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         documented = sum(1 for r in result.results if r.documented)
         if documented:
             print(f"{documented} documented differences (as between kube-proxy's modes; see docs/semantics.md)")
+        inexact = result.ideal_inexact_services
+        if inexact:
+            print(f"ideal mode compared within 1e-9, not exactly, for {len(inexact)} service(s): their iptables "
+                  f"cascades hold rules w/rest whose reduced denominator exceeds 100000, which kube-proxy's ten decimals cannot "
+                  f"pin to one fraction (docs/weights.md); kernel mode is exact as everywhere")
         print("EQUIVALENT" if result.equivalent else "NOT EQUIVALENT")
     hold(state, result)
     return 0 if result.equivalent else 1

@@ -154,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
 def _answer(
     args: argparse.Namespace, source: Any, src: str, destination: str, origin: str | None, weights: Any = None
 ) -> dict:
+    from fractions import Fraction
+
+    from nfproxy.analysis import quantize
     from nfproxy.analysis.interpret import InterpretError, Packet, distribution, trace
     from nfproxy.analysis.nft_rule_text import readable
     from nfproxy.analysis.trace import endpoint_weights, format_trace, guess_origin, parse_destination
@@ -192,9 +195,9 @@ def _answer(
         "paths": [
             {
                 "outcome": {"verdict": p.outcome.verdict, "endpoint": p.outcome.endpoint, "masquerade": p.outcome.masquerade},
-                "probability": str(p.probability),
+                "probability": quantize.exact_text(p.probability, quantize.JSON_EXACT_DIGITS),
                 "decimal": float(p.probability),
-                "written": str(shares.get(p.outcome, 0)),
+                "written": quantize.exact_text(Fraction(shares.get(p.outcome, 0)), quantize.JSON_EXACT_DIGITS),
                 "weight": by_endpoint.get(p.outcome.endpoint or ""),
                 "count": p.count,
                 "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": readable(s.text)} for s in p.steps],
