@@ -588,3 +588,14 @@ def test_the_files_kubeconfig_builds_the_api_source(tmp_path: Path) -> None:
         finally:
             source.stop()
         assert api.requests and all(r.authorization == "Bearer kube-proxy-token" for r in api.requests)
+
+
+def test_the_daemon_serves_the_configuration_it_runs_with_on_configz(tmp_path: Path) -> None:
+    """/configz (kube-proxy's metrics mux) says what --write-config-to would write."""
+    from nfproxy.cli import kubeproxy_config
+    from nfproxy.cli.commands.run import _daemon_config
+
+    args = parsed("--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16", "--manifests", str(tmp_path))
+    config = _daemon_config(args, 1.0, 30.0)
+    assert config.configz == kubeproxy_config.effective(args)
+    assert config.configz["mode"] == "nftables" and config.configz["clusterCIDR"] == "10.244.0.0/16"

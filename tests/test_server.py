@@ -442,6 +442,26 @@ def test_clients_that_hang_up_leave_no_traceback(served: tuple, caplog: pytest.L
 
 
 @pytest.mark.kernel
+def test_configz_and_healthz_ping_as_kube_proxys_metrics_mux(netns: str) -> None:
+    h = ProxierHealth(60, Clock())
+    m = ProxyMetrics(CollectorRegistry(), process_metrics=False)
+    config = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration", "mode": "nftables"}
+    servers = serve(h, m, "", "127.0.0.1:0", netns=netns, proxy_mode="nft", configz=config)
+    try:
+        status, headers, body = get(netns, servers.metrics, "/configz")
+        assert status == 200 and headers["content-type"].startswith("application/json")
+        assert json.loads(body) == {"kubeproxy.config.k8s.io": config}
+        assert get(netns, servers.metrics, "/healthz/ping")[:3:2] == (200, b"ok")
+    finally:
+        servers.close()
+    servers = serve(h, m, "", "127.0.0.1:0", netns=netns, proxy_mode="nft")
+    try:
+        assert get(netns, servers.metrics, "/configz")[0] == 404  # nothing to say: not served
+    finally:
+        servers.close()
+
+
+@pytest.mark.kernel
 def test_malformed_requests_are_answered_400_and_not_logged(served: tuple, caplog: pytest.LogCaptureFixture) -> None:
     """Go's net/http answers a malformed request 400 and logs nothing; aiohttp logged each at
     ERROR with the client's bytes, so a flood of them filled the disk."""

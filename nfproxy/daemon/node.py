@@ -12,8 +12,9 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from nfproxy.core.categorize import categorize
 from nfproxy.core.changes import Changes
@@ -44,6 +45,8 @@ class DaemonConfig:
     bind_address_hard_fail: bool = False
     # --metrics-endpoint-connections: nfproxy_endpoint_new_connections_total, read when scraped.
     endpoint_connections_metric: bool = False
+    # The effective KubeProxyConfiguration, for /configz (None: not served).
+    configz: Mapping[str, Any] | None = None
 
 
 class NoLocalEndpoints:
@@ -252,6 +255,7 @@ class Daemon:
             self.config.metrics_bind_address,
             proxy_mode=self.config.backend,
             hard_fail=self.config.bind_address_hard_fail,
+            configz=self.config.configz,
         )
         self.loop.start()
 

@@ -54,6 +54,7 @@ T = TypeVar("T")
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 DEFAULT_HEALTHZ_ADDRESS = "0.0.0.0:10256"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:10249"
+CONFIGZ_GROUP = "kubeproxy.config.k8s.io"
 
 Body = dict[str, Any]
 
@@ -428,6 +429,7 @@ class _Apps:
     metrics: ProxyMetrics
     proxy_mode: str
     encoding: SharedEncoding
+    configz: bytes = b""  # the /configz body, made once at start; empty: no /configz
 
     async def healthz(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.path not in ("/healthz", "/livez"):
@@ -448,9 +450,12 @@ class _Apps:
             return text_response(200, body, content_type)
         if request.path == "/proxyMode" and self.proxy_mode:
             return text_response(200, self.proxy_mode.encode(), PLAIN)
-        if request.path == "/healthz":
-            # kube-proxy's metrics mux has the plain apiserver-style healthz too.
+        if request.path in ("/healthz", "/healthz/ping"):
+            # kube-proxy's metrics mux has the plain apiserver-style healthz too (its one
+            # check, ping, has a path of its own).
             return text_response(200, b"ok", PLAIN)
+        if request.path == "/configz" and self.configz:
+            return text_response(200, self.configz, "application/json")
         return text_response(404, NOT_FOUND, PLAIN)
 
 
@@ -588,6 +593,7 @@ def serve(
     hard_fail: bool = False,
     retry_interval: float = RETRY_INTERVAL,
     idle_timeout: float = IDLE_TIMEOUT,
+    configz: Mapping[str, Any] | None = None,
 ) -> Servers:
     """Start /healthz + /livez on `healthz_address` and /metrics on `metrics_address`.
 
@@ -596,7 +602,9 @@ def serve(
     None (the daemon) means the current namespace; tests pass a throwaway one. A port that
     cannot be bound is retried in the background, or with `hard_fail` raises `BindError` after
     closing whatever was already started. `proxy_mode` is the backend ("nft" answers
-    `nftables` on /proxyMode, as kube-proxy names the mode).
+    `nftables` on /proxyMode, as kube-proxy names the mode). `configz`, the effective
+    KubeProxyConfiguration, is served on /configz under its group name, as kube-proxy does
+    (kube-proxy serves its internal type there, kubernetes#137426; this is the versioned one).
     """
     hz = parse_bind_address(healthz_address, "--healthz-bind-address")
     mt = parse_bind_address(metrics_address, "--metrics-bind-address")
@@ -605,7 +613,8 @@ def serve(
     if retry_interval <= 0 or idle_timeout <= 0:
         raise ValueError("retry interval and idle timeout must be positive")
     pool = concurrent.futures.ThreadPoolExecutor(METRICS_WORKERS, thread_name_prefix="nfproxy-metrics")
-    apps = _Apps(health, metrics, PROXY_MODES.get(proxy_mode, ""), SharedEncoding(metrics, pool))
+    body = json.dumps({CONFIGZ_GROUP: dict(configz)}, separators=(",", ":")).encode() if configz else b""
+    apps = _Apps(health, metrics, PROXY_MODES.get(proxy_mode, ""), SharedEncoding(metrics, pool), body)
     servers = Servers(netns, hard_fail=hard_fail, retry_interval=retry_interval)
     servers.pool = pool
     try:

@@ -195,6 +195,7 @@ def _run(args: argparse.Namespace, settings: conntrack_sysctls.ConntrackSettings
 
 
 def _daemon_config(args: argparse.Namespace, min_sync: float, sync_period: float, **more: object) -> DaemonConfig:
+    from nfproxy.cli import kubeproxy_config
     from nfproxy.daemon.node import DaemonConfig
 
     fields: dict[str, object] = {
@@ -207,6 +208,7 @@ def _daemon_config(args: argparse.Namespace, min_sync: float, sync_period: float
         "conntrack": not args.no_conntrack_cleanup,
         "bind_address_hard_fail": bool(args.bind_address_hard_fail),
         "endpoint_connections_metric": bool(getattr(args, "metrics_endpoint_connections", False)),
+        "configz": kubeproxy_config.effective(args),
     }
     return DaemonConfig(**{**fields, **more})  # type: ignore[arg-type]
 
