@@ -1441,3 +1441,17 @@ def test_objects_labelled_for_another_proxy_or_headless_are_skipped(label: str) 
     plain = load_objects([service(), endpoint_slice(), other, other_slice])
     assert sorted(k[0].name for k in plain.state.services) == ["other", "web"]
     assert len(plain.state.endpoints) == 2
+
+
+def test_base_60_numbers_are_strings_as_kubectl_reads_them(tmp_path: Path) -> None:
+    """YAML 1.1 reads `port: 1:20` as 80 (base 60); kubectl's go-yaml reads a string, which the
+    API server refuses. A port written so is an error, never port 80."""
+    path = tmp_path / "svc.yaml"
+    path.write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\n"
+        "spec:\n  clusterIP: 10.96.0.10\n  ports:\n  - port: 1:20\n    protocol: TCP\n"
+    )
+    result = load(path)
+    assert not result.state.services
+    assert [e.field for e in result.errors] == ["spec.ports[0].port"]
+    assert result.errors[0].message == "expected an integer, got string 1:20"

@@ -27,6 +27,7 @@ import errno
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -82,7 +83,25 @@ _POLICIES = ("Cluster", "Local")
 # The API server accepts at most 100 addresses per endpoint; only the first is ever used.
 _MAX_ADDRESSES = 100
 
-_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _no_colon(regexp: re.Pattern[str]) -> re.Pattern[str]:
+    """`regexp`, refusing any value with a colon (only base-60 numbers had one)."""
+    return re.compile(r"(?=[^:]*$)" + regexp.pattern, regexp.flags)
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc, valid-type]
+    """YAML as kubectl reads it: without YAML 1.1's base-60 numbers. PyYAML reads `port: 1:20`
+    as 80; go-yaml (sigs.k8s.io/yaml) reads a string, which the API server refuses."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, _no_colon(regexp) if tag in _NUMBERS else regexp) for tag, regexp in resolvers]
+        for first, resolvers in _BaseLoader.yaml_implicit_resolvers.items()
+    }
+
+
 T = TypeVar("T")
 
 
