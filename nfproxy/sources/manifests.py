@@ -53,7 +53,7 @@ from nfproxy.core.model import (
     sort_endpoints,
 )
 from nfproxy.sources import validation as v
-from nfproxy.sources.validation import FieldError, show, type_name
+from nfproxy.sources.validation import FieldError, got, show, type_name
 
 log = logging.getLogger(__name__)
 
@@ -498,7 +498,7 @@ class _Report:
                 self.add(path, "required field is missing")
             return None
         if not isinstance(value, kind):
-            self.add(path, f"expected a {type_name(kind())}, got {type_name(value)} {show(value)}")
+            self.add(path, f"expected a {type_name(kind())}, got {got(value)}")
             return None
         return value
 
@@ -518,7 +518,7 @@ class _Report:
             if isinstance(entry, dict):
                 yield entry_path, entry
             else:
-                self.add(entry_path, f"expected a mapping, got {type_name(entry)} {show(entry)}")
+                self.add(entry_path, f"expected a mapping, got {got(entry)}")
 
 
 def _metadata(
@@ -908,7 +908,7 @@ def _weights(obj: dict[str, Any], family: IPFamily, addresses: set[str], r: _Rep
         return {}
     path = f"metadata.annotations[{WEIGHTS_ANNOTATION}]"
     if not isinstance(raw, str):
-        r.add(path, f"expected a string, got {type_name(raw)} {show(raw)}")
+        r.add(path, f"expected a string, got {got(raw)}")
         return {}
     try:
         parsed = json.loads(raw)
@@ -919,7 +919,7 @@ def _weights(obj: dict[str, Any], family: IPFamily, addresses: set[str], r: _Rep
         r.add(path, "not JSON: nested too deeply")
         return {}
     if not isinstance(parsed, dict):
-        r.add(path, f'expected a JSON object {{"ADDRESS": WEIGHT, ...}}, got {type_name(parsed)} {show(parsed)}')
+        r.add(path, f'expected a JSON object {{"ADDRESS": WEIGHT, ...}}, got {got(parsed)}')
         return {}
     weights: dict[str, int] = {}
     for key, value in parsed.items():

@@ -62,6 +62,16 @@ def show(value: object) -> str:
     return text
 
 
+def got(value: object) -> str:
+    """What a message says was found: `string 'x'`, `integer 5`, `null`, `a list` (the type
+    alone where the value would only repeat it)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return show(value)
+    return f"{type_name(value)} {show(value)}"
+
+
 def type_name(value: object) -> str:
     """The YAML-level name of a value's type, as a manifest author thinks of it."""
     if value is None:
@@ -83,7 +93,7 @@ def type_name(value: object) -> str:
 
 def string(value: object) -> str:
     if not isinstance(value, str):
-        raise FieldError(f"expected a string, got {type_name(value)} {show(value)}")
+        raise FieldError(f"expected a string, got {got(value)}")
     return value
 
 
@@ -126,14 +136,14 @@ def one_of(value: object, allowed: Collection[str]) -> str:
 
 def boolean(value: object) -> bool:
     if not isinstance(value, bool):
-        raise FieldError(f"expected true or false, got {type_name(value)} {show(value)}")
+        raise FieldError(f"expected true or false, got {got(value)}")
     return value
 
 
 def integer(value: object, low: int, high: int, what: str) -> int:
     """An integer in [low, high]; YAML booleans and floats are refused, not coerced."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FieldError(f"expected an integer, got {type_name(value)} {show(value)}")
+        raise FieldError(f"expected an integer, got {got(value)}")
     if not low <= value <= high:
         raise FieldError(f"{show(value)} is not a valid {what} ({low}-{high})")
     return value
