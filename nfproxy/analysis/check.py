@@ -16,6 +16,8 @@ affinity history, so the numbers are the kernel's. Problem kinds:
 - `fallthrough`: some probability leaves a selection chain without an endpoint, other causes;
 - `unreachable-endpoint`: an endpoint (DNAT) chain no path can reach;
 - `missing-chain`: a jump, goto or verdict-map entry names a chain that does not exist;
+- `jump-loop`: chains jump or go to one another in a cycle (the kernel refuses a loop; the
+  interpreter would stop on it, and `trace` does);
 - `ungated-filter-jump`: a filter base chain jumps to a chain that can drop or reject, without
   a `ct state new` gate (it would then drop packets of established connections);
 - `uninterpretable`: a rule the interpreter does not understand sits on a service's path;
@@ -35,7 +37,7 @@ from fractions import Fraction
 from nfproxy.core.forked import split_map
 from nfproxy.core.gc_pause import gc_paused
 from nfproxy.analysis import quantize
-from nfproxy.analysis.interpret import InterpretError, Mode, Packet, walk_chain
+from nfproxy.analysis.interpret import InterpretError, Mode, Packet, walk_chain, work_budget
 from nfproxy.analysis.weights import Weights, intended_shares
 from nfproxy.analysis.ir import (
     AnonSet,
@@ -56,6 +58,7 @@ from nfproxy.analysis.ir import (
     SetRef,
     Statistic,
     Table,
+    Unknown,
     Verdict,
     VerdictMap,
 )
@@ -131,14 +134,18 @@ def _where(table: Table, chain: str, rule: int | None = None) -> str:
 
 
 def _exprs(expr: Expr) -> Iterator[Expr]:
-    yield expr
-    if isinstance(expr, Concat):
-        for item in expr.items:
-            yield from _exprs(item)
-    elif isinstance(expr, Bitwise):
-        yield from _exprs(expr.left)
-    elif isinstance(expr, MapLookup):
-        yield from _exprs(expr.key)
+    """`expr` and every expression inside it, outermost first. With a stack, not recursion: a
+    dump may nest `concat`s hundreds deep (the kernel would not take it; the parser does)."""
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        yield e
+        if isinstance(e, Concat):
+            stack.extend(reversed(e.items))
+        elif isinstance(e, Bitwise):
+            stack.append(e.left)
+        elif isinstance(e, MapLookup):
+            stack.append(e.key)
 
 
 def _rule_exprs(rule: Rule) -> Iterator[Expr]:
@@ -189,25 +196,13 @@ def _draws_numgen(rule: Rule) -> bool:
 
 
 def _has_numgen(expr: Expr) -> bool:
-    """`any(isinstance(e, Numgen) for e in _exprs(expr))`."""
+    """`any(isinstance(e, Numgen) for e in _exprs(expr))`, without a generator for the common
+    flat expressions (every rule of a 10 000-service dump is asked)."""
     if isinstance(expr, Numgen):
         return True
-    if isinstance(expr, Concat):
-        return any(_has_numgen(item) for item in expr.items)
-    if isinstance(expr, Bitwise):
-        return _has_numgen(expr.left)
-    if isinstance(expr, MapLookup):
-        return _has_numgen(expr.key)
-    return False
-
-
-def _targets(table: Table, rule: Rule) -> Iterator[Verdict]:
-    """Every jump/goto/drop/reject a rule can take, named verdict maps included."""
-    for st in rule.statements:
-        if isinstance(st, Verdict):
-            yield st
-        elif isinstance(st, VerdictMap):
-            yield from _map_verdicts(table, st)
+    if not isinstance(expr, (Concat, Bitwise, MapLookup)):
+        return False
+    return any(isinstance(e, Numgen) for e in _exprs(expr))
 
 
 def _label(table: Table, chain: Chain) -> str:
@@ -243,17 +238,34 @@ def check(
     for table in ruleset.tables:
         survey = _survey(table)
         problems.extend(_missing_chains(table, survey))
+        problems.extend(_loops(table, survey))
         problems.extend(_ungated(table))
         problems.extend(_undrawable_slots(table))
         reached: set[str] = set()
         referenced = {v.target for targets in survey.targets.values() for v in targets if v.kind in ("jump", "goto")}
         selecting = [chain for chain in table.chains.values() if _selects(chain, survey)]
-        walks = split_map(lambda chain: _selection(ruleset, table, chain, node_ips, mode, weights), selecting)
+        budget = _Budget(work_budget(ruleset))
+        walks = split_map(lambda chain: _selection(ruleset, table, chain, node_ips, mode, weights, budget), selecting)
         for report, found, reached_here in walks:
             problems.extend(found)
             reached |= reached_here
             if report is not None:
                 services.append(report)
+        if survey.opaque:
+            # A chain whose endpoint choice cannot be read (a DNAT or numgen the parser kept as
+            # unknown) is not recognised as a selection chain: walk it too, so that it is
+            # reported `uninterpretable` instead of vanishing from the report; unless a walk
+            # above already stopped on one of its rules.
+            told = {p.detail for p in problems if p.kind == "uninterpretable"}
+            for name in survey.opaque:
+                chain = table.chains[name]
+                if _selects(chain, survey) or any(f"chain {name} rule " in d for d in told):
+                    continue
+                report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode, weights, budget)
+                problems.extend(found)
+                reached |= reached_here
+                if report is not None:
+                    services.append(report)
         selected: frozenset[str] | None = None
         for chain in table.chains.values():
             if chain.name not in survey.dnat or chain.is_base:
@@ -271,6 +283,28 @@ def check(
     return Report(tuple(services), tuple(problems))
 
 
+class _Budget:
+    """The work `check` may spend on one table's selection walks (per process: split_map's
+    children each have their own): each walk may do `per_walk` (interpret.work_budget), all of
+    them together TOTAL_WALKS times that; once that is spent, each further walk may still do
+    MIN_WALK, which every ordinary selection chain needs far less than. So a table of chains
+    that each branch without end (a diamond of coin flips) costs a few full walks, not one per
+    chain. docs/semantics.md, "Bounded work"."""
+
+    TOTAL_WALKS = 4
+    MIN_WALK = 5_000
+
+    def __init__(self, per_walk: int) -> None:
+        self.per_walk = per_walk
+        self.left = per_walk * self.TOTAL_WALKS
+
+    def next(self) -> int:
+        return max(min(self.per_walk, self.left), self.MIN_WALK)
+
+    def spend(self, work: int) -> None:
+        self.left -= work
+
+
 @dataclass(frozen=True, slots=True)
 class _Survey:
     """What `check` asks of every chain of a table, found in one pass over its rules (320 000
@@ -280,6 +314,16 @@ class _Survey:
     targets: dict[str, tuple[Verdict, ...]]  # named verdict maps included
     dnat: frozenset[str]
     random: frozenset[str]
+    # Non-base chains with a rule the parser could not read that would pick an endpoint (an
+    # unknown DNAT, numgen or statistic): walked, so that they are reported.
+    opaque: tuple[str, ...] = ()
+
+
+def _opaque_pick(st: Unknown) -> bool:
+    """An unknown statement that stands where an endpoint is picked: nft JSON keeps the
+    statement's own JSON (`{"dnat": …}`, a `numgen` inside), iptables its target or match."""
+    text = st.text
+    return text.startswith(('{"dnat"', "-j DNAT", "-m statistic")) or '"numgen"' in text
 
 
 def _survey(table: Table) -> _Survey:
@@ -288,9 +332,10 @@ def _survey(table: Table) -> _Survey:
     targets: dict[str, tuple[Verdict, ...]] = {}
     dnat: list[str] = []
     random: list[str] = []
+    opaque: list[str] = []
     for name, chain in table.chains.items():
         found: list[Verdict] = []
-        draws = does_dnat = False
+        draws = does_dnat = unknown = False
         for rule in chain.rules:
             for st in rule.statements:
                 if isinstance(st, Verdict):
@@ -301,6 +346,8 @@ def _survey(table: Table) -> _Survey:
                     draws = True
                 elif isinstance(st, VerdictMap):
                     found.extend(_map_verdicts(table, st))
+                elif isinstance(st, Unknown) and not unknown:
+                    unknown = _opaque_pick(st)
             if numgen and not draws and _draws_numgen(rule):
                 draws = True
         targets[name] = tuple(found)
@@ -308,7 +355,9 @@ def _survey(table: Table) -> _Survey:
             dnat.append(name)
         if draws:
             random.append(name)
-    return _Survey(targets, frozenset(dnat), frozenset(random))
+        if unknown and not chain.is_base:
+            opaque.append(name)
+    return _Survey(targets, frozenset(dnat), frozenset(random), tuple(opaque))
 
 
 def _map_verdicts(table: Table, st: VerdictMap) -> Iterator[Verdict]:
@@ -335,7 +384,8 @@ def _selects(chain: Chain, survey: _Survey) -> bool:
 
 
 def _selection(
-    ruleset: Ruleset, table: Table, chain: Chain, node_ips: Sequence[str], mode: Mode, weights: Weights | None = None
+    ruleset: Ruleset, table: Table, chain: Chain, node_ips: Sequence[str], mode: Mode, weights: Weights | None = None,
+    budget: _Budget | None = None,
 ) -> tuple[ServiceReport | None, list[Problem], set[str]]:
     problems: list[Problem] = []
     src, dst = _probe(table)
@@ -343,10 +393,19 @@ def _selection(
     for proto in ("tcp", "udp", "sctp"):
         packet = Packet(src, dst, 1, proto, "pod")
         entered: set[str] = set()
+        spent: list[int] = []
+        allowed = None if budget is None else budget.next()
         try:
-            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, entered=entered)
+            paths = walk_chain(ruleset, table, chain.name, packet, node_ips=node_ips, mode=mode, entered=entered,
+                               budget=allowed, spent=spent)
         except InterpretError as exc:
-            return None, [Problem("uninterpretable", _where(table, chain.name), str(exc))], set()
+            detail = str(exc)
+            if budget is not None and allowed < budget.per_walk and "rule evaluations" in detail:
+                detail += f" (check had spent its work on this table's walks above, so this walk could do {allowed})"
+            return None, [Problem("uninterpretable", _where(table, chain.name), detail)], set()
+        finally:
+            if budget is not None:
+                budget.spend(sum(spent))
         dnat = _fsum(p.probability for p in paths if p.outcome.verdict == "dnat")
         if best is None or dnat > best[0]:
             best = (dnat, proto, paths, entered)
@@ -605,6 +664,78 @@ def _union(ranges: list[range]) -> tuple[list[int], list[int]]:
     return starts, stops
 
 
+def _loops(table: Table, survey: _Survey) -> Iterator[Problem]:
+    """One problem per set of chains that jump or go to one another in a cycle (a strongly
+    connected component of the jump graph, verdict maps included, or a chain that jumps to
+    itself), naming one cycle through it. Tarjan's algorithm with an explicit stack: linear in
+    the jumps, and a straight run of thousands of chains is no deeper for it."""
+    chains = table.chains
+    edges = {
+        name: tuple(dict.fromkeys(v.target for v in targets if v.kind in ("jump", "goto") and v.target in chains))
+        for name, targets in survey.targets.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, i = work[-1]
+            out = edges.get(node, ())
+            if i < len(out):
+                work[-1] = (node, i + 1)
+                nxt = out[i]
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] != index[node]:
+                continue
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in edges.get(node, ()):
+                cycle = _cycle(node, set(component), edges)
+                yield Problem("jump-loop", _where(table, node), f"{' -> '.join(cycle)}: chains that jump to one another in a loop (the kernel refuses it)")
+
+
+def _cycle(start: str, members: set[str], edges: dict[str, tuple[str, ...]]) -> list[str]:
+    """A shortest cycle from `start` back to itself within `members` (breadth first)."""
+    parent: dict[str, str] = {}
+    queue = [start]
+    for node in queue:
+        for nxt in edges.get(node, ()):
+            if nxt not in members:
+                continue
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [start] + path[::-1][1:] + [start] if node != start else [start, start]
+            if nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    return [start]
+
+
 def _missing_chains(table: Table, survey: _Survey) -> Iterator[Problem]:
     """Rule by rule only in the chains whose targets, as surveyed, name a missing chain."""
     chains = table.chains
@@ -635,34 +766,86 @@ def _ct_gated(rule: Rule, flag: str | None = "new") -> bool:
     return False
 
 
-def _can_block(table: Table, name: str, seen: set[str]) -> bool:
-    """Can a packet that enters chain `name` be dropped or rejected there, by a rule that does
-    not itself look at conntrack state?"""
-    if name in seen:
-        return False
-    seen.add(name)
-    chain = table.chains.get(name)
-    if chain is None:
-        return False
-    for rule in chain.rules:
-        if _ct_gated(rule, None):
-            continue
-        for v in _targets(table, rule):
-            if v.kind in ("drop", "reject"):
-                return True
-            if v.kind in ("jump", "goto") and _can_block(table, v.target, seen):
-                return True
-    return False
+def _blocking_chains(table: Table) -> frozenset[str]:
+    """The chains in which a packet can be dropped or rejected by a rule that does not itself
+    look at conntrack state, there or in a chain such a rule jumps or goes to. One pass over the
+    rules and one walk back from the chains that drop (iterative: a straight run of thousands
+    of jumps is no deeper for it), so the question costs each base-chain rule a set lookup, not
+    a graph search of its own."""
+    callers: dict[str, list[str]] = {}
+    blocking: set[str] = set()
+    summaries: dict[str, tuple[bool, tuple[tuple[str, str], ...]]] = {}
+    for name, chain in table.chains.items():
+        for rule in chain.rules:
+            if _ct_gated(rule, None):
+                continue
+            for st in rule.statements:
+                if isinstance(st, Verdict):
+                    if st.kind in ("drop", "reject"):
+                        blocking.add(name)
+                    elif st.kind in ("jump", "goto"):
+                        callers.setdefault(st.target, []).append(name)
+                elif isinstance(st, VerdictMap):
+                    found = _map_summary(table, st, summaries)
+                    if found[0]:
+                        blocking.add(name)
+                    for _, target in found[1]:
+                        callers.setdefault(target, []).append(name)
+    stack = list(blocking)
+    while stack:
+        for caller in callers.get(stack.pop(), ()):
+            if caller not in blocking:
+                blocking.add(caller)
+                stack.append(caller)
+    return frozenset(blocking)
+
+
+def _map_summary(
+    table: Table, st: VerdictMap, summaries: dict[str, tuple[bool, tuple[tuple[str, str], ...]]]
+) -> tuple[bool, tuple[tuple[str, str], ...]]:
+    """Whether a verdict map's elements drop or reject, and the chains they jump or go to (in
+    element order); a named map's read once into `summaries`, however many rules use it."""
+    if isinstance(st.map, SetRef):
+        found = summaries.get(st.map.name)
+        if found is None:
+            found = summaries[st.map.name] = _map_summary_uncached(table, st)
+        return found
+    return _map_summary_uncached(table, st)
+
+
+def _map_summary_uncached(table: Table, st: VerdictMap) -> tuple[bool, tuple[tuple[str, str], ...]]:
+    blocks = False
+    targets: dict[tuple[str, str], None] = {}
+    for v in _map_verdicts(table, st):
+        if v.kind in ("drop", "reject"):
+            blocks = True
+        elif v.kind in ("jump", "goto"):
+            targets[(v.kind, v.target)] = None
+    return blocks, tuple(targets)
 
 
 def _ungated(table: Table) -> Iterator[Problem]:
+    """Linear in the rules and map elements: which chains can block is found once per table
+    (`_blocking_chains`), and a named verdict map is read once however many rules use it."""
+    blocking: frozenset[str] | None = None
+    summaries: dict[str, tuple[bool, tuple[tuple[str, str], ...]]] = {}
     for chain in table.chains.values():
         if not chain.is_base or chain.type != "filter":
             continue
+        if blocking is None:
+            blocking = _blocking_chains(table)
         for i, rule in enumerate(chain.rules):
             if _ct_gated(rule):
                 continue
-            for v in _targets(table, rule):
-                if v.kind in ("jump", "goto") and _can_block(table, v.target, set()):
-                    yield Problem("ungated-filter-jump", _where(table, chain.name, i), f"{v.kind} to {v.target}, which can drop or reject, without ct state new")
+            for st in rule.statements:
+                if isinstance(st, Verdict):
+                    targets: tuple[tuple[str, str], ...] = ((st.kind, st.target),) if st.kind in ("jump", "goto") else ()
+                elif isinstance(st, VerdictMap):
+                    targets = _map_summary(table, st, summaries)[1]
+                else:
+                    continue
+                hit = next(((kind, target) for kind, target in targets if target in blocking), None)
+                if hit is not None:
+                    yield Problem("ungated-filter-jump", _where(table, chain.name, i), f"{hit[0]} to {hit[1]}, which can drop or reject, without ct state new")
                     break
+

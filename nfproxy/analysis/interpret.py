@@ -136,6 +136,7 @@ class Path:
     lookups: tuple[str, ...] = ()  # dynamic (affinity) sets consulted: empty for a new client
     pins: tuple[str, ...] = ()  # dynamic sets this connection would be recorded in
     count: int = 1  # how many walks, equal from here on, this one stands for (steps: the first's)
+    unlisted: int = 0  # rules this path matched beyond the first _MAX_STEPS, counted, not listed
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,6 +270,90 @@ class _State:
 
 _StateKey = tuple
 
+# Bounds on work, so that a dump the kernel accepts (or one written by hand) cannot make the
+# walk run for ever or overflow Python's stack; docs/semantics.md, "Bounded work".
+# - A path lists at most this many matched rules; the others are counted (`Path.unlisted`). A
+#   chain that jumps to two chains that each jump to the next two... (a "diamond" of n levels)
+#   is one path through 2^n rule matches: the walk is memoised and cheap, the list is not.
+_MAX_STEPS = 10_000
+# - Expressions nested deeper than this are not interpreted (a kernel rule holds at most 128
+#   expressions; nft never nests `concat` in `concat`): the evaluation recurses on them.
+_MAX_EXPR_DEPTH = 64
+# - Work, in rule evaluations and chain exits (states visited): at most the larger of these,
+#   per walk of one packet (or one chain, for `check`), counting the dump's rules and named set
+#   and map elements. A ruleset whose random choices lead to ever more distinct states (a mark
+#   changed by each of 24 coin flips: 2^24 marks) is stopped with an error naming the limit
+#   rather than followed to the end. Real walks stay far below: a 20 000-endpoint service costs
+#   about 3 per rule, a 10 000-service check 7 per walk.
+_WORK_FLOOR = 100_000
+_WORK_PER_RULE = 8
+_ELIDED = -2  # Step.rule of the count of unlisted steps, last in a truncated tuple
+
+
+def _cat(a: tuple[Step, ...], b: tuple[Step, ...]) -> tuple[Step, ...]:
+    """Steps `a` then `b`, listing at most _MAX_STEPS of them: the rest are counted in a last
+    Step whose rule is _ELIDED and whose text is the count."""
+    if not b:
+        return a
+    if not a:
+        return b
+    if a[-1].rule != _ELIDED and len(a) + len(b) <= _MAX_STEPS:
+        return a + b
+    skipped = 0
+    if a[-1].rule == _ELIDED:
+        skipped, a = int(a[-1].text), a[:-1]
+    if b[-1].rule == _ELIDED:
+        skipped, b = skipped + int(b[-1].text), b[:-1]
+    room = max(_MAX_STEPS - len(a), 0)
+    if len(b) > room:
+        skipped += len(b) - room
+        b = b[:room]
+    return a + b + ((Step("", "", _ELIDED, str(skipped)),) if skipped else ())
+
+
+def _step(steps: tuple[Step, ...], step: Step) -> tuple[Step, ...]:
+    """`steps` and one more (counted only, past _MAX_STEPS)."""
+    if len(steps) < _MAX_STEPS and (not steps or steps[-1].rule != _ELIDED):
+        return steps + (step,)
+    return _cat(steps, (step,))
+
+
+def _expr_depth(expr: Any) -> int:
+    """How deeply `expr` nests (1 for a flat one), with a stack rather than recursion."""
+    deepest = 0
+    stack = [(expr, 1)]
+    while stack:
+        e, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > _MAX_EXPR_DEPTH:
+            break
+        if isinstance(e, Concat):
+            stack.extend((item, d + 1) for item in e.items)
+        elif isinstance(e, Bitwise):
+            stack.append((e.left, d + 1))
+        elif isinstance(e, MapLookup):
+            stack.append((e.key, d + 1))
+    return deepest
+
+
+def _rule_depth(rule: Rule) -> int:
+    deepest = 0
+    for st in rule.statements:
+        if isinstance(st, Match):
+            exprs: tuple = (st.left,)
+        elif isinstance(st, VerdictMap):
+            exprs = (st.key,)
+        elif isinstance(st, MarkSet):
+            exprs = (st.value,)
+        elif isinstance(st, Dnat):
+            exprs = (st.addr,) if st.port is None else (st.addr, st.port)
+        else:
+            continue
+        for e in exprs:
+            if isinstance(e, (Concat, Bitwise, MapLookup)):
+                deepest = max(deepest, _expr_depth(e))
+    return deepest
+
 
 def _key(st: _State) -> _StateKey:
     # Addresses as ints: ipaddress's own __hash__ formats a hex string on every call. One walk
@@ -296,7 +381,7 @@ def _join(before: _State, after: _State) -> _State:
         return after
     return _with_history(
         after,
-        before.steps + after.steps,
+        _cat(before.steps, after.steps),
         before.lookups + after.lookups,
         before.pins + after.pins,
         before.paths * after.paths,
@@ -344,7 +429,7 @@ def _rebase(before: _State, after: _State | None, reads: int) -> _State:
         after.mark if reads & _MARK else before.mark,
         after.dnat if reads & _DNAT else before.dnat,
         after.masq if reads & _MASQ else before.masq,
-        before.steps + after.steps if before.steps else after.steps,
+        _cat(before.steps, after.steps) if before.steps else after.steps,
         before.lookups + after.lookups if before.lookups else after.lookups,
         before.pins + after.pins if before.pins else after.pins,
         before.paths * after.paths,
@@ -404,6 +489,23 @@ class _Unknown(Exception):
     pass
 
 
+def work_budget(ruleset: Ruleset) -> int:
+    """The work one walk may do in `ruleset` (see _WORK_FLOOR)."""
+    def size() -> int:
+        n = 0
+        for table in ruleset.tables:
+            n += sum(len(chain.rules) for chain in table.chains.values())
+            n += sum(len(sdef.elements) for sdef in table.sets.values())
+        return max(_WORK_FLOOR, _WORK_PER_RULE * n)
+    return indexes(ruleset).cached(("work budget",), size)  # type: ignore[no-any-return]
+
+
+def _over_budget(budget: int) -> str:
+    return (f"more than {budget} rule evaluations and chain exits in one walk: the rules branch "
+            f"into too many distinct states to follow (limit: max({_WORK_FLOOR}, {_WORK_PER_RULE} "
+            f"per rule and set element of the dump); docs/semantics.md, \"Bounded work\"")
+
+
 class _Interpreter:
     def __init__(self, ruleset: Ruleset, node_ips: Sequence[str], mode: _WalkMode, tracing: bool) -> None:
         if mode not in ("kernel", "ideal", "both"):
@@ -419,6 +521,8 @@ class _Interpreter:
             "both": lambda: _Both(_Dyadic(1, 0), _Exact(Fraction(1))),
         }[mode]()
         self.index = indexes(ruleset)
+        self.work = 0  # rule evaluations and chain exits of the current walk (`_walk` resets it)
+        self.budget = work_budget(ruleset)
         self._numgen_cache: dict[tuple[int, int], list[tuple[Weight, int]]] = {}
         # ((table, chain), _project(state, reads)) -> [the chain's exits for a walk entering with
         # weight 1, reads, used since the last sweep]; per chain, the read sets its walks have had
@@ -433,6 +537,12 @@ class _Interpreter:
         self._leading: dict[int, dict[int, tuple[Any, ...]]] = self.index.cached(("leading",), dict)
 
     # ---- weights
+
+    def _spend(self, n: int) -> None:
+        """Count `n` states made inside one rule (a product of enumerated values)."""
+        self.work += n
+        if self.work > self.budget:
+            raise _Unknown(_over_budget(self.budget))
 
     def _numgen(self, expr: Numgen) -> list[tuple[Weight, int]]:
         if expr.mod > _ENUMERABLE_NUMGEN:
@@ -601,6 +711,8 @@ class _Interpreter:
                         else:
                             nxt.append((ww, prefix + (v,)))
                 acc = nxt
+                if len(acc) > 1:
+                    self._spend(len(acc))
             return acc
         if isinstance(expr, MapLookup):
             index = self._elements(table, expr.map, st, record=False)
@@ -723,7 +835,10 @@ class _Interpreter:
             self._written |= _DST | _DPORT | _DNAT
             out = []
             ports = self.values(table, stmt.port, st) if stmt.port is not None else [(one, None)]
-            for w, addr in self.values(table, stmt.addr, st):
+            addrs = self.values(table, stmt.addr, st)
+            if len(ports) > 1 and len(addrs) > 1:
+                self._spend(len(ports) * len(addrs))
+            for w, addr in addrs:
                 for w2, port in ports:
                     ww = w if w2 is one else w2 if w is one else w * w2
                     if addr is None:
@@ -793,6 +908,7 @@ class _Interpreter:
             self._reads, self._queries, self._written = 0, [], 0
             start = _fresh(st) if st.steps or st.lookups or st.pins or st.paths != 1 else st
             exits = self._walk_rules(table, chain, start, depth)
+            self._count_exits(table, chain, len(exits))
             written = self._written
             # With `entered` asked for, only equal states share a walk: a shared one would not
             # name the chains it entered.
@@ -820,12 +936,18 @@ class _Interpreter:
             return [(w if f is one else w * f, _join(st, ex), r) for f, ex, r in exits]
         else:
             exits, reads, _, queries, written = found
+            self._count_exits(table, chain, len(exits))
             found[2] = True
             self._absorb(reads, queries, written)
         one = self.one
         if w is one:
             return [(f, _rebase(st, ex, reads), r) for f, ex, r in exits]
         return [(w if f is one else w * f, _rebase(st, ex, reads), r) for f, ex, r in exits]
+
+    def _count_exits(self, table: Table, chain: Chain, n: int) -> None:
+        self.work += n
+        if self.work > self.budget:
+            raise InterpretError(f"{table.family} {table.name}: chain {chain.name}: {_over_budget(self.budget)}")
 
     def _walk_rules(self, table: Table, chain: Chain, start: _State, depth: int) -> list[tuple[Weight, _State, str]]:
         out: list[tuple[Weight, _State, str]] = []
@@ -857,7 +979,7 @@ class _Interpreter:
                     reach(i + 1, w2, st2)
                     continue
                 if self.tracing:
-                    st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                    st2 = _with_history(st2, _step(st2.steps, Step(table.name, chain.name, i, rule.text)),
                                         st2.lookups, st2.pins, st2.paths)
                 if act is None:
                     reach(i + 1, w2, st2)
@@ -889,7 +1011,7 @@ class _Interpreter:
             w2 = f if w is one else w if f is one else w * f
             if act is not _NOMATCH:
                 if self.tracing:
-                    st2 = _with_history(st2, st2.steps + (Step(table.name, chain.name, i, rule.text),),
+                    st2 = _with_history(st2, _step(st2.steps, Step(table.name, chain.name, i, rule.text)),
                                         st2.lookups, st2.pins, st2.paths)
                 if act is not None:
                     kind, target = act
@@ -922,6 +1044,9 @@ class _Interpreter:
     def _rule_at(
         self, table: Table, chain: Chain, i: int, rule: Rule, st: _State, leads: dict[int, tuple[Any, ...]]
     ) -> list[tuple[Weight, _State, tuple | None]]:
+        self.work += 1
+        if self.work > self.budget:
+            raise InterpretError(f"{table.family} {table.name}: chain {chain.name} rule {i + 1}: {_over_budget(self.budget)}", rule.line)
         try:
             return self.rule(table, rule, st, leads)
         except (_Unknown, ValueError, TypeError, ArithmeticError) as exc:
@@ -949,6 +1074,9 @@ class _Interpreter:
             leads = self._leads(table)
         lead = leads.get(id(rule))
         if lead is None:
+            depth = _rule_depth(rule)
+            if depth > _MAX_EXPR_DEPTH:
+                raise _Unknown(f"expressions nested more than {_MAX_EXPR_DEPTH} deep (a kernel rule holds at most 128 expressions)")
             lead = leads[id(rule)] = _leading(self, table, rule)
         for get, op, operand, in_set in lead:
             if in_set:
@@ -976,6 +1104,8 @@ class _Interpreter:
                     else:
                         out.append((wf, s2, act))
             branches = nxt
+            if len(branches) > 1:
+                self._spend(len(branches))
             if not branches:
                 break
         out.extend((w, s, None) for w, s in branches)
@@ -1017,7 +1147,7 @@ class _Interpreter:
                         r = chain.policy
                         if self.tracing and chain.policy != "accept":
                             st2 = dataclasses.replace(
-                                st2, steps=st2.steps + (Step(table.name, chain.name, -1, f"policy {chain.policy}"),)
+                                st2, steps=_step(st2.steps, Step(table.name, chain.name, -1, f"policy {chain.policy}"))
                             )
                     if r in ("drop", "reject"):
                         terminal.append((w2, st2, r))
@@ -1230,10 +1360,13 @@ def _shared_fraction(value: Fraction) -> Fraction:
 
 
 def _paths(results: list[tuple[Weight, _State, str]]) -> list[Path]:
-    return [
-        Path(_outcome(st, verdict), w.fraction(), st.steps, tuple(dict.fromkeys(st.lookups)), st.pins, st.paths)
-        for w, st, verdict in results
-    ]
+    out = []
+    for w, st, verdict in results:
+        steps, unlisted = st.steps, 0
+        if steps and steps[-1].rule == _ELIDED:
+            steps, unlisted = steps[:-1], int(steps[-1].text)
+        out.append(Path(_outcome(st, verdict), w.fraction(), steps, tuple(dict.fromkeys(st.lookups)), st.pins, st.paths, unlisted))
+    return out
 
 
 def _walk(interp: _Interpreter, packet: Packet) -> list[tuple[Weight, _State, str]]:
@@ -1241,6 +1374,7 @@ def _walk(interp: _Interpreter, packet: Packet) -> list[tuple[Weight, _State, st
         raise InterpretError(f"packet: origin must be pod, outside or node, not {packet.origin!r}")
     items: list[tuple[Weight, _State]] = [(interp.one, _state(packet))]
     done: list[tuple[Weight, _State, str]] = []
+    interp.work = 0
     if packet.origin == "node":
         items, term = interp.run_hook("output", items, nat=True)
         done += term
@@ -1325,15 +1459,25 @@ def walk_chain(
     mode: Mode = "kernel",
     tracing: bool = False,
     entered: set[str] | None = None,
+    budget: int | None = None,
+    spent: list[int] | None = None,
 ) -> list[Path]:
     """`entered`, when given, receives the name of every chain the walk enters with a
-    probability above 0 (paths merged into one keep only the first one's steps)."""
+    probability above 0 (paths merged into one keep only the first one's steps). `budget`:
+    the work the walk may do (default `work_budget(ruleset)`); `spent`, when given, receives
+    the work it did (also when it stops with an error)."""
     interp = _Interpreter(ruleset, node_ips, mode, tracing=tracing)
     interp.entered = entered
+    if budget is not None:
+        interp.budget = budget
     start = table.chains.get(chain)
     if start is None:
         raise InterpretError(f"{table.family} {table.name}: no chain {chain!r}")
-    results = interp.run_chain(table, start, interp.one, _state(packet))
+    try:
+        results = interp.run_chain(table, start, interp.one, _state(packet))
+    finally:
+        if spent is not None:
+            spent.append(interp.work)
     return _paths([(w, s, "accept" if r == "return" else r) for w, s, r in results])
 
 

@@ -122,6 +122,8 @@ def format_trace(
                 last = (step.table, step.chain)
             where = "policy" if step.rule < 0 else f"#{step.rule + 1}"
             lines.append(f"      {where}: {readable(step.text)}")
+        if first.unlisted:
+            lines.append(f"  ... and {first.unlisted} more rules matched, not listed (a path lists at most {len(first.steps)})")
         if first.lookups:
             lines.append(f"  affinity lookups (a new client matches none): {', '.join(first.lookups)}")
         if first.pins:

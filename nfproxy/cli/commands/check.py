@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> int:
         report = check(source.ruleset, node_ips=args.node_ip, mode=args.mode, weights=weights)
     except (InterpretError, ValueError) as exc:
         return fail(f"{where}: {exc}")
+    except RecursionError:
+        # The last line of defence: the analysis bounds its recursion (jumps 64 deep,
+        # expressions 64 deep) and walks graphs with explicit stacks.
+        return fail(f"{where}: rules nested too deeply to analyse")
     if args.json:
         json.dump(
             {

@@ -182,6 +182,9 @@ def _answer(
         written = paths if args.mode == "ideal" else trace(source.ruleset, packet, node_ips=args.node_ip, mode="ideal")
     except InterpretError as exc:
         raise SourceError(f"{dump}:{exc.line}: {exc}" if exc.line else f"{dump}: {exc}") from None
+    except RecursionError:
+        # The last line of defence: the interpreter bounds jumps and expressions 64 deep.
+        raise SourceError(f"{dump}: rules nested too deeply to analyse") from None
     shares = distribution(written)
     by_endpoint = endpoint_weights(weights) if weights is not None else {}
     if not args.json:
@@ -203,6 +206,9 @@ def _answer(
                 "steps": [{"table": s.table, "chain": s.chain, "rule": s.rule + 1, "text": readable(s.text)} for s in p.steps],
                 "affinity_lookups": list(p.lookups),
                 "pins": list(p.pins),
+                # Only on a path of more than interpret._MAX_STEPS matched rules (the first
+                # ones are listed): docs/semantics.md, "Bounded work".
+                **({"steps_not_listed": p.unlisted} if p.unlisted else {}),
             }
             for p in paths
         ],
