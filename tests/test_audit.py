@@ -361,9 +361,9 @@ def _cli(*argv: str) -> tuple[int, str, str]:
     (("--interval", "5s", "--once"), "not allowed with argument"),
     (("--service", "justaname", "--once"), "--service 'justaname': expected NAMESPACE/NAME"),
     (("--backend", "pf", "--once"), "argument --backend: invalid choice"),
-    (("--node-ip", "bogus", "--once"), "audit: --node-ip bogus: not an IP address"),
+    (("--node-ip", "bogus", "--once"), "audit: --node-ip 'bogus': not an IP address"),
     (("--backend", "iptables", "--netns", "does-not-exist-xyz", "--once"),
-     "audit: --netns: no network namespace named does-not-exist-xyz"),
+     "audit: --netns: no network namespace named 'does-not-exist-xyz'"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(argv: tuple[str, ...], message: str) -> None:
     status, out, err = _cli(*argv)

@@ -153,31 +153,32 @@ def _nodeport_addresses(v: object) -> list[str] | None:
     return values
 
 
-def _ip(v: object) -> str | None:
-    from nfproxy.sources.validation import FieldError, ip_address
+def _checked(v: object, check: Callable[[str], object]) -> str | None:
+    """A string field that must pass one of the flags' own checks: its FieldError is then the
+    field's, named by file and line."""
+    from nfproxy.sources.validation import FieldError
 
     text = _string(v)
     if text is not None:
         try:
-            ip_address(text)
+            check(text)
         except FieldError as exc:
             raise _Bad(str(exc)) from None
     return text
+
+
+def _ip(v: object) -> str | None:
+    from nfproxy.sources.validation import ip_address
+
+    return _checked(v, ip_address)
 
 
 def _interface(v: object) -> str | None:
     """detectLocal.bridgeInterface / interfaceNamePrefix: an interface name, whatever the mode,
     as the flags take it (it is written back by --write-config-to and into rules)."""
     from nfproxy.cli.config import interface_name
-    from nfproxy.sources.validation import FieldError
 
-    text = _string(v)
-    if text is not None:
-        try:
-            interface_name(text)
-        except FieldError as exc:
-            raise _Bad(str(exc)) from None
-    return text
+    return _checked(v, interface_name)
 
 
 def _host_port(v: object) -> str | None:

@@ -8,7 +8,6 @@ Exit status: 0 nothing skewed, 1 some service port skewed, 2 bad flags or unread
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import math
 import sys
@@ -16,8 +15,7 @@ import time
 from typing import Any
 
 from nfproxy.cli.commands import BACKENDS
-from nfproxy.cli.commands.trace import fail
-from nfproxy.sources.validation import show
+from nfproxy.cli.commands.trace import SourceError, check_netns, check_node_ips, fail
 
 DEFAULT_INTERVAL = "30s"
 
@@ -48,16 +46,12 @@ def _check_flags(args: argparse.Namespace) -> float | None:
             raise AuditError(f"--service {args.service!r}: expected NAMESPACE/NAME")
     if args.once and args.interval is not None:
         raise AuditError("--once and --interval exclude each other")
-    for ip in args.node_ip:
-        try:
-            ipaddress.ip_address(ip)
-        except ValueError:
-            raise AuditError(f"--node-ip {show(ip)}: not an IP address") from None
-    if args.netns:
-        from nfproxy.kernel import netns
-
-        if not netns.exists(args.netns):
-            raise AuditError(f"--netns: no network namespace named {show(args.netns)} (see `ip netns list`)")
+    try:
+        check_node_ips(args.node_ip)
+        if args.netns:
+            check_netns(args.netns)
+    except SourceError as exc:
+        raise AuditError(str(exc)) from None
     return None if args.once else _interval(args)
 
 

@@ -41,15 +41,28 @@ def fail(message: str) -> int:
     return 2
 
 
-def load_source(args: argparse.Namespace):  # noqa: ANN201
-    """The rules, from --from-file or live; a bad dump or flag is a SourceError naming it."""
-    from nfproxy.analysis import dump
-
-    for ip in args.node_ip:
+def check_node_ips(node_ips: list[str]) -> None:
+    """--node-ip, as check, trace and audit take it: before any rule is read."""
+    for ip in node_ips:
         try:
             ipaddress.ip_address(ip)
         except ValueError:
             raise SourceError(f"--node-ip {ip!r}: not an IP address") from None
+
+
+def check_netns(name: str) -> None:
+    """A named namespace that does not exist is a bad flag (status 2), not a kernel failure."""
+    from nfproxy.kernel import netns
+
+    if not netns.exists(name):
+        raise SourceError(f"--netns: no network namespace named {name!r} (see `ip netns list`)")
+
+
+def load_source(args: argparse.Namespace):  # noqa: ANN201
+    """The rules, from --from-file or live; a bad dump or flag is a SourceError naming it."""
+    from nfproxy.analysis import dump
+
+    check_node_ips(args.node_ip)
     if args.from_file:
         limit = args.max_dump_bytes if args.max_dump_bytes is not None else dump.MAX_DUMP_BYTES
         if limit <= 0:
@@ -62,10 +75,7 @@ def load_source(args: argparse.Namespace):  # noqa: ANN201
             print(f"nfproxy: note: {args.from_file} reads as {source.backend} rules", file=sys.stderr)
         return source
     if args.netns:
-        from nfproxy.kernel import netns
-
-        if not netns.exists(args.netns):
-            raise SourceError(f"--netns: no network namespace named {args.netns!r} (see `ip netns list`)")
+        check_netns(args.netns)
     try:
         return dump.read_live(args.backend or "nft", args.netns)
     except (dump.DumpError, ValueError) as exc:
