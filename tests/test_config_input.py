@@ -181,6 +181,9 @@ def test_display_is_bounded_and_one_line() -> None:
     assert "\n" not in display("a\nb") and display("a\nb") == "'a\\nb'"
     assert display([[[]]]) == "a list" and display({"a": 1}) == "a mapping"
     assert display(True) == "true" and display(None) == "null" and display(-3) == "-3"
+    # Past Python's 4 300-digit int-to-str limit: said by size (str() would raise).
+    assert display(10**5000) == "an integer of about 5001 digits"
+    assert display(10**200) == "an integer of about 201 digits" and display(10**40) == str(10**40)
 
 
 def test_duration_errors_quote_as_go_and_stay_short() -> None:

@@ -28,27 +28,17 @@ _MAX_DIGITS = 19
 
 
 def display(value: object, limit: int = DISPLAY_LIMIT) -> str:
-    """A one-line, bounded rendering of a user's value for messages.
+    """A one-line, bounded rendering of a user's value for messages: strings always quoted and
+    escaped (a newline cannot forge a log line) and cut at `limit`; everything else as the
+    manifest errors show it (`sources.validation.show`: containers named, never printed, so a
+    value nested a thousand deep costs nothing; integers past 4 300 digits by their size)."""
+    from nfproxy.sources.validation import show
 
-    Strings are quoted and escaped (a newline cannot forge a log line) and cut at `limit`;
-    containers are named, never printed, so a value nested a thousand deep costs nothing.
-    """
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if value is None:
         return "null"
-    if isinstance(value, int):
-        text = str(value) if abs(value) < 10**limit else f"an integer of {len(str(abs(value)))} digits"
-    elif isinstance(value, str):
-        text = repr(value[: limit + 1])
-    elif isinstance(value, float):
-        text = repr(value)
-    elif isinstance(value, list):
-        return "a list"
-    elif isinstance(value, dict):
-        return "a mapping"
-    else:
-        return f"a {type(value).__name__}"
+    if not isinstance(value, str):
+        return show(value)
+    text = repr(value[: limit + 1])
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
