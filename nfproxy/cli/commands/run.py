@@ -218,6 +218,7 @@ def _dry_run(args: argparse.Namespace, min_sync: float, sync_period: float) -> i
     kernels. Nothing of the machine is touched: no rules, sysctls, conntrack entries, owner
     lock or health-check node ports, so it can run beside kube-proxy (on other ports)."""
     from nfproxy.daemon.node import Daemon
+    from nfproxy.daemon.open_files import raise_open_file_limit
     from nfproxy.daemon.proxier import Proxier
     from nfproxy.kernel.memory import kernels
 
@@ -226,6 +227,7 @@ def _dry_run(args: argparse.Namespace, min_sync: float, sync_period: float) -> i
     if getattr(args, "metrics_endpoint_connections", False):
         raise FlagError("--metrics-endpoint-connections: a dry run has no kernel counters to read; drop it")
     config = _daemon_config(args, min_sync, sync_period, conntrack=False, health_check_node_ports=False)
+    raise_open_file_limit()  # its servers hold connections as the real daemon's do
     proxier = Proxier(args.backend, kernels=kernels(args.backend))
     source = _source(args)
     log.info("Dry run: syncing in-memory kernels only; this machine's rules are never touched")
