@@ -184,6 +184,30 @@ def test_check_knows_intended_weights() -> None:
             assert "weight-mismatch" in kinds
 
 
+@pytest.mark.parametrize("cluster_cidrs", [(), ("10.244.0.0/16",)])
+def test_check_names_weighted_chains_past_1000_endpoints(cluster_cidrs: tuple[str, ...]) -> None:
+    """Past 1 000 endpoints the SVC, SVL and SEP rules carry no comments; without a cluster CIDR
+    the SVC chain has no masquerade rule either. check still names each selection chain (from
+    the KUBE-SERVICES and node-port jumps to it) and holds it to the weights, not to 1/n."""
+    node = replace(NODE, cluster_cidrs=cluster_cidrs)
+    svc = replace(SVC, type=ServiceType.NODE_PORT, node_port=30080, external_policy_local=True)
+    eps = sort_endpoints([Endpoint(f"10.244.{i // 250}.{i % 250 + 1}", 8080, node_name="node-a" if i % 2 else "node-b",
+                                   weight=(1, 2, 7)[i % 3]) for i in range(1002)])
+    state = ClusterState(node, {svc.key: svc}, {svc.key: eps})
+    ruleset = iptables_ruleset(state, IPFamily.V4)
+    assert ' -> ' not in str(ruleset)  # no endpoint comments: the large-cluster layout
+    report = check(ruleset, weights=intended_weights(state))
+    assert report.clean, report.problems
+    chains = {s.chain.split("-")[1]: s for s in report.services}
+    assert set(chains) == {"SVC", "SVL"}
+    for s in chains.values():
+        assert s.name == "demo/web:http" and s.intended is not None
+    assert len(chains["SVL"].endpoints) == 501  # the node's own, still held to their weights
+    stale = ClusterState(node, {svc.key: svc}, {svc.key: tuple(replace(e, weight=1) for e in eps)})
+    kinds = {p.kind for p in check(ruleset, weights=intended_weights(stale)).problems}
+    assert "weight-mismatch" in kinds
+
+
 def test_check_without_model_flags_unequal_shares() -> None:
     state = state_of([1, 2, 7])
     report = check(nft_ruleset(state, IPFamily.V4))

@@ -205,10 +205,12 @@ def _has_numgen(expr: Expr) -> bool:
     return any(isinstance(e, Numgen) for e in _exprs(expr))
 
 
-def _label(table: Table, chain: Chain) -> str:
+def _label(table: Table, chain: Chain, jumped: _JumpLabels | None = None) -> str:
     for rule in chain.rules:
         if " -> " in rule.comment:
             return rule.comment.split(" -> ")[0]
+    if table.dialect == "iptables" and jumped is not None and (found := jumped.of(chain.name)):
+        return found
     if "/" in chain.name and "-" in chain.name:
         # nft: kind-HASH-ns/name/proto/port
         ident = chain.name.split("-", 2)[-1]
@@ -221,6 +223,54 @@ def _label(table: Table, chain: Chain) -> str:
         if rule.comment:
             return rule.comment.removesuffix(" cluster IP")
     return chain.name
+
+
+def _service_port(comment: str) -> str:
+    """The service port a kube-proxy comment starts with (`ns/name:port cluster IP`, a node
+    port's bare `ns/name:port`), or ""."""
+    head = comment.split(" ", 1)[0]
+    ns, slash, rest = head.partition("/")
+    return head if slash and ns and rest and not rest.startswith(":") else ""
+
+
+class _JumpLabels:
+    """Which service port an iptables chain serves, from the comments of the rules that jump
+    to it. Past 1 000 endpoints kube-proxy (and nfproxy) write the SVC and SEP rules without
+    comments, and a KUBE-SVC chain without a masquerade rule (no cluster CIDR) then names no
+    service itself: only KUBE-SERVICES' `ns/name:port cluster IP` (or a node port's, or a
+    labelled KUBE-EXT chain jumping on) still says which. Read on the first chain that needs
+    it: one pass over the table's rules."""
+
+    def __init__(self, table: Table) -> None:
+        self._table = table
+        self._labels: dict[str, str] | None = None
+
+    def of(self, chain: str) -> str:
+        if self._labels is None:
+            self._labels = self._read()
+        return self._labels.get(chain, "")
+
+    def _read(self) -> dict[str, str]:
+        labels: dict[str, str] = {}
+        unnamed: dict[str, list[str]] = {}  # a chain -> the chains it jumps to without a label
+        for chain in self._table.chains.values():
+            for rule in chain.rules:
+                label = _service_port(rule.comment) if rule.comment else ""
+                for v in rule.verdicts():
+                    if v.kind not in ("jump", "goto") or not v.target:
+                        continue
+                    if label:
+                        labels.setdefault(v.target, label)
+                    else:
+                        unnamed.setdefault(chain.name, []).append(v.target)
+        todo = [c for c in unnamed if c in labels]
+        while todo:  # a label flows on along unlabelled jumps (EXT -> SVL), each chain once
+            src = todo.pop()
+            for dst in unnamed.get(src, ()):
+                if dst not in labels:
+                    labels[dst] = labels[src]
+                    todo.append(dst)
+        return labels
 
 
 def _probe(table: Table) -> tuple[str, str]:
@@ -245,7 +295,9 @@ def check(
         referenced = {v.target for targets in survey.targets.values() for v in targets if v.kind in ("jump", "goto")}
         selecting = [chain for chain in table.chains.values() if _selects(chain, survey)]
         budget = _Budget(work_budget(ruleset))
-        walks = split_map(lambda chain: _selection(ruleset, table, chain, node_ips, mode, weights, budget), selecting)
+        jumped = _JumpLabels(table)
+        walks = split_map(lambda chain: _selection(ruleset, table, chain, node_ips, mode, weights, budget, jumped),
+                          selecting)
         for report, found, reached_here in walks:
             problems.extend(found)
             reached |= reached_here
@@ -261,7 +313,7 @@ def check(
                 chain = table.chains[name]
                 if _selects(chain, survey) or any(f"chain {name} rule " in d for d in told):
                     continue
-                report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode, weights, budget)
+                report, found, reached_here = _selection(ruleset, table, chain, node_ips, mode, weights, budget, jumped)
                 problems.extend(found)
                 reached |= reached_here
                 if report is not None:
@@ -385,7 +437,7 @@ def _selects(chain: Chain, survey: _Survey) -> bool:
 
 def _selection(
     ruleset: Ruleset, table: Table, chain: Chain, node_ips: Sequence[str], mode: Mode, weights: Weights | None = None,
-    budget: _Budget | None = None,
+    budget: _Budget | None = None, jumped: _JumpLabels | None = None,
 ) -> tuple[ServiceReport | None, list[Problem], set[str]]:
     problems: list[Problem] = []
     src, dst = _probe(table)
@@ -432,7 +484,7 @@ def _selection(
     fallthrough = _fsum(rest)
     if not endpoints:
         return None, problems, reached
-    label = _label(table, chain)
+    label = _label(table, chain, jumped)
     intended = intended_shares(weights, label, sorted(endpoints)) if weights is not None else None
     report = ServiceReport(label, table.name, chain.name, proto, tuple(sorted(endpoints.items())), fallthrough, timeout,
                            tuple(sorted(intended.items())) if intended is not None else None)
