@@ -164,6 +164,19 @@ NFT_SCRIPTS = [  # (script, line, message): `nfproxy render --backend nft` text 
     (_SCRIPT_HEAD + "add rule ip nfproxy c numgen random mod 1e400 vmap { 0 : drop }\n", 3, "'1e400'"),
     (_SCRIPT_HEAD + "add rule ip nfproxy c ip daddr { { 1.2.3.4 } } accept\n", 3, "not supported"),
     (_SCRIPT_HEAD + _SET + "add element ip nfproxy s {\n1.2.3.4\n", 4, "never closed"),
+    # What nft refuses: a DNAT port past 16 bits (in a rule, in an endpoint map's data), a hook
+    # it does not know. The reader took the port as it came and left the bogus chain out.
+    (_SCRIPT_HEAD + "add rule ip nfproxy c dnat ip to 10.0.0.1:99999\n", 3, "port 99999 out of range (0-65535)"),
+    (_SCRIPT_HEAD + "add map ip nfproxy m { typeof numgen random mod 1 : ip daddr . tcp dport ; }\n"
+     "add rule ip nfproxy c meta l4proto tcp dnat ip to numgen random mod 1 map @m\n"
+     "add element ip nfproxy m {\n0 : 10.0.0.1 . 70000\n}\n",
+     6, "element 0: port 70000 out of range"),
+    ("add table ip nfproxy\nadd chain ip nfproxy c { type nat hook bogus priority -100 ; }\n", 2, "hook 'bogus' is not one of"),
+    # The declaration names a set's types, not a later `flush set` of it (the line used to be
+    # that of the first element of any concatenated set before the culprit).
+    (_SCRIPT_HEAD + "add set ip nfproxy p { type ipv4_addr . ipv4_addr ; }\nflush set ip nfproxy p\n"
+     "add element ip nfproxy p {\n1.2.3.4 . 1.2.3.4\n}\n" + _SET + "add element ip nfproxy s {\nbogus\n}\n",
+     10, "'bogus' does not appear to be an IPv4"),
 ]
 
 
@@ -204,6 +217,35 @@ def test_an_insert_at_no_position_is_an_error(tmp_path: Path, capsys: pytest.Cap
     path.write_text(f"*nat\n:PREROUTING ACCEPT [0:0]\n:C - [0:0]\n-A C -j RETURN\n-I C {position} -j DROP\nCOMMIT\n")
     code, _, err = run(capsys, "check", "--from-file", str(path))
     assert code == 2 and err.startswith(f"nfproxy: error: {path}:5: -I C {position}: no such position"), err
+
+
+@pytest.mark.parametrize("port", ["65536", "99999"])
+def test_a_dnat_port_past_16_bits_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], port: str) -> None:
+    """iptables-restore refuses it (`Port '99999' not valid`): check used to report a service
+    with an endpoint 10.1.0.1:99999 and "no problems found"."""
+    path = tmp_path / "save.txt"
+    path.write_text("*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SVC-A - [0:0]\n-A PREROUTING -j KUBE-SVC-A\n"
+                    f"-A KUBE-SVC-A -p tcp -m tcp -j DNAT --to-destination 10.1.0.1:{port}\nCOMMIT\n")
+    code, out, err = run(capsys, "check", "--from-file", str(path))
+    assert code == 2 and not out and err.startswith(f"nfproxy: error: {path}:5: Port `{port}' not valid"), err
+
+
+def test_a_json_dump_with_what_nft_never_lists_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    head = '{"nftables": [{"table": {"family": "ip", "name": "t"}}, '
+    chain = '{"chain": {"family": "ip", "table": "t", "name": "c", "type": "nat", "hook": "%s", "prio": -100}}'
+    cases = {
+        chain % "bogus" + "]}": "chain 'c': hook 'bogus' is not one of",
+        chain % "prerouting" + ', {"rule": {"family": "ip", "table": "t", "chain": "c", "expr": '
+        '[{"dnat": {"addr": "10.0.0.1", "port": 65536}}]}}]}': "port 65536 out of range",
+        chain % "prerouting" + ', {"map": {"family": "ip", "table": "t", "name": "m", "type": "ipv4_addr", '
+        '"map": ["ipv4_addr", "inet_service"], "elem": [["1.2.3.4", {"concat": ["10.0.0.1", 99999]}]]}}]}':
+            "(map 'm'): element 1.2.3.4: port 99999 out of range",
+    }
+    path = tmp_path / "dump.json"
+    for doc, message in cases.items():
+        path.write_text(head + doc)
+        code, _, err = run(capsys, "check", "--from-file", str(path))
+        assert code == 2 and err.startswith(f"nfproxy: error: {path}: ") and message in err, err
 
 
 def test_an_infinite_priority_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

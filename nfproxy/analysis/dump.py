@@ -217,13 +217,16 @@ def _located_failure(located: list[tuple[int, Object]], txs: list[Any], exc: Exc
     from nfproxy.nftables.objects import Chain, Element, Map, Rule, Set
 
     family, table = (txs[0].family, txs[0].table) if txs else ("ip", "nfproxy")
-    decls = {obj.name: obj for _, obj in located if isinstance(obj, (Set, Map))}
+    decls: dict[str, Set | Map] = {}
+    for _, obj in located:  # the declaration, not a later `flush set` of the same name
+        if isinstance(obj, (Set, Map)) and (obj.type is not None or obj.typeof is not None):
+            decls.setdefault(obj.name, obj)
     for line, obj in located:
         try:
             if isinstance(obj, Rule):
                 nft_json.parse({"nftables": [script_json.rule(family, table, obj.chain, obj.body, 1)]})
             elif isinstance(obj, Chain):
-                script_json.chain(family, table, obj, 1)
+                nft_json.parse({"nftables": [script_json.chain(family, table, obj, 1)]})
             elif isinstance(obj, Element) and obj.set in decls:
                 nft_json.parse({"nftables": [script_json.set_(family, table, decls[obj.set], [obj], 1)]})
         except (ValueError, TypeError) as why:

@@ -562,6 +562,8 @@ def _dnat(dest: str) -> Statement:
     if "-" in ip or "-" in port:
         return Unknown(f"-j DNAT --to-destination {dest}")
     addr = Const(address(ip))
+    if port and not (port.isdigit() and int(port) <= 65_535):
+        raise ValueError(f"Port `{port}' not valid")  # as iptables-restore says it
     return Dnat(addr, Const(int(port)) if port else None)
 
 

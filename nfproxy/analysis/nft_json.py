@@ -123,10 +123,10 @@ def parse(doc: dict[str, Any] | str, elements: ElementSource | None = None) -> R
                 chains[cname] = Chain(
                     cname,
                     tuple(rules),
-                    hook=_optional_name(c.get("hook")),
-                    type=_optional_name(c.get("type")),
+                    hook=_one_of("hook", c.get("hook"), _HOOKS),
+                    type=_one_of("type", c.get("type"), _CHAIN_TYPES),
                     priority=_priority(c.get("prio", 0)),
-                    policy=str(c.get("policy", "accept")),
+                    policy=_one_of("policy", c.get("policy", "accept"), _POLICIES) or "accept",
                 )
             except _MALFORMED as exc:
                 raise ParseError(f"{family} {name}: chain {cname!r}: {_reason(exc)}") from None
@@ -181,6 +181,19 @@ def _name(obj: dict[str, Any], key: str) -> str:
     return value
 
 
+# What nft lists for a base chain (a dump with anything else was not listed by a kernel).
+_HOOKS = frozenset({"prerouting", "input", "forward", "output", "postrouting", "ingress", "egress"})
+_CHAIN_TYPES = frozenset({"filter", "nat", "route"})
+_POLICIES = frozenset({"accept", "drop"})
+
+
+def _one_of(field: str, value: Any, allowed: frozenset[str]) -> str | None:
+    name = _optional_name(value)
+    if name is not None and name not in allowed:
+        raise ValueError(f"{field} {_short(name)} is not one of {', '.join(sorted(allowed))}")
+    return name
+
+
 def _optional_name(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -208,14 +221,50 @@ def _priority(value: Any) -> int:
     return int(value)
 
 
-def _kinds(type_: Any) -> tuple[Kind, ...]:
+def _type_names(type_: Any) -> list[Any]:
     if isinstance(type_, list):
-        names = type_
-    elif isinstance(type_, str):
-        names = [p.strip() for p in type_.split(" . ")]
-    else:
-        names = []
-    return tuple(_TYPE_KINDS.get(n, "unknown") for n in names)
+        return type_
+    if isinstance(type_, str):
+        return [p.strip() for p in type_.split(" . ")]
+    return []
+
+
+def _kinds(type_: Any) -> tuple[Kind, ...]:
+    return tuple(_TYPE_KINDS.get(n, "unknown") for n in _type_names(type_))
+
+
+PORT_MAX = 65_535
+
+
+class NotFromAKernel(ValueError):
+    """A value no kernel holds: the dump is refused, not the statement kept as unknown (an
+    unknown statement is one the reader has no model for, not one nft would refuse)."""
+
+
+def check_port(value: object) -> None:
+    """A DNAT port must fit 16 bits: nft and iptables refuse anything else (`Service out of
+    range`, `Port '99999' not valid`), so a dump holding one was not listed by a kernel."""
+    if isinstance(value, int) and not 0 <= value <= PORT_MAX:
+        raise NotFromAKernel(f"port {value} out of range (0-{PORT_MAX})")
+
+
+def _check_ports(data_types: list[Any], elements: tuple[Element, ...]) -> None:
+    """The inet_service parts of a map's data (an endpoint map's `ip . port`) in range."""
+    at = [i for i, name in enumerate(data_types) if name == "inet_service"]
+    if not at:
+        return
+    single = len(data_types) == 1
+    for el in elements:
+        if el.data is None or not isinstance(el.data, Const):
+            continue
+        values = (el.data.value,) if single else el.data.value
+        for i in at:
+            try:
+                check_port(values[i])  # type: ignore[index]
+            except ValueError as exc:
+                key = " . ".join(f"{k.low}-{k.high}" if isinstance(k, Range) else str(getattr(k, "value", k))
+                                 for k in el.key)
+                raise ValueError(f"element {key[:80]}: {exc}") from None
 
 
 def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: ElementSource | None = None) -> SetDef:
@@ -228,6 +277,8 @@ def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: Elem
         elements = source(obj.get("family"), obj.get("table"), obj["name"], key_kinds, data_kinds, memo)  # type: ignore[arg-type]
     if elements is None:
         elements = _elements(obj.get("elem", []), key_kinds, data_kinds, memo)
+    if kind == "map":
+        _check_ports(_type_names(obj.get("map")), elements)
     flags = obj.get("flags", [])
     flags = frozenset([flags] if isinstance(flags, str) else flags)
     return SetDef(obj["name"], kind, key_kinds, data_kinds, elements, flags, int(obj.get("timeout", 0)))  # type: ignore[arg-type]
@@ -489,6 +540,8 @@ def _statement(raw: Any, sets: dict[str, SetDef]) -> Statement | None:
             if isinstance(body, dict) and "port" in body:
                 return Unknown(json.dumps(raw))
             return Masquerade()
+    except NotFromAKernel:
+        raise
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return Unknown(f"{json.dumps(raw)} ({exc})")
     return Unknown(json.dumps(raw))
@@ -625,4 +678,6 @@ def _dnat(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
     if "port" in body:
         p = body["port"]
         port = Const(int(p)) if isinstance(p, int) else _expr(p)
+        if isinstance(port, Const):
+            check_port(port.value)
     return Dnat(addr, port)
