@@ -209,8 +209,12 @@ def _label(table: Table, chain: Chain, jumped: _JumpLabels | None = None) -> str
     for rule in chain.rules:
         if " -> " in rule.comment:
             return rule.comment.split(" -> ")[0]
-    if table.dialect == "iptables" and jumped is not None and (found := jumped.of(chain.name)):
-        return found
+    if table.dialect == "iptables":
+        for rule in chain.rules:  # a KUBE-SVC chain's masquerade rule: `ns/name:port cluster IP`
+            if rule.comment and (found := _service_port(rule.comment)):
+                return found
+        if jumped is not None and (found := jumped.of(chain.name)):
+            return found
     if "/" in chain.name and "-" in chain.name:
         # nft: kind-HASH-ns/name/proto/port
         ident = chain.name.split("-", 2)[-1]
@@ -254,15 +258,14 @@ class _JumpLabels:
         labels: dict[str, str] = {}
         unnamed: dict[str, list[str]] = {}  # a chain -> the chains it jumps to without a label
         for chain in self._table.chains.values():
-            for rule in chain.rules:
-                label = _service_port(rule.comment) if rule.comment else ""
-                for v in rule.verdicts():
-                    if v.kind not in ("jump", "goto") or not v.target:
-                        continue
-                    if label:
-                        labels.setdefault(v.target, label)
-                    else:
-                        unnamed.setdefault(chain.name, []).append(v.target)
+            for rule in chain.rules:  # iptables: the target, if any, is the last statement
+                v = rule.statements[-1] if rule.statements else None
+                if type(v) is not Verdict or v.kind not in ("jump", "goto") or not v.target:
+                    continue
+                if rule.comment and (label := _service_port(rule.comment)):
+                    labels.setdefault(v.target, label)
+                else:
+                    unnamed.setdefault(chain.name, []).append(v.target)
         todo = [c for c in unnamed if c in labels]
         while todo:  # a label flows on along unlabelled jumps (EXT -> SVL), each chain once
             src = todo.pop()
