@@ -269,6 +269,22 @@ def test_a_mixture_cannot_explain_skew_between_remote_endpoints() -> None:
     assert p.verdict == A.SKEWED
 
 
+@pytest.mark.parametrize(("local", "remote", "verdict"), [
+    (0, 100_000, A.SKEWED), (400, 600, A.SKEWED), (600, 400, A.EXPLAINED), (100_000, 0, A.EXPLAINED)])
+def test_a_local_policy_pair_is_held_to_what_a_mixture_can_give(local: int, remote: int, verdict: str) -> None:
+    """Two endpoints, one local, a Local traffic policy: no mix of the cluster chain (1/2 each)
+    and the local chain (all local) gives the remote endpoint more than 1/2. The fit used to
+    count its proportion as a degree of freedom even when it sat at "all cluster traffic",
+    leaving none, and called 100 000 connections to the remote endpoint explained (p = 1)."""
+    pair = EPS3[:2]
+    cluster = _uniform("KUBE-SVC-X", pair)
+    only_local = Selection("KUBE-SVL-X", ((pair[0], Fraction(1)),))
+    (p,) = A.audit(None, _reading({THREE: {pair[0]: local, pair[1]: remote}}, {THREE: (cluster, only_local)})).ports
+    assert p.verdict == verdict, p
+    if verdict == A.SKEWED:
+        assert p.p is not None and p.p < 1e-8 and p.expected[pair[1]] == pytest.approx(0.5)
+
+
 def test_only_one_service() -> None:
     counts = {THREE: _draw(1, 300, EPS3), FIVE: _draw(2, 300, EPS3)}
     report = A.audit(None, _reading(counts), only="ns/five")

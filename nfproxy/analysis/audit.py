@@ -310,6 +310,9 @@ def _chi_square(counts: Sequence[int], probs: Sequence[float], fitted: int) -> f
     return chi_square_sf(statistic, len(counts) - 1 - fitted)
 
 
+_BOUNDARY = 1e-6  # a mixture proportion below this is on the edge of the simplex
+
+
 def _mixture(observed: Mapping[str, int], selections: Sequence[Selection]) -> tuple[dict[str, float], int]:
     """The mixture of the chains' splits that best explains the counts (maximum likelihood,
     by EM on the proportions: the log-likelihood is concave in them, EM climbs it
@@ -336,7 +339,27 @@ def _mixture(observed: Mapping[str, int], selections: Sequence[Selection]) -> tu
         if done:
             break
     shares = {e: sum(weights[j] * tables[j][i] for j in range(m)) for i, e in enumerate(endpoints)}
-    return shares, m - 1
+    # Degrees of freedom the fit took: one per direction its proportions could move in. A
+    # proportion driven to 0 was not free to follow the counts (the remote endpoint of a
+    # Local-policy pair, given every connection, is fitted by "all cluster traffic" and must
+    # still be tested against its 1/2), and chains that split alike (a Local port whose
+    # endpoints are all local) move nothing.
+    free = [tables[j] for j in range(m) if weights[j] > _BOUNDARY]
+    return shares, _rank([[a - b for a, b in zip(t, free[0])] for t in free[1:]])
+
+
+def _rank(rows: list[list[float]]) -> int:
+    """The rank of a few rows (Gram-Schmidt; a port has two or three chains)."""
+    basis: list[list[float]] = []
+    for row in rows:
+        v = list(row)
+        for b in basis:
+            dot = math.fsum(x * y for x, y in zip(v, b))
+            v = [x - dot * y for x, y in zip(v, b)]
+        norm = math.sqrt(math.fsum(x * x for x in v))
+        if norm > 1e-9:
+            basis.append([x / norm for x in v])
+    return len(basis)
 
 
 def fit(observed: Mapping[str, int], selections: Sequence[Selection], alpha: float) -> Fit:
@@ -354,8 +377,10 @@ def fit(observed: Mapping[str, int], selections: Sequence[Selection], alpha: flo
     keys = [e for e, p in expected.items() if p > 0]
     if n == 0:
         return Fit(None, "no connections", expected)
-    if len(keys) - fitted <= 1:
+    if len(keys) <= 1:
         return Fit(1.0, "one possible endpoint", expected)
+    if len(keys) - fitted <= 1:  # as many free proportions as the counts have: they fit exactly
+        return Fit(1.0, "the chains' mixture fits these counts exactly", expected)
     counts = [observed.get(e, 0) for e in keys]
     probs = [expected[e] for e in keys]
     if min(probs) * n >= COCHRAN_MIN_EXPECTED:
