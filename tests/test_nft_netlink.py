@@ -39,6 +39,7 @@ from nfproxy.kernel.nft_netlink import (
 )
 from nfproxy.kernel.process import KernelError, find_tool
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction
+from nfproxy.nftables import text as nft_text
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
 from nfproxy.testing import random_cluster
 
@@ -540,3 +541,61 @@ def test_new_sets_are_declared_first_and_the_rest_goes_through_netlink() -> None
     table.add(Table("ip", TABLE))
     table.add(Set("s", "ipv4_addr"))
     assert declarations_apart(table) is None  # a table is a full sync's: all of it to libnftables
+
+
+@pytest.mark.kernel
+def test_a_weighted_affinity_choice_is_an_interval_vmap_through_netlink(caplog: pytest.LogCaptureFixture) -> None:
+    """A ClientIP-affinity port with weights picks through an anonymous vmap of one range per
+    endpoint (`numgen random mod 99950 vmap { 0-998 : goto …, 999-1998 : goto … }`), not one
+    element per unit of weight (99 950 of them, which no analysis could walk). Its weight
+    changes rewrite that rule: through netlink the kernel must hold what libnftables makes of it,
+    ranges, end markers and byte order included."""
+    from nfproxy.core.model import NodeConfig, Protocol, ServicePort, ServicePortName, ServiceType
+
+    spn = ServicePortName("demo", "sticky", "http", Protocol.TCP)
+    svc = ServicePort(spn, IPFamily.V4, ServiceType.CLUSTER_IP, "10.96.0.30", 80, affinity_timeout=10800)
+    eps = sort_endpoints([Endpoint(f"10.244.0.{i + 1}", 8080, weight=999 + i % 2) for i in range(100)])
+    base = ClusterState(NodeConfig(name="node-a"), {svc.key: svc}, {svc.key: eps})
+    rule = next(r for rules in nft_backend.render(base, IPFamily.V4).services[svc.key].chains.values()
+                for r in rules if "numgen" in r)
+    assert rule.startswith("numgen random mod 99950 vmap { 0-999 : goto ") and rule.count(" : goto ") == 100
+    from nfproxy.kernel.nft import NftKernel
+
+    with netns.throwaway("nfp-nl-a") as a, netns.throwaway("nfp-nl-b") as b:
+        fast = NetlinkNft(a)
+        kernel = NftKernel(IPFamily.V4, netns=a)
+        try:
+            # The full sync as the daemon sends it (one batch built from the objects, the rule
+            # compiled as above) against libnftables reading the script.
+            applied = nft_backend.render(base, IPFamily.V4)
+            with caplog.at_level("DEBUG", logger="nfproxy.kernel.nft"):
+                kernel.apply(applied.transaction())
+            assert "through libnftables" not in caplog.text
+            NftSession(b).apply(applied.script())
+            for ns in (a, b):
+                NftSession(ns).apply(nft_backend.render(base, IPFamily.V6).script())
+            assert kernel_view(a) == kernel_view(b)
+            state = base
+            for weights in ((1000, 1), (0, 7), (3, 3)):  # a heavy first endpoint, a drained one, equal again
+                changed = (dataclasses.replace(eps[0], weight=weights[0]), dataclasses.replace(eps[1], weight=weights[1]))
+                new_state = dataclasses.replace(state, endpoints={svc.key: changed + eps[2:]})
+                keys = diff(state, new_state).of(IPFamily.V4)
+                new = nft_backend.render_update(applied, new_state, keys)
+                d = nft_backend.delta(applied, new, keys)
+                # The affinity sets are declared again (`add set` is idempotent): through
+                # libnftables, the rest (the rewritten rule among it) through netlink.
+                rest = d.transaction
+                if unencodable(rest) is not None:
+                    split = declarations_apart(rest)
+                    assert split is not None
+                    NftSession(a).apply(nft_text.script(split[0]))
+                    fast.forget()
+                    rest = split[1]
+                assert any("numgen" in str(o) for _, o in rest.operations())
+                fast.apply(rest)  # Unsupported fails the test
+                NftSession(b).apply(d.script())
+                assert kernel_view(a) == kernel_view(b)
+                applied, state = new, new_state
+        finally:
+            fast.close()
+            kernel.close()

@@ -638,37 +638,42 @@ class _RuleCompiler:
 
     # -- anonymous verdict maps ------------------------------------------------------------------
     def anon_vmap(self, sels: list[_Selector], toks: list[str], i: int) -> int:
-        """`numgen ... vmap { 0 : goto a , 1 : goto b }`: an anonymous constant map."""
+        """`numgen ... vmap { 0 : goto a , 1 : goto b }`: an anonymous constant map; with
+        ranges (`0-6 : goto a , 7-9 : goto b`, a weighted choice) an interval one."""
         if len(sels) != 1 or sels[0].field.type != TYPE_INTEGER:
             raise self.fail("anonymous vmap keyed by something other than numgen")
         try:
             end = toks.index("}", i)
         except ValueError:
             raise self.fail("unterminated anonymous vmap") from None
-        elements: list[dict[str, Any]] = []
+        items: list[tuple[str, int, str | None]] = []
         for item in _split_commas(toks[i + 1 : end]):
             if len(item) < 3 or item[1] != ":":
                 raise self.fail("anonymous vmap element")
-            key = self.literal(sels[0], item[0])
             code, chain = _verdict(item[2:], self.command)
-            elements.append({"attrs": [
-                ("NFTA_SET_ELEM_KEY", _data(key), NLA_F_NESTED),
-                ("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED),
-            ]})
-        if not elements:
+            items.append((item[0], code, chain))
+        if not items:
             raise self.fail("empty anonymous vmap")
+        interval = any("-" in key for key, _, _ in items)
+        elements = self._interval_vmap(items) if interval else [
+            {"attrs": [
+                ("NFTA_SET_ELEM_KEY", _data(self.literal(sels[0], key)), NLA_F_NESTED),
+                ("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED),
+            ]} for key, code, chain in items]
+        flags = {"NFT_SET_ANONYMOUS", "NFT_SET_CONSTANT", "NFT_SET_MAP"} | ({"NFT_SET_INTERVAL"} if interval else set())
         set_id = self.next_set_id()
         self.set_messages.append((
             (
                 ("NFTA_SET_TABLE", self.table),
                 ("NFTA_SET_NAME", "__map%d"),
-                ("NFTA_SET_FLAGS", frozenset({"NFT_SET_ANONYMOUS", "NFT_SET_CONSTANT", "NFT_SET_MAP"})),
+                ("NFTA_SET_FLAGS", frozenset(flags)),
                 ("NFTA_SET_KEY_TYPE", TYPE_INTEGER),
                 ("NFTA_SET_KEY_LEN", 4),
                 ("NFTA_SET_DATA_TYPE", TYPE_VERDICT),
                 ("NFTA_SET_DATA_LEN", 0),
                 ("NFTA_SET_ID", set_id),
-                ("NFTA_SET_DESC", {"attrs": [("NFTA_SET_DESC_SIZE", len(elements))]}, NLA_F_NESTED),
+                ("NFTA_SET_DESC", {"attrs": [("NFTA_SET_DESC_SIZE", 2 * len(items) if interval else len(items))]},
+                 NLA_F_NESTED),
                 ("NFTA_SET_USERDATA", _ANON_VMAP_UDATA),
             ),
             "__map%d",
@@ -676,6 +681,8 @@ class _RuleCompiler:
             elements,
         ))
         self.load(sels)
+        if interval:  # the keys are big-endian: the draw is byte-swapped first, as nft does
+            self.hton()
         self.exprs.append(
             _expr(
                 "lookup",
@@ -687,11 +694,43 @@ class _RuleCompiler:
         )
         return end + 1
 
+    def _interval_vmap(self, items: list[tuple[str, int, str | None]]) -> list[dict[str, Any]]:
+        """Elements of an anonymous interval vmap as libnftables sends them: each range's start
+        (big-endian key, the verdict), and an end marker (the value after the range) only where
+        the next range does not start there, and after the last one."""
+        ranges: list[tuple[int, int, int, str | None]] = []
+        for key, code, chain in items:
+            low, _, high = key.partition("-")
+            try:
+                lo, hi = int(low), int(high or low)
+            except ValueError:
+                raise self.fail(f"anonymous vmap key {key!r}") from None
+            if not 0 <= lo <= hi < 1 << 32:
+                raise self.fail(f"anonymous vmap key {key!r}")
+            ranges.append((lo, hi, code, chain))
+        ranges.sort()
+        out: list[dict[str, Any]] = []
+        for n, (lo, hi, code, chain) in enumerate(ranges):
+            if n and lo <= ranges[n - 1][1]:
+                raise self.fail("overlapping ranges in an anonymous vmap")
+            out.append({"attrs": [
+                ("NFTA_SET_ELEM_KEY", _data(lo.to_bytes(4, "big")), NLA_F_NESTED),
+                ("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED),
+            ]})
+            following = ranges[n + 1][0] if n + 1 < len(ranges) else None
+            if following != hi + 1 and hi + 1 < 1 << 32:
+                out.append({"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(4, "big")), NLA_F_NESTED)]})
+        return out
+
     def interval_key(self, sels: list[_Selector], st: SetType) -> None:
         """An interval set holds its keys in network order: a host-order key (numgen) is
         byte-swapped first, as nft does (`byteorder reg 1 = hton(reg 1, 4, 4)`)."""
         if len(sels) != 1 or not sels[0].field.host_order or sels[0].field.size != 4:
             raise self.fail(f"interval map {st.name} keyed by something other than a 32-bit host-order value")
+        self.hton()
+
+    def hton(self) -> None:
+        """`byteorder reg 1 = hton(reg 1, 4, 4)`: a 32-bit host-order value to network order."""
         self.exprs.append(
             _expr(
                 "byteorder",

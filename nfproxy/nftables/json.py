@@ -132,7 +132,8 @@ class _Body:
             v = self.verdict()
             if v is None:
                 raise self.fail("vmap value")
-            items.append([int(key), v])
+            low, dash, high = key.partition("-")  # `LOW-HIGH`: an interval map's range
+            items.append([{"range": [int(low), int(high)]} if dash else int(key), v])
             if self.peek() == ",":
                 self.i += 1
         self.i += 1

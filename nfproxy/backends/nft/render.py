@@ -647,13 +647,21 @@ def _policy_rules(
     counts: tuple[int, ...] | None = None,
 ) -> tuple[str, ...]:
     """A policy chain: optional masquerade rule, affinity lookups, then one random choice
-    (over `counts[i]` slots per endpoint when weighted: core.categorize.slot_counts)."""
+    (over `counts[i]` consecutive values per endpoint when weighted, one range each, so the
+    map holds an element per endpoint whatever the weights: core.categorize.slot_counts)."""
     rules = [masquerade] if masquerade else []
     if affinity:
         rules += [f"{ipx} saddr @{aset} goto {chain}" for chain, aset in zip(chains, sets)]
-    targets = chains if counts is None else [c for c, k in zip(chains, counts) for _ in range(k)]
-    slots = " , ".join([f"{i} : goto {chain}" for i, chain in enumerate(targets)])
-    rules.append(f"numgen random mod {len(targets)} vmap {{ {slots} }}")
+    if counts is None:
+        slots = " , ".join([f"{i} : goto {chain}" for i, chain in enumerate(chains)])
+        rules.append(f"numgen random mod {len(chains)} vmap {{ {slots} }}")
+        return tuple(rules)
+    items, low = [], 0
+    for chain, k in zip(chains, counts):
+        if k:
+            items.append(f"{low}-{low + k - 1} : goto {chain}" if k > 1 else f"{low} : goto {chain}")
+            low += k
+    rules.append(f"numgen random mod {low} vmap {{ {' , '.join(items)} }}")
     return tuple(rules)
 
 
