@@ -6,6 +6,7 @@ states) and the tests assert the answer, or count the operations."""
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -243,3 +244,25 @@ def test_a_self_jump_and_a_long_loop_are_problems() -> None:
     problems = check(ruleset(chains, rules)).problems
     assert sorted(p.kind for p in problems) == ["jump-loop", "jump-loop"]
     assert {p.where for p in problems} == {"ip t c0", "ip t s"}
+
+
+def test_an_anonymous_vmap_counts_towards_the_budget() -> None:
+    """kube-proxy's nft layout (and nfproxy's affinity ports) choose through an anonymous
+    `numgen … vmap`; its elements are part of the dump as much as a named map's. The budget
+    counted only named sets, so a 110 000-way choice (one branch per element) was refused."""
+    n = 110_000
+    items = [[i, {"goto": {"target": "a" if i % 2 else "b"}}] for i in range(n)]
+    doc: dict[str, Any] = {"nftables": [
+        {"table": {"family": "ip", "name": "t"}},
+        {"chain": {"family": "ip", "table": "t", "name": "c", "type": "nat", "hook": "prerouting", "prio": -100}},
+        *({"chain": {"family": "ip", "table": "t", "name": name}} for name in ("a", "b", "s")),
+        {"rule": {"family": "ip", "table": "t", "chain": "c", "expr": [{"jump": {"target": "s"}}]}},
+        {"rule": {"family": "ip", "table": "t", "chain": "s", "expr": [
+            {"vmap": {"key": {"numgen": {"mode": "random", "mod": n, "offset": 0}}, "data": {"set": items}}}]}},
+        {"rule": {"family": "ip", "table": "t", "chain": "a", "expr": [{"dnat": {"addr": "10.0.0.1", "port": 80}}]}},
+        {"rule": {"family": "ip", "table": "t", "chain": "b", "expr": [{"dnat": {"addr": "10.0.0.2", "port": 80}}]}},
+    ]}
+    report = check(parse(doc))
+    assert report.clean, report.problems
+    (svc,) = report.services
+    assert dict(svc.endpoints) == {"10.0.0.1:80": Fraction(1, 2), "10.0.0.2:80": Fraction(1, 2)}

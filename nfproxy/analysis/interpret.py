@@ -496,14 +496,26 @@ def work_budget(ruleset: Ruleset) -> int:
         for table in ruleset.tables:
             n += sum(len(chain.rules) for chain in table.chains.values())
             n += sum(len(sdef.elements) for sdef in table.sets.values())
+            if table.dialect == "nft":  # anonymous sets and maps are elements too (iptables has none)
+                n += sum(_anonymous_elements(rule) for chain in table.chains.values() for rule in chain.rules)
         return max(_WORK_FLOOR, _WORK_PER_RULE * n)
     return indexes(ruleset).cached(("work budget",), size)  # type: ignore[no-any-return]
+
+
+def _anonymous_elements(rule: Rule) -> int:
+    n = 0
+    for st in rule.statements:
+        if isinstance(st, VerdictMap) and isinstance(st.map, AnonSet):
+            n += len(st.map.elements)
+        elif isinstance(st, Match) and isinstance(st.right, AnonSet):
+            n += len(st.right.elements)
+    return n
 
 
 def _over_budget(budget: int) -> str:
     return (f"more than {budget} rule evaluations and chain exits in one walk: the rules branch "
             f"into too many distinct states to follow (limit: max({_WORK_FLOOR}, {_WORK_PER_RULE} "
-            f"per rule and set element of the dump); docs/semantics.md, \"Bounded work\"")
+            f"per rule and set element of the dump, anonymous ones included); docs/semantics.md, \"Bounded work\"")
 
 
 class _Interpreter:
