@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 
 from nfproxy.cli import duration as go_duration
-from nfproxy.cli.flag_types import INT32_MAX, display, integer_in
+from nfproxy.cli.flag_types import INT32_MAX, add_go_bool_switch, display, integer_in
 from nfproxy.core.flags import FlagError
 from nfproxy.core.model import MASQUERADE_BIT, NODEPORT_PRIMARY, IPFamily, LocalMode, NodeConfig
 from nfproxy.sources.validation import FieldError, cidr, dns_subdomain, family_of, ip_address
@@ -21,8 +21,8 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
                    help="a node IP (repeat for dual-stack)")
     g.add_argument("--cluster-cidr", action="append", default=[], metavar="CIDR",
                    help="pod CIDR(s), comma-separated or repeated: cluster-IP traffic from outside them is masqueraded")
-    g.add_argument("--masquerade-all", action="store_true",
-                   help="masquerade all traffic to cluster IPs")
+    add_go_bool_switch(g, "--masquerade-all", dest="masquerade_all",
+                       help="masquerade all traffic to cluster IPs (also --masquerade-all=false)")
     g.add_argument("--nodeport-addresses", action="append", default=[], metavar="CIDR|primary",
                    help="only local addresses in these CIDRs accept NodePort traffic; 'primary' is the "
                         "node IPs (default: all for iptables, primary for nft, as kube-proxy)")
@@ -221,6 +221,23 @@ def byte_size(flag: str, text: str) -> int:
     if size > MAX_BYTE_SIZE:
         raise FlagError(f"{flag}: {display(text)}: must be at most 1Gi")
     return size
+
+
+HEALTHZ_PORT = 10256  # kube-proxy's ports.ProxyHealthzPort
+METRICS_PORT = 10249  # ports.ProxyStatusPort
+
+
+def append_port_if_needed(address: str, port: int) -> str:
+    """kube-proxy's proxyutil.AppendPortIfNeeded: its address flags and fields take `ip` or
+    `ip:port`, and a bare IP gets the server's default port (`::` -> `[::]:10256`). Anything
+    else is returned as it is, for the address check to judge."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    return f"{address}:{port}" if ip.version == 4 else f"[{address}]:{port}"
 
 
 _PORT_RE = re.compile(r"[0-9]{1,5}")

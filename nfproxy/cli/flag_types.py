@@ -89,3 +89,19 @@ def verbosity(text: str) -> int:
     if number > INT32_MAX:
         raise argparse.ArgumentTypeError(f"{display(text)}: must be from 0 to {INT32_MAX}")
     return number
+
+
+def add_go_bool_switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, *,
+                       dest: str, help: str) -> None:  # noqa: A002 - argparse's own keyword
+    """A boolean flag as pflag has it: `--name` alone is true, `--name=VALUE` is go_bool's VALUE,
+    and the next argument is never taken as the value.
+
+    `nargs="?"` would read `--masquerade-all manifests/` as a boolean: each `--name=VALUE`
+    spelling is a hidden option of its own instead (argparse matches a whole option string
+    before it splits at `=`), so positional arguments after the flag stay positional.
+    """
+    parser.add_argument(name, dest=dest, action="store_true", default=False, help=help)
+    parser.add_argument(*(f"{name}={v}" for v in sorted(_TRUE)), dest=dest, action="store_true",
+                        default=False, help=argparse.SUPPRESS)
+    parser.add_argument(*(f"{name}={v}" for v in sorted(_FALSE)), dest=dest, action="store_false",
+                        default=False, help=argparse.SUPPRESS)

@@ -5,8 +5,10 @@ field listed, most at Go's zero value. As in kube-proxy, a zero value means "the
 file sets the command line's defaults, by argparse dest name, and flags given on the command line
 win over it. Each field is either honoured (it sets a dest), or accepted and warned about in one
 line when it is set to something nfproxy cannot do (IPVS, Windows, profiling, ...), or rejected
-with an error naming file, line, field and value. An unknown field is an error, as kube-proxy's
-strict decoding makes it one.
+with an error naming file, line, field and value. An unknown field or a key given twice is what
+kube-proxy's strict decoding refuses and its lenient fallback then accepts (options.go, loadConfig:
+"Using lenient decoding as strict decoding failed"): each is warned about, naming file and line,
+the unknown field is ignored and the last of a key's values is used, as there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import yaml
 
 from nfproxy.cli import duration as go_duration
+from nfproxy.cli.config import HEALTHZ_PORT, METRICS_PORT
 from nfproxy.cli.flag_types import INT32_MAX, display
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
@@ -143,6 +146,9 @@ def _nodeport_addresses(v: object) -> list[str] | None:
     from nfproxy.sources.validation import FieldError, cidr
 
     values = _strings(v)
+    if values and "primary" in values and len(values) != 1:
+        # kube-proxy's validateKubeProxyNodePortAddress: "can't use both 'primary' and CIDRs".
+        raise _Bad(f"{display(values)}: can't use both 'primary' and CIDRs")
     for item in values or ():
         if item == "primary":
             continue
@@ -181,16 +187,29 @@ def _interface(v: object) -> str | None:
     return _checked(v, interface_name)
 
 
-def _host_port(v: object) -> str | None:
-    text = _string(v)
-    if text is not None:
-        from nfproxy.cli.config import FlagError, bind_address
+
+
+def _host_port(default_port: int) -> Callable[[object], str | None]:
+    """healthzBindAddress / metricsBindAddress: `ip` or `ip:port`, the default port appended to a
+    bare IP; port 0 refused, as kube-proxy's validateHostPort refuses it (1-65535)."""
+
+    def check(v: object) -> str | None:
+        text = _string(v)
+        if text is None:
+            return None
+        from nfproxy.cli.config import FlagError, append_port_if_needed, bind_address
+
+        text = append_port_if_needed(text, default_port)
 
         try:
             bind_address("", text)
         except FlagError as exc:
             raise _Bad(str(exc).lstrip(": ")) from None
-    return text
+        if text.rpartition(":")[2].lstrip("0") == "":
+            raise _Bad(f"{display(text)}: port must be from 1 to 65535")
+        return text
+
+    return check
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[object], str | None]:
@@ -281,7 +300,7 @@ FIELDS: tuple[Field, ...] = (
     _warned("clientConnection.qps", "nfproxy only lists and watches, without client-side rate limits",
             quiet=(5,)),
     _warned("clientConnection.burst", "nfproxy only lists and watches, without client-side rate limits",
-            quiet=(10,)),
+            _int32(0, INT32_MAX), (10,)),
     Field("clusterCIDR", _cidrs, "cluster_cidr"),
     _warned("configSyncPeriod", "nfproxy's watches never resync from their cache", _duration(True),
             ("15m0s", "15m")),
@@ -297,7 +316,7 @@ FIELDS: tuple[Field, ...] = (
     Field("detectLocalMode", _choice(DETECT_LOCAL_MODES), "detect_local_mode"),
     _warned("enableProfiling", "nfproxy serves no /debug/pprof", _bool),
     Field("featureGates", _gates, "feature_gates"),
-    Field("healthzBindAddress", _host_port, "healthz_bind_address"),
+    Field("healthzBindAddress", _host_port(HEALTHZ_PORT), "healthz_bind_address"),
     Field("hostnameOverride", _node_name, "node_name"),
     Field("iptables.localhostNodePorts", _bool, "localhost_nodeports"),
     Field("iptables.masqueradeAll", _bool, "masquerade_all", mode="iptables"),
@@ -318,7 +337,7 @@ FIELDS: tuple[Field, ...] = (
     _warned("logging.options", "klog's buffering options do not apply: lines are written unbuffered"),
     Field("logging.verbosity", _int32(0, INT32_MAX), "verbosity"),
     _warned("logging.vmodule", "per-file verbosity is not supported"),
-    Field("metricsBindAddress", _host_port, "metrics_bind_address"),
+    Field("metricsBindAddress", _host_port(METRICS_PORT), "metrics_bind_address"),
     Field("mode", _mode, "backend"),
     Field("nftables.masqueradeAll", _bool, "masquerade_all", mode="nftables"),
     Field("nftables.masqueradeBit", _int32(0, 31), "masquerade_bit", mode="nftables"),
@@ -356,9 +375,12 @@ def _zero(v: object) -> bool:
 # ---- reading
 
 
-def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
-    """The document, the line (1-based) of every key path in it, and the first key given twice
-    (PyYAML keeps the last silently; kube-proxy's strict decoding refuses it)."""
+def _located(text: str) -> tuple[Any, dict[str, int], list[tuple[str, int]]]:
+    """The document, the line (1-based) of every key path in it, and every key given again.
+
+    PyYAML keeps a key's last value, as the YAML decoder of kube-proxy's lenient fallback does
+    (its strict decoding refuses the file): a path's line is its last occurrence's.
+    """
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -376,14 +398,14 @@ def _located(text: str) -> tuple[Any, dict[str, int], tuple[str, int] | None]:
         if isinstance(n, yaml.MappingNode):
             for key, value in n.value:
                 path = f"{prefix}.{key.value}" if prefix else str(key.value)
-                if path in lines and not duplicate:
+                if path in lines:
                     duplicate.append((path, key.start_mark.line + 1))
-                lines.setdefault(path, key.start_mark.line + 1)
+                lines[path] = key.start_mark.line + 1
                 walk(value, path)
 
     if node is not None:
         walk(node, "")
-    return doc, lines, (duplicate[0] if duplicate else None)
+    return doc, lines, duplicate
 
 
 class _Unreadable(Exception):
@@ -453,7 +475,7 @@ def load(path: str, given: Collection[str] = ()) -> LoadedConfig:
     """
     text = _read(path)
     try:
-        doc, lines, duplicate = _located(text)
+        doc, lines, duplicates = _located(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else path
@@ -471,7 +493,7 @@ def load(path: str, given: Collection[str] = ()) -> LoadedConfig:
         # timestamp on February 30th. The YAML loader does not say where; the message does.
         raise ConfigFileError(f"{path}: {KIND}: a value cannot be read: {_one_line(str(exc))}") from None
     try:
-        loaded = _settings(path, doc, lines, duplicate)
+        loaded = _settings(path, doc, lines, duplicates)
     except RecursionError:  # a warned field's value nested ~1000 deep, walked by _zero
         raise ConfigFileError(f"{path}: {KIND}: nested too deeply to be a configuration") from None
     _check_local_mode(path, lines, loaded.defaults, given)
@@ -493,7 +515,7 @@ def _check_local_mode(path: str, lines: dict[str, int], defaults: Mapping[str, o
 
 
 def _settings(path: str, doc: Any, lines: dict[str, int],
-              duplicate: tuple[str, int] | None) -> LoadedConfig:
+              duplicates: list[tuple[str, int]]) -> LoadedConfig:
     """What the decoded document sets, every field checked."""
 
     def fail(field: str, message: str) -> ConfigFileError:
@@ -504,17 +526,19 @@ def _settings(path: str, doc: Any, lines: dict[str, int],
 
     if not isinstance(doc, dict):
         raise ConfigFileError(f"{path}: {KIND}: the file must hold one {KIND} object")
-    if duplicate is not None:
-        raise ConfigFileError(f"{path}:{duplicate[1]}: {KIND}: {_field(duplicate[0])}: given twice")
+    lenient = [f"{path}:{line}: {KIND}: {_field(key)}: given twice, the last value is used "
+               f"({_LENIENT})" for key, line in duplicates]
     if doc.get("apiVersion") != API_VERSION:
         raise fail("apiVersion", f"{display(doc.get('apiVersion'))}: must be {API_VERSION}")
     if doc.get("kind") != KIND:
         raise fail("kind", f"{display(doc.get('kind'))}: must be {KIND}")
-    values = _flatten(doc, fail)
+    values, unknown = _flatten(doc, fail)
+    lenient += [f"{path}:{lines.get(field_path)}: {KIND}: {_field(field_path)}: unknown field, "
+                f"ignored ({_LENIENT})" for field_path in unknown]
     mode = values.get("mode") or ""
     mode_name = mode if mode else "iptables"
     defaults: dict[str, object] = {}
-    warnings: list[str] = []
+    warnings: list[str] = sorted(lenient, key=_line_of)
     for field_path, value in values.items():
         if field_path in ("apiVersion", "kind"):
             continue  # checked above
@@ -536,12 +560,55 @@ def _settings(path: str, doc: Any, lines: dict[str, int],
             continue
         if checked is not None:
             defaults[f.dest] = checked
+    _default_addresses(defaults)
+    _check_sync_periods(mode_name, defaults, fail)
     return LoadedConfig(defaults, tuple(warnings))
 
 
-def _flatten(doc: dict[str, Any], fail: Callable[[str, str], ConfigFileError]) -> dict[str, Any]:
-    """Field path -> value, refusing fields kube-proxy does not know."""
+# kube-proxy's words when it falls back to lenient decoding, so a search for them finds ours.
+_LENIENT = "kube-proxy: Using lenient decoding as strict decoding failed"
+
+
+def _line_of(warning: str) -> int:
+    """A warning's line number, to list them in the file's order."""
+    _, _, rest = warning.partition(":")
+    number = rest.partition(":")[0]
+    return int(number) if number.isdigit() else 0
+
+
+def _default_addresses(defaults: dict[str, object]) -> None:
+    """kube-proxy's getDefaultAddresses (v1alpha1 defaults.go): with an IPv6 bindAddress in the
+    file, the servers' defaults are `[::]:10256` and `[::1]:10249` rather than IPv4's."""
+    import ipaddress
+
+    bind = defaults.get("bind_address")
+    if not isinstance(bind, str):
+        return
+    ip = ipaddress.ip_address(bind)  # checked by its field
+    if ip.version == 4 or (ip.version == 6 and ip.ipv4_mapped is not None):
+        return
+    defaults.setdefault("healthz_bind_address", f"[::]:{HEALTHZ_PORT}")
+    defaults.setdefault("metrics_bind_address", f"[::1]:{METRICS_PORT}")
+
+
+def _check_sync_periods(mode: str, defaults: Mapping[str, object],
+                        fail: Callable[[str, str], ConfigFileError]) -> None:
+    """kube-proxy's Validate: the mode's minSyncPeriod must not exceed its syncPeriod (both
+    after defaulting: 1s and 30s)."""
+    min_text = str(defaults.get(f"{mode}_min_sync_period") or "1s")
+    text = str(defaults.get(f"{mode}_sync_period") or "30s")
+    if go_duration.parse(min_text) > go_duration.parse(text):
+        given_min = f"{mode}_min_sync_period" in defaults
+        raise fail(f"{mode}.minSyncPeriod" if given_min else f"{mode}.syncPeriod",
+                   f"{display(min_text)}: must not be greater than {mode}.syncPeriod ({display(text)})")
+
+
+def _flatten(doc: dict[str, Any],
+             fail: Callable[[str, str], ConfigFileError]) -> tuple[dict[str, Any], list[str]]:
+    """Field path -> value, and the paths of fields kube-proxy does not know (ignored, as its
+    lenient decoding ignores them)."""
     out: dict[str, Any] = {}
+    unknown: list[str] = []
 
     def walk(obj: dict[str, Any], prefix: str) -> None:
         for key, value in obj.items():
@@ -555,10 +622,10 @@ def _flatten(doc: dict[str, Any], fail: Callable[[str, str], ConfigFileError]) -
                     raise fail(field_path, f"{display(value)}: must be a map")
                 walk(value, field_path)
             else:
-                raise fail(field_path, "unknown field")
+                unknown.append(field_path)
 
     walk(doc, "")
-    return out
+    return out, unknown
 
 
 # ---- writing

@@ -117,32 +117,102 @@ def _given_on_command_line(argv: list[str]) -> dict[str, object]:
     return vars(parser.parse_args(argv))
 
 
+# kube-proxy's flags whose blank value means the default (validation.go accepts "" for the mode
+# and the local-traffic mode); argparse's choices would refuse "", so a blank one is dropped.
+_BLANK_IS_DEFAULT = ("--proxy-mode", "--detect-local-mode")
+
+
+def _blank_means_default(argv: list[str]) -> list[str]:
+    """`--proxy-mode=""` / `--detect-local-mode ""` as if not given, as in kube-proxy."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg in _BLANK_IS_DEFAULT and i + 1 < len(argv) and argv[i + 1] == "":
+            i += 2
+            continue
+        if arg.endswith("=") and arg[:-1] in _BLANK_IS_DEFAULT:
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _options_given(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The long options of `parser` that argv names, in order, by their full names (an argparse
+    abbreviation resolved; `--flag=value` by `--flag`): two flags may share a dest (--proxy-mode
+    and nfproxy's --backend), and only kube-proxy's is replaced by a configuration file."""
+    names = [o for o in parser._option_string_actions if o.startswith("--")]  # noqa: SLF001
+    given: list[str] = []
+    for arg in argv:
+        if arg == "--":
+            break
+        if not arg.startswith("--"):
+            continue
+        name = arg.split("=", 1)[0]
+        matches = [name] if name in names else [o for o in names if o.startswith(name) and "=" not in o]
+        if len(matches) == 1 and matches[0] not in given:
+            given.append(matches[0])
+    return given
+
+
 def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """Parse, with `--config FILE` (kube-proxy's KubeProxyConfiguration) under the flags.
+    """Parse, with `--config FILE` (kube-proxy's KubeProxyConfiguration) as kube-proxy takes it.
 
     The file sets the defaults of the dests the command line does not set, so a flag always
-    wins over the file and a flag's default never does. Raises ConfigFileError.
+    wins over the file and a flag's default never does (kube-proxy would ignore most flags:
+    `_apply_config` says which). Raises ConfigFileError, and FlagError for a flag kube-proxy's
+    Complete step refuses.
     """
-    argv = _default_to_run(argv)
+    argv = _blank_means_default(_default_to_run(argv))
     parser = build_parser()
     given = _given_on_command_line(argv)
+    run_parser = _subparser(parser, "run")
+    assert run_parser is not None
+    options = _options_given(argv, run_parser) if given.get("command") == "run" else []
     if given.get("config"):
-        from nfproxy.cli import kubeproxy_config
+        _apply_config(parser, run_parser, given, options)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        _complete_run(args, options)
+    return parser, args
 
-        loaded = kubeproxy_config.load(str(given["config"]), given)
-        run_parser = _subparser(parser, "run")
-        assert run_parser is not None
-        top_dests = {a.dest for a in parser._actions}  # noqa: SLF001
-        values = {d: v for d, v in loaded.defaults.items() if d not in given}
-        if "manifests" in given:
-            # A source on the command line replaces the file's (kubeadm's names the kubeconfig).
-            values.pop("kubeconfig", None)
-        parser.set_defaults(**{d: v for d, v in values.items() if d in top_dests})
-        run_parser.set_defaults(
-            config_warnings=loaded.warnings,
-            **{d: v for d, v in values.items() if d not in top_dests},
-        )
-    return parser, parser.parse_args(argv)
+
+def _apply_config(parser: argparse.ArgumentParser, run_parser: argparse.ArgumentParser,
+                  given: dict[str, object], options: list[str]) -> None:
+    """Set the file's values as the parsers' defaults: a flag given wins over the file.
+
+    kube-proxy drops what its own flags set once a file is given (Options.Complete); nfproxy
+    keeps them, as KEP-2157 asks and as its DaemonSet relies on (`--proxy-mode=nftables` over
+    kubeadm's ConfigMap, the canary's own ports), and says which ones kube-proxy would ignore."""
+    from nfproxy.cli import kubeproxy_config
+    from nfproxy.cli.kube_flags import IGNORED_WITH_CONFIG
+
+    loaded = kubeproxy_config.load(str(given["config"]), given)
+    top_dests = {a.dest for a in parser._actions}  # noqa: SLF001
+    values = {d: v for d, v in loaded.defaults.items() if d not in given}
+    if "manifests" in given:
+        # A source on the command line replaces the file's (kubeadm's names the kubeconfig).
+        values.pop("kubeconfig", None)
+    warnings = loaded.warnings
+    if overriding := [o for o in options if o in IGNORED_WITH_CONFIG]:
+        warnings += (f"--config {given['config']}: {', '.join(overriding)} win over the file here; "
+                     "kube-proxy would ignore them with --config",)
+    parser.set_defaults(**{d: v for d, v in values.items() if d in top_dests})
+    run_parser.set_defaults(config_warnings=warnings, **{d: v for d, v in values.items() if d not in top_dests})
+
+
+def _complete_run(args: argparse.Namespace, options: list[str]) -> None:
+    """The daemon's flags after parsing, as kube-proxy's Options.Complete leaves them."""
+    from nfproxy.cli import kube_flags
+
+    if "--hostname-override" in options and args.node_name is not None:
+        args.node_name = kube_flags.hostname_override(args.node_name)
+    kube_flags.complete_addresses(args)
+    kube_flags.check_sync_periods(args)
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
@@ -182,6 +252,8 @@ def _exit_status(exc: BaseException) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser, args = parse(list(sys.argv[1:] if argv is None else argv))
+    except FlagError as exc:
+        build_parser().error(str(exc))
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is a bad config file
         if _exit_status(exc) != 2:
             raise
