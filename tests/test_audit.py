@@ -10,6 +10,7 @@ import io
 import itertools
 import json
 import math
+import os
 import random
 import re
 from fractions import Fraction
@@ -366,13 +367,30 @@ def _cli(*argv: str) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
+# A namespace that does not exist: should a flag's check ever let a value through, the audit
+# stops there instead of reading this machine's own rules.
+NOWHERE = ("--netns", "does-not-exist-xyz")
+
+
 @pytest.mark.parametrize("argv, message", [
-    (("--alpha", "1.5", "--once"), "--alpha 1.5: must be between 0 and 1"),
-    (("--alpha", "0", "--once"), "--alpha 0.0: must be between 0 and 1"),
-    (("--alpha", "nan", "--once"), "--alpha nan: must be between 0 and 1"),
-    (("--alpha", "x"), "argument --alpha: invalid float value: 'x'"),
+    (("--alpha", "1.5", "--once"), "audit: --alpha 1.5: must be between 0 and 1"),
+    (("--alpha", "0", "--once"), "audit: --alpha 0: must be between 0 and 1"),
+    # As typed, not as float() reads it: 1e-400 underflows to 0.0.
+    (("--alpha", "1e-400", "--once", *NOWHERE), "audit: --alpha 1e-400: must be between 0 and 1"),
+    (("--alpha", "-0.5", "--once", *NOWHERE), "audit: --alpha -0.5: must be between 0 and 1"),
+    (("--alpha", "nan", "--once", *NOWHERE), "audit: --alpha 'nan': not a decimal number"),
+    (("--alpha", "x", *NOWHERE), "audit: --alpha 'x': not a decimal number"),
+    # float() takes these; the docs promise digits only.
+    (("--alpha", "0.5_0", "--once", *NOWHERE), "audit: --alpha '0.5_0': not a decimal number"),
+    (("--alpha", " 0.5", "--once", *NOWHERE), "audit: --alpha ' 0.5': not a decimal number"),
+    (("--alpha", "0.5 ", "--once", *NOWHERE), "audit: --alpha '0.5 ': not a decimal number"),
+    (("--alpha", "٠.٥", "--once", *NOWHERE), "audit: --alpha '٠.٥': not a decimal number"),
+    (("--alpha", "1" * 100_000, "--once", *NOWHERE), "audit: --alpha " + "1" * 57 + "...: must be between 0 and 1"),
     (("--interval", "30"), "--interval '30': missing unit in duration"),
     (("--interval=-5s",), "--interval '-5s': must be positive"),
+    # A separate value starting with "-" is still the flag's value, not an unknown option.
+    (("--interval", "-1s", *NOWHERE), "audit: --interval '-1s': must be positive"),
+    (("--interval", "-.5s", *NOWHERE), "audit: --interval '-.5s': must be positive"),
     (("--interval", "0s"), "--interval '0s': must be positive"),
     (("--interval", "5s", "--once"), "not allowed with argument"),
     (("--service", "justaname", "--once"), "--service 'justaname': expected NAMESPACE/NAME"),
@@ -481,6 +499,68 @@ def test_metrics_file_in_a_missing_directory_is_a_clear_error(tmp_path) -> None:
 
     with pytest.raises(AuditError, match="--metrics-file .*/missing/audit.prom: No such file"):
         _write_metrics(str(tmp_path / "missing" / "audit.prom"), A.audit(None, _reading({})))
+
+
+def test_alpha_takes_plain_decimals_as_the_docs_show() -> None:
+    from nfproxy.cli.commands.audit import alpha
+
+    assert [alpha(t) for t in ("0.001", ".05", "0.5", "1e-3", "1E-06", "5.e-2")] == [
+        0.001, 0.05, 0.5, 0.001, 1e-06, 0.05]
+
+
+def _not_regular(tmp_path, kind: str):  # noqa: ANN001, ANN202
+    import os
+    import stat
+
+    path = tmp_path / kind
+    if kind == "char-device":
+        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 3))  # as /dev/null
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        (tmp_path / "target.prom").write_text("kept\n")
+        path.symlink_to(tmp_path / "target.prom")
+    return path
+
+
+_NOT_REGULAR = {"char-device": "a character device, not a regular file", "fifo": "a FIFO, not a regular file",
+                "directory": "a directory, not a regular file",
+                "symlink": "a symbolic link, not a regular file (give the path of the file it points to)"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+@pytest.mark.parametrize("kind", sorted(_NOT_REGULAR))
+def test_metrics_file_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, kind: str) -> None:  # noqa: ANN001
+    """The textfile is renamed over PATH: a device would have become a regular file."""
+    from nfproxy.cli.commands.audit import AuditError, _write_metrics
+
+    path = _not_regular(tmp_path, kind)
+    before = os.lstat(path)
+    message = f"--metrics-file {path}: {_NOT_REGULAR[kind]}"
+    with pytest.raises(AuditError) as exc:
+        _write_metrics(str(path), A.audit(None, _reading({})))
+    assert str(exc.value) == message
+    # Refused before any reading too (a netns that does not exist would be the next error).
+    status, out, err = _cli("--once", "--metrics-file", str(path), *NOWHERE)
+    assert (status, out, err) == (2, "", f"nfproxy: error: audit: {message}\n")
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+    left = sorted(p.name for p in tmp_path.iterdir())  # no temporary file either
+    assert left == (["symlink", "target.prom"] if kind == "symlink" else [kind])
+    if kind == "symlink":
+        assert (tmp_path / "target.prom").read_text() == "kept\n"
+
+
+def test_metrics_file_that_is_a_regular_file_is_replaced(tmp_path) -> None:  # noqa: ANN001
+    from nfproxy.cli.commands.audit import _write_metrics
+
+    path = tmp_path / "audit.prom"
+    path.write_text("stale\n")
+    _write_metrics(str(path), A.audit(None, _reading({THREE: {EPS3[0]: 0}})))
+    assert "nfproxy_audit_p_value" in path.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["audit.prom"]
 
 
 def test_iptables_pins_without_comments_in_large_cluster_mode() -> None:

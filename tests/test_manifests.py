@@ -753,6 +753,56 @@ def test_load_raises_only_when_nothing_can_be_read(tmp_path):
     assert load(tmp_path).state == ClusterState()
 
 
+_NO_OBJECT = {"empty": "", "comments only": "# nothing yet\n", "separators only": "---\n---\n",
+              "empty List": "apiVersion: v1\nkind: List\nitems: []\n"}
+
+
+@pytest.mark.parametrize("text", _NO_OBJECT.values(), ids=_NO_OBJECT.keys())
+def test_load_refuses_manifests_without_any_object_when_asked(tmp_path: Path, text: str) -> None:
+    from nfproxy.sources.manifests import NoObjects
+
+    (tmp_path / "a.yaml").write_text(text)
+    (tmp_path / "b.yml").write_text("")
+    assert load(tmp_path).state == ClusterState()  # the library's default: an empty state
+    for path in (tmp_path, tmp_path / "a.yaml"):
+        with pytest.raises(NoObjects, match=f"^{re.escape(str(path))}: no valid Service, EndpointSlice or Node read"):
+            load(path, require_objects=True)
+    # One object is enough, even an invalid one: as the daemon's --once, which then syncs.
+    (tmp_path / "c.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: nope}\n")
+    result = load(tmp_path, require_objects=True)
+    assert result.state == ClusterState() and len(result.errors) == 1
+
+
+@pytest.mark.parametrize("command", ["render", "compare"])
+@pytest.mark.parametrize("layout", ["file", "directory"])
+@pytest.mark.parametrize("text", _NO_OBJECT.values(), ids=_NO_OBJECT.keys())
+def test_render_and_compare_refuse_manifests_without_any_object(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, layout: str, text: str) -> None:
+    """An empty ruleset (or "EQUIVALENT") would pass for a result; `--once` refuses the same input."""
+    from nfproxy.cli.main import main
+
+    (tmp_path / "a.yaml").write_text(text)
+    path = tmp_path if layout == "directory" else tmp_path / "a.yaml"
+    argv = ["render", "--backend", "nft", str(path)] if command == "render" else ["compare", str(path)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"nfproxy: error: {path}: nothing to {command}: no valid Service, EndpointSlice or Node "
+                   "read (no file holds a Kubernetes object)\n")
+
+
+@pytest.mark.parametrize("command", ["render", "compare"])
+def test_render_and_compare_still_take_a_cluster_without_services(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from nfproxy.cli.main import main
+
+    (tmp_path / "ns.yaml").write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n")
+    argv = ["render", "--backend", "nft", str(tmp_path)] if command == "render" else ["compare", str(tmp_path)]
+    assert main(argv) == 0
+    out, _ = capsys.readouterr()
+    assert out.strip().endswith("EQUIVALENT") if command == "compare" else "add table ip nfproxy" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation: every error names its field; one bad object or entry does not stop the rest
 

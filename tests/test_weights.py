@@ -270,6 +270,9 @@ def test_annotation_sets_weights(tmp_path: Path) -> None:
         ('{"10.1.0.1": 1' + "0" * 5000 + "}", "", "not JSON: 'Exceeds the limit"),
         ('{"10.1.0.1": 1' + "0" * 300 + "}", "[10.1.0.1]", "an integer of about 301 digits is not a valid weight"),
         ('{"a\\nb": 2}', "['a\\nb']", "'a\\nb' is not a valid IP address"),
+        # A repeated key: json would keep the last value without a word; none is used.
+        ('{"10.1.0.1": 3, "10.1.0.1": 1}', "[10.1.0.1]", "given 2 times: all ignored, the endpoint keeps weight 1"),
+        ('{"10.1.0.1": 3, "10.1.0.2": 1, "10.1.0.1": 3, "10.1.0.1": 1001}', "[10.1.0.1]", "given 3 times: all ignored"),
     ],
 )
 def test_bad_weights_are_reported_and_ignored(tmp_path: Path, weights: str, field: str, message: str) -> None:
@@ -297,6 +300,100 @@ def test_api_objects_carry_weights_too() -> None:
     result = manifests.load_objects(objs)
     assert [e.weight for e in next(iter(result.state.endpoints.values()))] == [1, 3]
     assert [e.field for e in result.errors] == ["metadata.annotations[nfproxy.io/endpoint-weights][10.1.0.1]"]
+
+
+def test_a_key_repeated_is_ignored_and_the_other_entries_still_count(tmp_path: Path) -> None:
+    result = load(tmp_path, '{"10.1.0.1": 3, "10.1.0.2": 2, "10.1.0.1": 1}')
+    assert [e.field for e in result.errors] == ["metadata.annotations[nfproxy.io/endpoint-weights][10.1.0.1]"]
+    assert [e.weight for e in next(iter(result.state.endpoints.values()))] == [1, 2, 1]
+
+
+def _api_slice(name: str, weights: dict[str, int] | str | None, ips: list[str], family: str = "IPv4") -> dict:
+    meta: dict = {"name": name, "namespace": "demo", "labels": {"kubernetes.io/service-name": "web"}}
+    if weights is not None:
+        text = weights if isinstance(weights, str) else json.dumps(weights)
+        meta["annotations"] = {"nfproxy.io/endpoint-weights": text}
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": meta,
+            "addressType": family, "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [ip]} for ip in ips]}
+
+
+def _api_service(families: list[str] | None = None) -> dict:
+    spec: dict = {"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]}
+    if families:
+        spec.update(clusterIP="fd00:96::10", clusterIPs=["fd00:96::10"], ipFamilies=families)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "demo"}, "spec": spec}
+
+
+def test_two_spellings_of_one_ipv6_address_are_a_repeated_key() -> None:
+    weights = '{"fd00::1": 3, "fd00:0:0::1": 1, "fd00::2": 2}'
+    result = manifests.load_objects([_api_service(["IPv6"]), _api_slice("web-1", weights, ["fd00::1", "fd00::2"], "IPv6")])
+    (error,) = result.errors
+    assert str(error) == ("EndpointSlice demo/web-1: metadata.annotations[nfproxy.io/endpoint-weights][fd00::1]: "
+                          "given 2 times (as fd00::1, fd00:0:0::1): all ignored, the endpoint keeps weight 1")
+    assert [e.weight for e in next(iter(result.state.endpoints.values()))] == [1, 2]
+
+
+TWO_SLICES = """\
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, targetPort: 8080}, {name: admin, port: 81, targetPort: 8081}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: %s
+  namespace: demo
+  labels: {kubernetes.io/service-name: web}
+  annotations: {nfproxy.io/endpoint-weights: '{"10.1.0.1": 3, "10.1.0.2": 4}'}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: admin, port: 8081, protocol: TCP}]
+endpoints: [{addresses: [10.1.0.1]}, {addresses: [10.1.0.2]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: %s
+  namespace: demo
+  labels: {kubernetes.io/service-name: web}
+  annotations: {nfproxy.io/endpoint-weights: '{"10.1.0.1": 5, "10.1.0.2": 4}'}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: admin, port: 8081, protocol: TCP}]
+endpoints: [{addresses: [10.1.0.1]}, {addresses: [10.1.0.3]}, {addresses: [10.1.0.2]}]
+"""
+
+
+@pytest.mark.parametrize(("first", "second"), [("web-a", "web-b"), ("web-b", "web-a")])
+def test_one_endpoint_weighed_differently_by_two_slices_keeps_weight_1(tmp_path: Path, first: str, second: str) -> None:
+    """Which slice wins a duplicate endpoint depends on slice names: its weight must not."""
+    path = tmp_path / "w.yaml"
+    path.write_text(TWO_SLICES % (first, second))
+    result = manifests.load(path)
+    line = {first: 8, second: 19}
+    (error,) = result.errors  # once, not once per service port
+    assert str(error) == (
+        f"{path}:{line['web-b']}: EndpointSlice demo/web-b: metadata.annotations[nfproxy.io/endpoint-weights][10.1.0.1]: "
+        f"conflicting weights: {3 if first == 'web-b' else 5} here, {3 if first == 'web-a' else 5} in EndpointSlice "
+        f"demo/web-a ({path}:{line['web-a']}); the endpoint keeps weight 1")
+    for eps in result.state.endpoints.values():
+        # The agreed weight of 10.1.0.2 stands; 10.1.0.3 is named by no annotation of its slice.
+        assert [(e.ip, e.weight) for e in eps] == [("10.1.0.1", 1), ("10.1.0.2", 4), ("10.1.0.3", 1)]
+
+
+def test_api_slices_that_disagree_on_a_weight_are_reported_the_same_way() -> None:
+    objs = [_api_service(), _api_slice("web-1", {"10.1.0.1": 3}, ["10.1.0.1", "10.1.0.2"]),
+            _api_slice("web-2", None, ["10.1.0.1"])]  # no annotation: weight 1, not 3
+    result = manifests.load_objects(objs)
+    assert [str(e) for e in result.errors] == [
+        "EndpointSlice demo/web-2: metadata.annotations[nfproxy.io/endpoint-weights][10.1.0.1]: "
+        "conflicting weights: 1 here, 3 in EndpointSlice demo/web-1; the endpoint keeps weight 1"]
+    assert [e.weight for e in next(iter(result.state.endpoints.values()))] == [1, 1]
+    same = manifests.load_objects([_api_service(), _api_slice("web-1", {"10.1.0.1": 3}, ["10.1.0.1"]),
+                                   _api_slice("web-2", {"10.1.0.1": 3}, ["10.1.0.1"])])
+    assert same.errors == () and [e.weight for e in next(iter(same.state.endpoints.values()))] == [3]
 
 
 # ---- the commands
@@ -379,4 +476,34 @@ def test_api_source_reads_logs_and_follows_weights(caplog: pytest.LogCaptureFixt
     logged = [r.getMessage() for r in caplog.records if "endpoint-weights" in r.getMessage()]
     assert logged == [
         "skipped: EndpointSlice default/web-1: metadata.annotations[nfproxy.io/endpoint-weights][10.244.0.6]: 1001 is not a valid weight (0-1000)"
+    ], logged
+
+
+def test_api_source_reports_slices_that_disagree_on_a_weight(caplog: pytest.LogCaptureFixture, api, start_source) -> None:  # noqa: ANN001, F811
+    """Through the fake API server: a service's slices are parsed together, so two of them
+    weighing one endpoint differently are caught there too, whichever arrives first."""
+    import logging
+
+    from tests.apiserver import endpoint_slice, service
+    from tests.test_kube_source import eventually, spn
+
+    def weighted(name: str, weights: dict[str, int]) -> dict:
+        obj = endpoint_slice(name, "web", list(weights), node_name="node-a")
+        obj["metadata"]["annotations"] = {"nfproxy.io/endpoint-weights": json.dumps(weights)}
+        return obj
+
+    def weights_of(source) -> list[int]:  # noqa: ANN001
+        return [e.weight for e in source.snapshot().state.endpoints.get(spn("default", "web"), ())]
+
+    api.apply(service("web", "10.96.0.10"))
+    api.apply(weighted("web-2", {"10.244.0.5": 3, "10.244.0.6": 2}))
+    with caplog.at_level(logging.WARNING, logger="nfproxy.sources.kube"):
+        source, _ = start_source()
+        assert weights_of(source) == [3, 2]
+        api.apply(weighted("web-1", {"10.244.0.5": 7}))
+        assert eventually(lambda: weights_of(source) == [1, 2])
+    logged = [r.getMessage() for r in caplog.records if "endpoint-weights" in r.getMessage()]
+    assert logged == [
+        "skipped: EndpointSlice default/web-2: metadata.annotations[nfproxy.io/endpoint-weights][10.244.0.5]: "
+        "conflicting weights: 3 here, 7 in EndpointSlice default/web-1; the endpoint keeps weight 1"
     ], logged

@@ -114,6 +114,12 @@ class UnsafeFile(ManifestError):
     (`/dev/zero` never ends), a symlink loop, or a file over the size cap."""
 
 
+class NoObjects(ManifestError):
+    """Every file read holds no Kubernetes object at all (empty, comments or `---` only): for a
+    command that shows rules, as for the daemon's `--once`, that is a file not yet written or
+    the wrong path, not a cluster without services."""
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectError:
     """One problem in one object, located by field path (and by file and line when known).
@@ -232,6 +238,7 @@ def load(
     node: NodeConfig | None = None,
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    require_objects: bool = False,
 ) -> LoadResult:
     """Read a manifest file or a directory tree of them.
 
@@ -239,6 +246,8 @@ def load(
     could hold a Service without its EndpointSlices); the other files are still used. A path that
     must not be read at all (`UnsafeFile`: a FIFO, a device, a symlink loop, over `max_bytes`)
     stops the load: a command must fail naming it rather than hang or render half a cluster.
+    `require_objects`: raise NoObjects when no file read holds any object, the files source's
+    "not ready" (sources/files.py), which `--once` refuses.
     """
     root = Path(path)
     try:
@@ -267,6 +276,9 @@ def load(
             file_errors.append(exc.error())
     if not read:
         raise ManifestError("nothing could be read: " + "; ".join(map(str, file_errors)))
+    if require_objects and not any(f.objects for f in read):
+        raise NoObjects(f"{root}: no valid Service, EndpointSlice or Node read (no file holds "
+                        "a Kubernetes object)")
     result = build(read, node)
     return LoadResult(result.state, tuple(file_errors) + result.errors)
 
@@ -322,7 +334,8 @@ def _one_line(text: str, limit: int = 200) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _file_type(mode: int) -> str:
+def file_type(mode: int) -> str:
+    """What a path that is not a regular file is, as every "not a regular file" error names it."""
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
@@ -353,7 +366,7 @@ def read_bytes(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     except OSError as exc:
         raise FileProblem(path, _open_failure(exc), unsafe=exc.errno == errno.ELOOP) from None
     if not stat.S_ISREG(before.st_mode):
-        raise FileProblem(path, f"{_file_type(before.st_mode)}, not a regular file: not read", unsafe=True)
+        raise FileProblem(path, f"{file_type(before.st_mode)}, not a regular file: not read", unsafe=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
@@ -361,7 +374,7 @@ def read_bytes(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FileProblem(path, f"{_file_type(st.st_mode)}, not a regular file: not read", unsafe=True)
+            raise FileProblem(path, f"{file_type(st.st_mode)}, not a regular file: not read", unsafe=True)
         try:
             data = f.read(max_bytes + 1) if st.st_size <= max_bytes else b""
         except OSError as exc:
@@ -911,7 +924,7 @@ def _weights(obj: dict[str, Any], family: IPFamily, addresses: set[str], r: _Rep
         r.add(path, f"expected a string, got {got(raw)}")
         return {}
     try:
-        parsed = json.loads(raw)
+        parsed = json.loads(raw, object_pairs_hook=_JsonObject.of)
     except ValueError as exc:
         r.add(path, f"not JSON: {show(str(exc))}")
         return {}
@@ -921,18 +934,49 @@ def _weights(obj: dict[str, Any], family: IPFamily, addresses: set[str], r: _Rep
     if not isinstance(parsed, dict):
         r.add(path, f'expected a JSON object {{"ADDRESS": WEIGHT, ...}}, got {got(parsed)}')
         return {}
-    weights: dict[str, int] = {}
+    named: dict[str, list[tuple[str, Any]]] = {}  # address -> (key, value) of each key naming it
     for key, value in parsed.items():
         entry = f"{path}[{show(key)}]"  # a key is the user's text: it must not forge lines
         address = r.check(entry, v.ip_address, key, family)
-        weight = r.check(entry, v.weight, value)
-        if address is None or weight is None:
+        if address is None:
             continue
         if address not in addresses:
             r.add(entry, "no endpoint of this slice has this address")
             continue
-        weights[address] = weight
+        named.setdefault(address, []).append((key, value))
+    weights: dict[str, int] = {}
+    for address, given in named.items():
+        entry = f"{path}[{show(given[0][0])}]"
+        times = sum(parsed.repeated.get(key, 1) for key, _ in given)
+        if times > 1:
+            # Which one was meant cannot be known (json would silently keep the last): none is.
+            spellings = f" (as {', '.join(show(key) for key, _ in given)})" if len(given) > 1 else ""
+            r.add(entry, f"given {times} times{spellings}: all ignored, the endpoint keeps weight 1")
+            continue
+        weight = r.check(entry, v.weight, given[0][1])
+        if weight is not None:
+            weights[address] = weight
     return weights
+
+
+class _JsonObject(dict[str, Any]):
+    """A decoded JSON object that remembers the keys it was given more than once: a dict alone
+    keeps the last value of a repeated key without a word."""
+
+    repeated: dict[str, int]
+    """Key -> how many times it was given, for the keys given more than once."""
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, Any]]) -> _JsonObject:
+        obj = cls(pairs)
+        if len(obj) == len(pairs):
+            obj.repeated = {}
+            return obj
+        counts: dict[str, int] = {}
+        for key, _ in pairs:
+            counts[key] = counts.get(key, 0) + 1
+        obj.repeated = {key: n for key, n in counts.items() if n > 1}
+        return obj
 
 
 def _endpoint(entry: dict[str, Any], path: str, family: IPFamily, r: _Report) -> Endpoint | None:
@@ -1256,7 +1300,7 @@ def _pick_node(given: NodeConfig | None, nodes: dict[str, NodeInfo]) -> NodeInfo
 
 
 def _endpoints(
-    slices: dict[tuple[str, str], _Slice],
+    collected: _Collected,
     services: dict[ServicePortKey, ServicePort],
     node_name: str,
 ) -> dict[ServicePortKey, tuple[Endpoint, ...]]:
@@ -1264,22 +1308,58 @@ def _endpoints(
 
     Slices are matched by port name and protocol. A duplicate `ip:port` keeps the first seen,
     except that a local one replaces it. Upstream walks slices in map (random) order; walking
-    them by name makes the winner reproducible.
+    them by name makes the winner reproducible. A duplicate whose slices give it different
+    weights keeps weight 1, as for any bad weight, whichever slice wins: a weight must not
+    depend on slice names (reported to `collected.errors`).
     """
     merged: dict[ServicePortKey, dict[str, Endpoint]] = {}
+    weighed = _WeightsSeen(collected)
     # Keyed by the services' own key objects: one ServicePortName per port in the whole state.
     keys = {key: key for key in services}
-    for _, sl in sorted(slices.items()):
+    for identity, sl in sorted(collected.slices.items()):
         for (port_name, protocol, _number), endpoints in zip(sl.ports, sl.endpoints):
             key = keys.get((ServicePortName(sl.namespace, sl.service, port_name, protocol), sl.family))
             if key is None:
                 continue
             bucket = merged.setdefault(key, {})
             for endpoint in endpoints:
+                weighed.see(key, endpoint, identity)
                 local = bool(node_name) and endpoint.node_name == node_name
                 if local or endpoint.address not in bucket:
                     bucket[endpoint.address] = endpoint
+    for key, address in weighed.conflicting:
+        merged[key][address] = replace(merged[key][address], weight=1)
     return {key: sort_endpoints(list(bucket.values())) for key, bucket in merged.items() if bucket}
+
+
+class _WeightsSeen:
+    """The first weight each service port's endpoint was given, and the slices that disagree."""
+
+    def __init__(self, collected: _Collected) -> None:
+        self.collected = collected
+        self.first: dict[tuple[ServicePortKey, str], tuple[int, tuple[str, str]]] = {}
+        self.conflicting: dict[tuple[ServicePortKey, str], None] = {}
+        self.reported: set[tuple[tuple[str, str], tuple[str, str], str]] = set()
+
+    def see(self, key: ServicePortKey, endpoint: Endpoint, identity: tuple[str, str]) -> None:
+        weight, first = self.first.setdefault((key, endpoint.address), (endpoint.weight, identity))
+        if weight == endpoint.weight or first == identity:
+            return
+        self.conflicting[(key, endpoint.address)] = None
+        if (first, identity, endpoint.ip) not in self.reported:  # once, not once per port
+            self.reported.add((first, identity, endpoint.ip))
+            self._report(endpoint, weight, first, identity)
+
+    def _report(self, endpoint: Endpoint, weight: int, first: tuple[str, str], identity: tuple[str, str]) -> None:
+        sources = self.collected.sources
+        where = sources.get(("EndpointSlice", first), "")
+        self.collected.errors.append(ObjectError(
+            "EndpointSlice", show(identity[0]), show(identity[1]),
+            f"metadata.annotations[{WEIGHTS_ANNOTATION}][{endpoint.ip}]",
+            f"conflicting weights: {endpoint.weight} here, {weight} in EndpointSlice "
+            f"{show(first[0])}/{show(first[1])}{f' ({where})' if where else ''}; the endpoint keeps weight 1",
+            sources.get(("EndpointSlice", identity), ""),
+        ))
 
 
 def _assemble(entries: Iterable[_Parsed | ObjectError], given: NodeConfig | None) -> LoadResult:
@@ -1295,5 +1375,5 @@ def _assemble(entries: Iterable[_Parsed | ObjectError], given: NodeConfig | None
         found = (c for name in sorted(collected.service_cidrs) for c in collected.service_cidrs[name])
         node = replace(node, service_cidrs=tuple(dict.fromkeys(found)))
     services = {sp.key: sp for ports in collected.services.values() for sp in ports}
-    endpoints = _endpoints(collected.slices, services, node.name)
+    endpoints = _endpoints(collected, services, node.name)
     return LoadResult(ClusterState(node, services, endpoints), tuple(collected.errors))

@@ -66,6 +66,9 @@ class Plan:
     connections_per_service: int
     skipped: tuple[str, ...] = ()
     """Service ports the sandbox cannot exercise, with the reason."""
+    sticky: frozenset[str] = frozenset()
+    """Service ports with ClientIP session affinity: on every row of theirs, whatever the
+    origin or address, one client's connections all go to the one endpoint its first got."""
 
     @property
     def distributions(self) -> tuple[Probe, ...]:
@@ -155,7 +158,11 @@ def plan(state: ClusterState, connections: int = 2000) -> Plan:
         endpoints={ip: list(ports) for ip, ports in endpoint_ports.items()},
     )
     return Plan(spec, tuple(probes.probes), state.node.ips, state.node.name, connections,
-                tuple([*clients.skipped, *probes.skipped]))
+                tuple([*clients.skipped, *probes.skipped]), _sticky(state))
+
+
+def _sticky(state: ClusterState) -> frozenset[str]:
+    return frozenset(str(svc.name) for svc in state.services.values() if svc.affinity_timeout)
 
 
 def _used_addresses(state: ClusterState) -> set[str]:
@@ -339,16 +346,21 @@ def seen_as(verdict: str, endpoint: str | None, masquerade: bool, probe: Probe,
     return ("refused" if probe.dst in node_ips else "timeout", None)
 
 
-def judge(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen, int]) -> tuple[str, ...]:
+def judge(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen, int],
+          sticky: bool = False) -> tuple[str, ...]:
     """What is wrong with what a backend's connections saw: outcomes the rules give no chance
     (wrong endpoint, source or failure), and for check rows an endpoint the rules give a fair
     chance never reached, or (affinity) one client spread over several endpoints. Distribution
     p-values are reported beside this, not folded in: a correct ruleset falls below any alpha
-    now and then."""
+    now and then.
+
+    `sticky`: the probe's service has session affinity, so whatever the row, the interpreter's
+    split (of a fresh connection) only says which endpoints the client may stick to: the first
+    connection picks one with those shares and every later one follows it."""
     m = Measured(expected, seen, 0.0)
     problems = [f"{n} connection(s) saw {label} (source {src}), which the rules give no chance"
                 for (label, src), n in sorted(m.unexpected.items(), key=str)]
-    if probe.check is Check.AFFINITY:
+    if probe.check is Check.AFFINITY or sticky:
         if len(m.seen_labels) != 1:
             problems.append(f"one client reached {len(m.seen_labels)} endpoints under affinity")
     elif probe.check is not None:
@@ -361,8 +373,8 @@ def judge(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen, i
 
 
 def measure(probe: Probe, expected: Mapping[Seen, Fraction], seen: Mapping[Seen, int],
-            seconds: float) -> Measured:
-    return Measured(expected, seen, seconds, judge(probe, expected, seen))
+            seconds: float, sticky: bool = False) -> Measured:
+    return Measured(expected, seen, seconds, judge(probe, expected, seen, sticky))
 
 
 EndpointKey = tuple[str, str]
@@ -632,7 +644,8 @@ def run(
                     if progress is not None:
                         progress(done, total, f"{backend}: {p.service}")
                 measured[p][backend] = measure(p, expected, observed(outcomes),
-                                               time.perf_counter() - t0)
+                                               time.perf_counter() - t0,
+                                               sticky=p.service in the_plan.sticky)
             counted[backend] = kernel_counts(backend, sb.node_ns)
         finally:
             with uninterrupted():

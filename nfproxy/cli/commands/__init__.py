@@ -17,12 +17,25 @@ from nfproxy.core.model import ClusterState
 BACKENDS = backend_names()
 
 
-def load_manifests(args: argparse.Namespace, path: str | None = None) -> ClusterState:
-    """Load manifests with the node flags; report each bad object on stderr, keep the rest."""
+class NothingToShow(ValueError):
+    """The manifests hold no object at all; printed as it is, exit 2."""
+
+
+def load_manifests(args: argparse.Namespace, path: str | None = None, *, nothing_to: str = "") -> ClusterState:
+    """Load manifests with the node flags; report each bad object on stderr, keep the rest.
+
+    `nothing_to` (what the command would do: "render", "compare"): refuse manifests that hold
+    no object at all, as the daemon's `--once` does; the empty ruleset (or "EQUIVALENT") of an
+    empty file, a file still being written or a wrong path would pass for a result."""
     from nfproxy.sources import manifests
 
     node = node_config_from_args(args)
-    result = manifests.load(path if path is not None else args.manifests, node=node)
+    where = path if path is not None else args.manifests
+    try:
+        result = manifests.load(where, node=node, require_objects=bool(nothing_to))
+    except manifests.NoObjects:
+        raise NothingToShow(f"{where}: nothing to {nothing_to}: no valid Service, EndpointSlice "
+                            "or Node read (no file holds a Kubernetes object)") from None
     for err in result.errors:
         print(f"nfproxy: skipped: {err}", file=sys.stderr)
     return result.state

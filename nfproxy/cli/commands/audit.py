@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
+import stat
 import sys
 import time
 from typing import Any
@@ -18,6 +21,14 @@ from nfproxy.cli.commands import BACKENDS
 from nfproxy.cli.commands.trace import SourceError, check_netns, check_node_ips, fail
 
 DEFAULT_INTERVAL = "30s"
+DEFAULT_ALPHA = "0.001"
+# A plain decimal, ASCII digits only, with an optional exponent: float() alone also takes `0.5_0`,
+# ` 0.5 `, `nan`, `inf` and other scripts' digits, none of which docs/audit.md promises.
+_ALPHA = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+# argparse takes an argument that starts with "-" for an option unless it looks like a number;
+# a duration is number-like too, so `--interval -1s` reaches the "must be positive" check
+# instead of failing as "expected one argument" (Python 3.13's own pattern, on 3.11 as well).
+_NUMBER_LIKE = re.compile(r"-\.?[0-9]")
 
 
 class AuditError(ValueError):
@@ -37,22 +48,60 @@ def _interval(args: argparse.Namespace) -> float:
     return ns / 1e9
 
 
-def _check_flags(args: argparse.Namespace) -> float | None:
-    if not (0 < args.alpha < 1) or math.isnan(args.alpha):
-        raise AuditError(f"--alpha {args.alpha}: must be between 0 and 1 (exclusive)")
+def alpha(text: str) -> float:
+    """--alpha as typed: the errors quote the text, not what float() made of it (`1e-400` is
+    0.0 to a float, and was reported as such)."""
+    from nfproxy.cli.flag_types import DISPLAY_LIMIT, display
+
+    if _ALPHA.fullmatch(text) is None:
+        raise AuditError(f"--alpha {display(text)}: not a decimal number (examples: 0.001, .05, 1e-3)")
+    value = float(text)
+    if not 0 < value < 1:
+        shown = text if len(text) <= DISPLAY_LIMIT else text[: DISPLAY_LIMIT - 3] + "..."
+        raise AuditError(f"--alpha {shown}: must be between 0 and 1 (exclusive)")
+    return value
+
+
+def check_metrics_file(path: str) -> None:
+    """The textfile is written beside PATH and renamed over it, which replaces whatever PATH was:
+    a device or FIFO would become a regular file, a symlink would be replaced, not followed. So
+    only a regular file, or nothing yet, may be there; a symlink is refused rather than resolved,
+    as a root job should not write where a link in a shared directory points."""
+    from nfproxy.sources.manifests import file_type
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise AuditError(f"--metrics-file {path}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(mode):
+        raise AuditError(f"--metrics-file {path}: a symbolic link, not a regular file "
+                         "(give the path of the file it points to)")
+    if not stat.S_ISREG(mode):
+        raise AuditError(f"--metrics-file {path}: {file_type(mode)}, not a regular file")
+
+
+def _check_flags(args: argparse.Namespace) -> tuple[float, float | None]:
+    """(alpha, interval in seconds or None for --once); before any reading, so a bad flag costs
+    no window of waiting."""
+    level = alpha(args.alpha)
     if args.service is not None:
         ns, sep, name = args.service.partition("/")
         if not sep or not ns or not name or "/" in name:
             raise AuditError(f"--service {args.service!r}: expected NAMESPACE/NAME")
     if args.once and args.interval is not None:
         raise AuditError("--once and --interval exclude each other")
+    interval = None if args.once else _interval(args)
+    if args.metrics_file:
+        check_metrics_file(args.metrics_file)
     try:
         check_node_ips(args.node_ip)
         if args.netns:
             check_netns(args.netns)
     except SourceError as exc:
         raise AuditError(str(exc)) from None
-    return None if args.once else _interval(args)
+    return level, interval
 
 
 def read(backend: str, netns: str | None, node_ips: list[str], mode: str) -> Any:
@@ -105,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from nfproxy.kernel.process import KernelError
 
     try:
-        interval = _check_flags(args)
+        level, interval = _check_flags(args)
         backend = args.backend or "nft"
         first = None
         if interval is not None:
@@ -114,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         second = read(backend, args.netns, args.node_ip, args.mode)
         if first is not None:
             interval = second.taken_at - first.taken_at  # what the counters really spanned
-        report = audit(first, second, alpha=args.alpha, only=args.service)
+        report = audit(first, second, alpha=level, only=args.service)
     except (AuditError, KernelError, InterpretError, ValueError) as exc:
         return fail(f"audit: {args.netns + ': ' if args.netns and not isinstance(exc, AuditError) else ''}{exc}")
     if args.service is not None and not report.ports:
@@ -210,6 +259,7 @@ def _write_metrics(path: str, report: Any) -> None:
         labels = (*a.key.namespace_service_port, a.key.protocol, a.key.family)
         p_value.labels(*labels).set(a.p_adjusted if a.p_adjusted is not None else math.nan)
         skewed.labels(*labels).set(1 if a.verdict == "skewed" else 0)
+    check_metrics_file(path)  # again: the audit window is time for PATH to change
     try:
         write_to_textfile(path, registry)
     except OSError as exc:
@@ -224,9 +274,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     when.add_argument("--interval", metavar="DURATION", help=f"time between the two readings (default {DEFAULT_INTERVAL})")
     when.add_argument("--once", action="store_true", help="one reading: counts since each endpoint's counter was created")
     p.add_argument("--service", metavar="NS/NAME", help="audit only this service's ports")
-    p.add_argument("--alpha", type=float, default=0.001, help="significance across all service ports, Holm-corrected (default 0.001)")
+    p.add_argument("--alpha", default=DEFAULT_ALPHA, help=f"significance across all service ports, Holm-corrected (default {DEFAULT_ALPHA})")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP", help="a node IP, as for `check`")
     p.add_argument("--mode", choices=("kernel", "ideal"), default="kernel", help="expected shares: the kernel's arithmetic (default) or as written")
     p.add_argument("--metrics-file", metavar="PATH", help="also write the p-values as a Prometheus textfile (node_exporter)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
+    p._negative_number_matcher = _NUMBER_LIKE  # noqa: SLF001 - argparse has no public knob

@@ -7,7 +7,7 @@ import json
 import sys
 from fractions import Fraction
 
-from nfproxy.cli.commands import load_manifests
+from nfproxy.cli.commands import NothingToShow, load_manifests
 from nfproxy.cli.config import add_node_flags
 from nfproxy.cli.exit import hold
 
@@ -24,7 +24,11 @@ def run(args: argparse.Namespace) -> int:
     from nfproxy.analysis.interpret import InterpretError
     from nfproxy.verify.compare import compare
 
-    state = load_manifests(args)
+    try:
+        state = load_manifests(args, nothing_to="compare")
+    except NothingToShow as exc:  # an empty ruleset is trivially "EQUIVALENT" to another
+        print(f"nfproxy: error: {exc}", file=sys.stderr)
+        return 2
     try:
         result = compare(state)
     except InterpretError as exc:  # a rendering the interpreter cannot read: name the rule

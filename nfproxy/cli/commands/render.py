@@ -6,14 +6,19 @@ import argparse
 import sys
 
 from nfproxy.backends.registry import render_text
-from nfproxy.cli.commands import BACKENDS, load_manifests
+from nfproxy.cli.commands import BACKENDS, NothingToShow, load_manifests
 from nfproxy.cli.config import add_node_flags
 
 __all__ = ["render_text", "register"]
 
 
 def run(args: argparse.Namespace) -> int:
-    sys.stdout.write(render_text(args.backend, load_manifests(args)))
+    try:
+        state = load_manifests(args, nothing_to="render")
+    except NothingToShow as exc:
+        print(f"nfproxy: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render_text(args.backend, state))
     return 0
 
 
