@@ -142,8 +142,9 @@ def test_flags_win_over_the_file_and_those_kube_proxy_drops_are_named_once(
                       "--kubeconfig", "/k", "--healthz-bind-address", "1.2.3.4", "--hostname-override", "Node-C",
                       "--v=3")
     assert (out["mode"], out["clusterCIDR"], out["hostnameOverride"]) == ("iptables", "10.1.0.0/16", "node-c")
-    assert out["healthzBindAddress"] == "1.2.3.4:10256" and out["clientConnection"] == {"kubeconfig": "/k"}
-    assert out["logging"] == {"format": "text", "verbosity": 3}  # type: ignore[comparison-overlap]
+    assert out["healthzBindAddress"] == "1.2.3.4:10256" and out["clientConnection"] == {
+        "burst": 10, "contentType": "application/vnd.kubernetes.protobuf", "kubeconfig": "/k", "qps": 5}
+    assert out["logging"] == {"flushFrequency": "5s", "format": "text", "verbosity": 3}  # type: ignore[comparison-overlap]
     named = [r for r in caplog.records if "win over the file" in r.getMessage()]
     assert [r.getMessage() for r in named] == [
         f"--config {path}: --proxy-mode, --cluster-cidr, --kubeconfig, --healthz-bind-address win over "

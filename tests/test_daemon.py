@@ -112,6 +112,8 @@ def test_daemon_follows_manifest_changes_and_serves_health_and_metrics(tmp_path:
                 "kubeproxy_sync_proxy_rules_service_changes_total",
             ):
                 assert name in text, name
+            # Registered per backend, as kube-proxy's RegisterMetrics(mode): no iptables families.
+            assert "kubeproxy_sync_proxy_rules_iptables" not in text and "_created" not in text
             objects = {
                 l.split("{", 1)[1].split("}", 1)[0]: float(l.rsplit(" ", 1)[1])
                 for l in text.splitlines()

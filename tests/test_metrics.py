@@ -194,9 +194,10 @@ def test_network_programming_buckets_are_kube_proxys() -> None:
     def linear(start: float, width: float, count: int) -> list[float]:
         return [start + i * width for i in range(count)]
 
-    # metrics.MergeBuckets(LinearBuckets(0.25, 0.25, 2), (1, 1, 59), (60, 5, 12), (120, 30, 7))
-    want = linear(0.25, 0.25, 2) + linear(1, 1, 59) + linear(60, 5, 12) + linear(120, 30, 7)
-    assert list(NETWORK_PROGRAMMING_BUCKETS) == want and want[-1] == 300
+    # metrics.MergeBuckets(LinearBuckets(0.25, 0.25, 2), (1, 1, 59), (60, 5, 12), (120, 30, 7)):
+    # MergeBuckets starts with a 0 bucket (`result := make([]float64, 1)`), so 81 buckets.
+    want = [0.0] + linear(0.25, 0.25, 2) + linear(1, 1, 59) + linear(60, 5, 12) + linear(120, 30, 7)
+    assert list(NETWORK_PROGRAMMING_BUCKETS) == want and want[-1] == 300 and len(want) == 81
     m = fresh()
     m.network_programmed(1.2, family=V6)
     name = "kubeproxy_network_programming_duration_seconds"

@@ -163,25 +163,51 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
             name = dns_subdomain(name)
         except FieldError as exc:
             raise FlagError(f"--node-name: {exc}") from None
+    ips = _one_per_family("--node-ip", _each("--node-ip", args.node_ip, ip_address))
+    cluster_cidrs = _one_per_family("--cluster-cidr", _each("--cluster-cidr", args.cluster_cidr, cidr))
+    service_cidrs = _one_per_family(
+        "--service-cluster-ip-range",
+        _each("--service-cluster-ip-range", getattr(args, "service_cluster_ip_range", []), cidr),
+    )
+    check_service_cidrs(service_cidrs, cluster_cidrs, ips)
     return NodeConfig(
         name=name,
         # The run command reads nf_conntrack_tcp_be_liberal in the target namespace and sets
         # drop_invalid from it, as kube-proxy does; other commands render the drop.
         drop_invalid=bool(getattr(args, "drop_invalid", True)),
-        ips=_one_per_family("--node-ip", _each("--node-ip", args.node_ip, ip_address)),
-        cluster_cidrs=_one_per_family(
-            "--cluster-cidr", _each("--cluster-cidr", args.cluster_cidr, cidr)
-        ),
+        ips=ips,
+        cluster_cidrs=cluster_cidrs,
         masquerade_all=bool(args.masquerade_all),
         nodeport_addresses=_nodeport_addresses(args.nodeport_addresses),
         localhost_nodeports=bool(getattr(args, "localhost_nodeports", True)),
         masquerade_bit=_masquerade_bit(getattr(args, "masquerade_bit", MASQUERADE_BIT)),
-        service_cidrs=_one_per_family(
-            "--service-cluster-ip-range",
-            _each("--service-cluster-ip-range", getattr(args, "service_cluster_ip_range", []), cidr),
-        ),
+        service_cidrs=service_cidrs,
         **_local_detection(args),  # type: ignore[arg-type]
     )
+
+
+def check_service_cidrs(service_cidrs: tuple[str, ...], cluster_cidrs: tuple[str, ...],
+                        node_ips: tuple[str, ...]) -> None:
+    """The nft backend drops traffic to every unallocated address of the service CIDRs after
+    DNAT (docs/rules.md, cluster-ips-check): a service range that overlaps the pods' CIDR, either
+    way, or holds a node IP would silently black-hole that traffic, so it is refused here."""
+    import ipaddress
+
+    for text in service_cidrs:
+        service = ipaddress.ip_network(text)
+        if service.prefixlen == 0:
+            raise FlagError(f"--service-cluster-ip-range: {text} contains every address: "
+                            "all traffic would be dropped")
+        for pods in map(ipaddress.ip_network, cluster_cidrs):
+            if pods.version != service.version or not service.overlaps(pods):
+                continue
+            how = "contains" if service.supernet_of(pods) else "is inside"  # type: ignore[arg-type]
+            raise FlagError(f"--service-cluster-ip-range: {text} {how} the cluster CIDR {pods}: "
+                            "traffic to pods would be dropped")
+        for node_ip in node_ips:
+            if ipaddress.ip_address(node_ip) in service:
+                raise FlagError(f"--service-cluster-ip-range: {text} contains the node IP {node_ip}: "
+                                "traffic to the node would be dropped")
 
 
 def _masquerade_bit(bit: int) -> int:

@@ -212,6 +212,76 @@ def _host_port(default_port: int) -> Callable[[object], str | None]:
     return check
 
 
+# Go's float32 range: kube-proxy reads clientConnection.qps (and --kube-api-qps) as a float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32(v: object) -> int | float | None:
+    """clientConnection.qps: a finite number within float32's range (a string, a bool or `.nan`
+    is what kube-proxy's decoding refuses too)."""
+    import math
+
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Bad(f"{display(v)}: must be a number")
+    if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+        raise _Bad(f"{display(v)}: must be a finite float32")
+    return v
+
+
+def _zero_is_default(check: Callable[[object], object]) -> Callable[[object], object]:
+    """A field kube-proxy's defaulting fills in when 0 (clientConnection.qps and burst)."""
+
+    def checked(v: object) -> object:
+        value = check(v)
+        return None if value == 0 else value
+
+    return checked
+
+
+def _cidr_list(v: object) -> list[str] | None:
+    """ipvs.excludeCIDRs: a list of CIDRs (kept as written, for --write-config-to)."""
+    from nfproxy.sources.validation import FieldError, cidr
+
+    values = _strings(v)
+    for item in values or ():
+        try:
+            cidr(item)
+        except FieldError as exc:
+            raise _Bad(str(exc)) from None
+    return values
+
+
+def _flush_frequency(v: object) -> str | None:
+    """logging.flushFrequency: a Go duration, or nanoseconds as an integer (kube-proxy's
+    TimeOrMetaDuration takes both); kept as a duration string, 0 meaning the default."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 0:
+            raise _Bad(f"{v}: must not be negative")
+        return go_duration.format(v) if v else None
+    return _duration(True)(v)
+
+
+_VMODULE_KEYS = {"filePattern", "verbosity"}
+
+
+def _vmodule(v: object) -> list[dict[str, object]] | None:
+    """logging.vmodule: `{filePattern, verbosity}` items, as logsapi's Validate checks them."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise _Bad(f"{display(v)}: must be a list of filePattern and verbosity")
+    for item in v:
+        if not isinstance(item, dict) or not set(item) <= _VMODULE_KEYS:
+            raise _Bad(f"{display(item)}: must be a map of filePattern and verbosity")
+        pattern, level = item.get("filePattern"), item.get("verbosity", 0)
+        if not isinstance(pattern, str) or not pattern or any(c in pattern for c in "=,"):
+            raise _Bad(f"{display(pattern)}: file pattern must be a non-empty string without = or ,")
+        _int32(0, INT32_MAX)(level)
+    return list(v) or None
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[object], str | None]:
     def check(v: object) -> str | None:
         text = _string(v)
@@ -281,11 +351,15 @@ class Field:
 
 
 def _warned(path: str, why: str, check: Callable[[object], object] = _anything,
-            quiet: tuple[object, ...] = ()) -> Field:
-    return Field(path, check, None, why, quiet=quiet)
+            quiet: tuple[object, ...] = (), dest: str | None = None) -> Field:
+    """A setting nfproxy cannot honour: warned about when set; with a `dest` (the flag's), its
+    value is still kept, so --write-config-to and /configz show what was asked for."""
+    return Field(path, check, dest, why, quiet=quiet)
 
 
 _NO_IPVS = "nfproxy has no IPVS mode"
+PROTOBUF = "application/vnd.kubernetes.protobuf"  # clientConnection.contentType's default
+LOGGING_OPTIONS_WHY = "klog's buffering options do not apply: lines are written unbuffered"
 _NO_WINDOWS = "nfproxy runs on Linux only"
 
 FIELDS: tuple[Field, ...] = (
@@ -296,14 +370,14 @@ FIELDS: tuple[Field, ...] = (
     Field("clientConnection.kubeconfig", _string, "kubeconfig"),
     _warned("clientConnection.acceptContentTypes", "the API client always asks for JSON", _string),
     _warned("clientConnection.contentType", "the API client always sends JSON", _string,
-            ("application/vnd.kubernetes.protobuf",)),
+            (PROTOBUF,), "kube_api_content_type"),
     _warned("clientConnection.qps", "nfproxy only lists and watches, without client-side rate limits",
-            quiet=(5,)),
+            _zero_is_default(_float32), (5,), "kube_api_qps"),
     _warned("clientConnection.burst", "nfproxy only lists and watches, without client-side rate limits",
-            _int32(0, INT32_MAX), (10,)),
+            _zero_is_default(_int32(0, INT32_MAX)), (10,), "kube_api_burst"),
     Field("clusterCIDR", _cidrs, "cluster_cidr"),
     _warned("configSyncPeriod", "nfproxy's watches never resync from their cache", _duration(True),
-            ("15m0s", "15m")),
+            ("15m0s", "15m"), "config_sync_period"),
     Field("conntrack.maxPerCore", _int32(0, INT32_MAX), "conntrack_max_per_core"),
     Field("conntrack.min", _int32(0, INT32_MAX), "conntrack_min"),
     Field("conntrack.tcpBeLiberal", _bool, "conntrack_tcp_be_liberal"),
@@ -314,7 +388,7 @@ FIELDS: tuple[Field, ...] = (
     Field("detectLocal.bridgeInterface", _interface, "pod_bridge_interface"),
     Field("detectLocal.interfaceNamePrefix", _interface, "pod_interface_name_prefix"),
     Field("detectLocalMode", _choice(DETECT_LOCAL_MODES), "detect_local_mode"),
-    _warned("enableProfiling", "nfproxy serves no /debug/pprof", _bool),
+    _warned("enableProfiling", "nfproxy serves no /debug/pprof", _bool, dest="profiling"),
     Field("featureGates", _gates, "feature_gates"),
     Field("healthzBindAddress", _host_port(HEALTHZ_PORT), "healthz_bind_address"),
     Field("hostnameOverride", _node_name, "node_name"),
@@ -323,20 +397,20 @@ FIELDS: tuple[Field, ...] = (
     Field("iptables.masqueradeBit", _int32(0, 31), "masquerade_bit", mode="iptables"),
     Field("iptables.minSyncPeriod", _duration(True), "iptables_min_sync_period"),
     Field("iptables.syncPeriod", _duration(True), "iptables_sync_period"),
-    _warned("ipvs.excludeCIDRs", _NO_IPVS),
-    _warned("ipvs.minSyncPeriod", _NO_IPVS, _duration(True)),
-    _warned("ipvs.scheduler", _NO_IPVS, _string),
-    _warned("ipvs.strictARP", _NO_IPVS, _bool),
-    _warned("ipvs.syncPeriod", _NO_IPVS, _duration(True), ("30s",)),
-    _warned("ipvs.tcpFinTimeout", _NO_IPVS, _duration(True)),
-    _warned("ipvs.tcpTimeout", _NO_IPVS, _duration(True)),
-    _warned("ipvs.udpTimeout", _NO_IPVS, _duration(True)),
+    _warned("ipvs.excludeCIDRs", _NO_IPVS, _cidr_list, dest="ipvs_exclude_cidrs"),
+    _warned("ipvs.minSyncPeriod", _NO_IPVS, _duration(True), dest="ipvs_min_sync_period"),
+    _warned("ipvs.scheduler", _NO_IPVS, _string, dest="ipvs_scheduler"),
+    _warned("ipvs.strictARP", _NO_IPVS, _bool, dest="ipvs_strict_arp"),
+    _warned("ipvs.syncPeriod", _NO_IPVS, _duration(True), ("30s",), "ipvs_sync_period"),
+    _warned("ipvs.tcpFinTimeout", _NO_IPVS, _duration(True), dest="ipvs_tcpfin_timeout"),
+    _warned("ipvs.tcpTimeout", _NO_IPVS, _duration(True), dest="ipvs_tcp_timeout"),
+    _warned("ipvs.udpTimeout", _NO_IPVS, _duration(True), dest="ipvs_udp_timeout"),
     Field("logging.format", _choice(LOGGING_FORMATS), "logging_format"),
-    _warned("logging.flushFrequency", "nfproxy's log lines are written unbuffered",
-            quiet=("5s", 5_000_000_000)),
-    _warned("logging.options", "klog's buffering options do not apply: lines are written unbuffered"),
+    _warned("logging.flushFrequency", "nfproxy's log lines are written unbuffered", _flush_frequency,
+            ("5s", 5_000_000_000), "log_flush_frequency"),
+    _warned("logging.options", LOGGING_OPTIONS_WHY),
     Field("logging.verbosity", _int32(0, INT32_MAX), "verbosity"),
-    _warned("logging.vmodule", "per-file verbosity is not supported"),
+    _warned("logging.vmodule", "per-file verbosity is not supported", _vmodule, dest="vmodule"),
     Field("metricsBindAddress", _host_port(METRICS_PORT), "metrics_bind_address"),
     Field("mode", _mode, "backend"),
     Field("nftables.masqueradeAll", _bool, "masquerade_all", mode="nftables"),
@@ -345,9 +419,10 @@ FIELDS: tuple[Field, ...] = (
     Field("nftables.syncPeriod", _duration(True), "nftables_sync_period"),
     Field("nodePortAddresses", _nodeport_addresses, "nodeport_addresses"),
     _warned("oomScoreAdj", "nfproxy leaves its OOM score to the container runtime",
-            _int32(-1000, 1000), (-999,)),
+            _int32(-1000, 1000), (-999,), "oom_score_adj"),
     _warned("portRange", "kube-proxy's userspace mode is gone", _string),
-    _warned("showHiddenMetricsForVersion", "nfproxy has no hidden metrics", _string),
+    _warned("showHiddenMetricsForVersion", "nfproxy has no hidden metrics", _string,
+            dest="show_hidden_metrics_for_version"),
     _warned("windowsRunAsService", _NO_WINDOWS, _bool),
     _warned("winkernel.enableDSR", _NO_WINDOWS, _bool),
     _warned("winkernel.forwardHealthCheckVip", _NO_WINDOWS, _bool),
@@ -370,6 +445,27 @@ def _zero(v: object) -> bool:
     if isinstance(v, str):
         return v in ("", "0", "0s")
     return v in (None, False, 0)
+
+
+def quiet(f: Field, value: object) -> bool:
+    """A warned field's value that says nothing: Go's zero value or kube-proxy's own default."""
+    return _zero(value) or value in f.quiet
+
+
+def flag_setting(path: str, flag: str, value: object) -> tuple[object, str | None]:
+    """What kube-proxy's flag for the field `path` sets, checked as the field is, and the
+    field's warning, worded for the flag, when nfproxy cannot honour a value that says something.
+    Raises FlagError naming the flag."""
+    from nfproxy.cli.config import FlagError
+
+    f = _BY_PATH[path]
+    try:
+        checked = f.check(value)
+    except _Bad as exc:
+        raise FlagError(f"{flag}: {exc}") from None
+    if not f.why or quiet(f, value):
+        return checked, None
+    return checked, f"{flag}: {display(value)}: ignored, {f.why}"
 
 
 # ---- reading
@@ -551,10 +647,10 @@ def _settings(path: str, doc: Any, lines: dict[str, int],
                 line = lines.get(f"{field_path}.{exc.key}") or lines.get(field_path)
                 raise ConfigFileError(f"{path}:{line}: {KIND}: {field_path}.{key}: {exc}") from None
             raise fail(field_path, str(exc)) from None
+        if f.why and not quiet(f, value):
+            line = lines.get(field_path)
+            warnings.append(f"{path}:{line}: {KIND}: {field_path}: {display(value)}: ignored, {f.why}")
         if f.dest is None:
-            if not _zero(value) and value not in f.quiet:
-                line = lines.get(field_path)
-                warnings.append(f"{path}:{line}: {KIND}: {field_path}: {display(value)}: ignored, {f.why}")
             continue
         if f.mode is not None and f.mode != mode_name:
             continue
@@ -654,8 +750,14 @@ def effective(args: argparse.Namespace) -> dict[str, Any]:
         "kind": KIND,
         "bindAddress": get("bind_address", "0.0.0.0"),
         "bindAddressHardFail": bool(get("bind_address_hard_fail", False)),
-        "clientConnection": {"kubeconfig": get("kubeconfig", "")},
+        "clientConnection": {
+            "burst": int(get("kube_api_burst", 10)),
+            "contentType": get("kube_api_content_type", PROTOBUF),
+            "kubeconfig": get("kubeconfig", ""),
+            "qps": get("kube_api_qps", 5),
+        },
         "clusterCIDR": ",".join(cidrs(get("cluster_cidr", []))),
+        "configSyncPeriod": _canonical(get("config_sync_period", "15m")),
         "conntrack": {
             "maxPerCore": int(get("conntrack_max_per_core", 32768)),
             "min": int(get("conntrack_min", 131072)),
@@ -670,6 +772,7 @@ def effective(args: argparse.Namespace) -> dict[str, Any]:
             "interfaceNamePrefix": get("pod_interface_name_prefix", ""),
         },
         "detectLocalMode": get("detect_local_mode", ""),
+        "enableProfiling": bool(get("profiling", False)),
         "featureGates": gates,
         "healthzBindAddress": get("healthz_bind_address", "0.0.0.0:10256"),
         "hostnameOverride": get("node_name", ""),
@@ -680,10 +783,8 @@ def effective(args: argparse.Namespace) -> dict[str, Any]:
             "minSyncPeriod": _canonical(get("iptables_min_sync_period", "1s")),
             "syncPeriod": _canonical(get("iptables_sync_period", "30s")),
         },
-        "logging": {
-            "format": get("logging_format", "text"),
-            "verbosity": int(get("verbosity", 0)),
-        },
+        "ipvs": _ipvs(get),
+        "logging": _logging(args, get),
         "metricsBindAddress": get("metrics_bind_address", "127.0.0.1:10249"),
         "mode": mode,
         "nftables": {
@@ -693,7 +794,52 @@ def effective(args: argparse.Namespace) -> dict[str, Any]:
             "syncPeriod": _canonical(get("nftables_sync_period", "30s")),
         },
         "nodePortAddresses": cidrs(get("nodeport_addresses", [])),
+        "oomScoreAdj": int(get("oom_score_adj", -999)),
+        "showHiddenMetricsForVersion": get("show_hidden_metrics_for_version", ""),
     }
+
+
+def _ipvs(get: Callable[[str, object], Any]) -> dict[str, Any]:
+    """The ipvs section as kube-proxy writes it (no IPVS mode here: only kept and shown)."""
+    return {
+        "excludeCIDRs": list(get("ipvs_exclude_cidrs", [])) or None,
+        "minSyncPeriod": _canonical(get("ipvs_min_sync_period", "0s")),
+        "scheduler": get("ipvs_scheduler", ""),
+        "strictARP": bool(get("ipvs_strict_arp", False)),
+        "syncPeriod": _canonical(get("ipvs_sync_period", "30s")),
+        "tcpFinTimeout": _canonical(get("ipvs_tcpfin_timeout", "0s")),
+        "tcpTimeout": _canonical(get("ipvs_tcp_timeout", "0s")),
+        "udpTimeout": _canonical(get("ipvs_udp_timeout", "0s")),
+    }
+
+
+# The logging flags of `logging.options`: (format, option) -> dest. The file's own
+# logging.options is only warned about; what these flags set is written back.
+LOGGING_OPTION_DESTS = {
+    ("text", "splitStream"): "log_text_split_stream",
+    ("text", "infoBufferSize"): "log_text_info_buffer_size",
+    ("json", "splitStream"): "log_json_split_stream",
+    ("json", "infoBufferSize"): "log_json_info_buffer_size",
+}
+
+
+def _logging(args: argparse.Namespace, get: Callable[[str, object], Any]) -> dict[str, Any]:
+    """The logging section; vmodule and options only when set, as kube-proxy omits them empty."""
+    out: dict[str, Any] = {
+        "flushFrequency": _canonical(get("log_flush_frequency", "5s")),
+        "format": get("logging_format", "text"),
+        "verbosity": int(get("verbosity", 0)),
+    }
+    if vmodule := get("vmodule", []):
+        out["vmodule"] = list(vmodule)
+    options: dict[str, dict[str, Any]] = {}
+    for (fmt, option), dest in LOGGING_OPTION_DESTS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not _zero(value):
+            options.setdefault(fmt, {})[option] = value
+    if options:
+        out["options"] = options
+    return out
 
 
 def _canonical(text: str) -> str:

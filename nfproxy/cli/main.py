@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_logging_flags(subparser, suppress=True)
         if name == "run":
             subparser.add_argument("--version", action=_Version)
+            from nfproxy.cli.warned_flags import add_kube_proxy_flags
+
+            add_kube_proxy_flags(subparser)
     return parser
 
 
@@ -189,7 +192,7 @@ def _apply_config(parser: argparse.ArgumentParser, run_parser: argparse.Argument
     keeps them, as KEP-2157 asks and as its DaemonSet relies on (`--proxy-mode=nftables` over
     kubeadm's ConfigMap, the canary's own ports), and says which ones kube-proxy would ignore."""
     from nfproxy.cli import kubeproxy_config
-    from nfproxy.cli.kube_flags import IGNORED_WITH_CONFIG
+    from nfproxy.cli.complete import IGNORED_WITH_CONFIG
 
     loaded = kubeproxy_config.load(str(given["config"]), given)
     top_dests = {a.dest for a in parser._actions}  # noqa: SLF001
@@ -207,12 +210,13 @@ def _apply_config(parser: argparse.ArgumentParser, run_parser: argparse.Argument
 
 def _complete_run(args: argparse.Namespace, options: list[str]) -> None:
     """The daemon's flags after parsing, as kube-proxy's Options.Complete leaves them."""
-    from nfproxy.cli import kube_flags
+    from nfproxy.cli import complete, warned_flags
 
     if "--hostname-override" in options and args.node_name is not None:
-        args.node_name = kube_flags.hostname_override(args.node_name)
-    kube_flags.complete_addresses(args)
-    kube_flags.check_sync_periods(args)
+        args.node_name = complete.hostname_override(args.node_name)
+    complete.complete_addresses(args)
+    warned_flags.apply_warned_flags(args, options)
+    complete.check_sync_periods(args)
 
 
 def _configure_logging(args: argparse.Namespace) -> None:

@@ -5,17 +5,26 @@ metrics carry `ip_family` = "IPv4" / "IPv6", since each family is synced on its 
 kube-proxy has no metric for (kernel operations per sync, nft object counts, sync kinds) is
 exported under the `nfproxy_` prefix. Everything lives in a registry of its own, so a test (or a
 second proxier in one process) never collides with another's counters.
+
+Given a backend, only that backend's families are registered, as kube-proxy's
+RegisterMetrics(mode) does; the daemon's own registry (none given) leaves out prometheus_client's
+`*_created` series, which kube-proxy (Go client) does not export.
 """
 
 from __future__ import annotations
 
+import copy
+import platform
+import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import PlatformCollector, ProcessCollector
+from prometheus_client.metrics_core import Metric
 
+from nfproxy import __version__
 from nfproxy.core.model import IPFamily
 
 SyncKind = Literal["full", "partial"]
@@ -26,9 +35,11 @@ SUBSYSTEM = "kubeproxy"
 SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 # Kernel operations per sync: 0 (the unchanged sync) is a bucket of its own.
 OPERATION_BUCKETS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
-# kube-proxy's network programming buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 2..5 min by 30 s.
+# kube-proxy's network programming buckets: metrics.MergeBuckets(LinearBuckets(0.25, 0.25, 2),
+# (1, 1, 59), (60, 5, 12), (120, 30, 7)). MergeBuckets starts its result with a 0 bucket
+# (`result := make([]float64, 1)`), so: 0, 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 2..5 min by 30 s.
 NETWORK_PROGRAMMING_BUCKETS = (
-    (0.25, 0.5)
+    (0.0, 0.25, 0.5)
     + tuple(float(s) for s in range(1, 60))
     + tuple(float(s) for s in range(60, 120, 5))
     + tuple(float(s) for s in range(120, 330, 30))
@@ -38,9 +49,62 @@ IPTABLES_TABLES = ("filter", "nat")
 NFT_OBJECTS = ("chains", "rules", "sets", "maps", "elements")
 
 
+BACKENDS: tuple[Backend, ...] = ("iptables", "nft")
+# component-base/metrics/prometheus/version: kubernetes_build_info's labels, in its order.
+BUILD_INFO_LABELS = (
+    "major", "minor", "gitVersion", "gitCommit", "gitTreeState", "buildDate", "goVersion", "compiler", "platform",
+)
+# Go's GOARCH names for what platform.machine() says, so `platform` reads as kube-proxy's does.
+_GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "i386": "386",
+           "i686": "386", "armv7l": "arm", "armv6l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
+           "riscv64": "riscv64"}
+
+
 def family_label(family: IPFamily) -> str:
     """kube-proxy's label value: the core/v1 IPFamily string."""
     return "IPv4" if family is IPFamily.V4 else "IPv6"
+
+
+def build_info(version: str = __version__) -> dict[str, str]:
+    """kubernetes_build_info's labels, filled with what nfproxy knows of itself.
+
+    The version is nfproxy's (not a Kubernetes version); nfproxy records no commit, tree state
+    or build date, so those are empty; `goVersion` and `compiler` name the Python runtime that
+    stands where Go's would.
+    """
+    parts = version.split(".")
+    machine = platform.machine().lower()
+    return {
+        "major": parts[0] if parts and parts[0].isdigit() else "",
+        "minor": parts[1] if len(parts) > 1 and parts[1].isdigit() else "",
+        "gitVersion": f"v{version}",
+        "gitCommit": "",
+        "gitTreeState": "",
+        "buildDate": "",
+        "goVersion": f"python{platform.python_version()}",
+        "compiler": platform.python_implementation().lower(),
+        "platform": f"{sys.platform}/{_GOARCH.get(machine, machine)}",
+    }
+
+
+class NoCreatedRegistry(CollectorRegistry):
+    """A registry whose counters and histograms expose no `*_created` sample.
+
+    prometheus_client adds one per counter, histogram and summary child; kube-proxy's Go client
+    does not, and scrape budgets and dashboards written for kube-proxy do not expect them. This
+    drops them for this registry only (`prometheus_client.disable_created_metrics()` would do it
+    for every registry in the process).
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            if metric.type not in ("counter", "histogram", "summary", "gaugehistogram"):
+                yield metric
+                continue
+            created = f"{metric.name}_created"
+            kept = copy.copy(metric)
+            kept.samples = [s for s in metric.samples if s.name != created]
+            yield kept
 
 
 class ProxyMetrics:
@@ -56,8 +120,14 @@ class ProxyMetrics:
         *,
         clock: Callable[[], float] = time.time,
         process_metrics: bool = True,
+        backend: Backend | None = None,
     ) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        """`backend` ("iptables" or "nft") registers only that backend's metric families, as
+        kube-proxy's RegisterMetrics(mode); None registers both (a caller that does not know)."""
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
+        self.registry = registry if registry is not None else NoCreatedRegistry()
+        self.backend = backend
         self._clock = clock
         if process_metrics:
             # kube-proxy exports process_* too; scrape configs expect them next to kubeproxy_*.
@@ -69,7 +139,12 @@ class ProxyMetrics:
         self._kernel_failures()
         self._rule_counts()
         self._probes()
+        self._conntrack()
+        self._build_info()
         self._nfproxy_own()
+
+    def _has(self, backend: Backend) -> bool:
+        return self.backend is None or self.backend == backend
 
     # ---- the metrics, by kind (kube-proxy's names; nfproxy's own last)
 
@@ -120,29 +195,38 @@ class ProxyMetrics:
         )
 
     def _kernel_failures(self) -> None:
-        self.iptables_restore_failures = self._counter(
-            "sync_proxy_rules_iptables_restore_failures", "Cumulative proxy iptables restore failures"
-        )
-        self.iptables_partial_restore_failures = self._counter(
-            "sync_proxy_rules_iptables_partial_restore_failures",
-            "Cumulative proxy iptables partial restore failures",
-        )
-        self.nftables_sync_failures = self._counter(
-            "sync_proxy_rules_nftables_sync_failures", "Cumulative proxy nftables sync failures"
-        )
-        self.nftables_cleanup_failures = self._counter(
-            "sync_proxy_rules_nftables_cleanup_failures", "Cumulative proxy nftables cleanup failures"
-        )
+        self.iptables_restore_failures: Counter | None = None
+        self.iptables_partial_restore_failures: Counter | None = None
+        self.nftables_sync_failures: Counter | None = None
+        self.nftables_cleanup_failures: Counter | None = None
+        if self._has("iptables"):
+            self.iptables_restore_failures = self._counter(
+                "sync_proxy_rules_iptables_restore_failures", "Cumulative proxy iptables restore failures"
+            )
+            self.iptables_partial_restore_failures = self._counter(
+                "sync_proxy_rules_iptables_partial_restore_failures",
+                "Cumulative proxy iptables partial restore failures",
+            )
+        if self._has("nft"):
+            self.nftables_sync_failures = self._counter(
+                "sync_proxy_rules_nftables_sync_failures", "Cumulative proxy nftables sync failures"
+            )
+            self.nftables_cleanup_failures = self._counter(
+                "sync_proxy_rules_nftables_cleanup_failures", "Cumulative proxy nftables cleanup failures"
+            )
 
     def _rule_counts(self) -> None:
-        self.iptables_rules = self._gauge(
-            "sync_proxy_rules_iptables_total", "Total number of iptables rules owned by kube-proxy",
-            ("ip_family", "table"),
-        )
-        self.iptables_rules_last = self._gauge(
-            "sync_proxy_rules_iptables_last", "Number of iptables rules written by kube-proxy in last sync",
-            ("ip_family", "table"),
-        )
+        self.iptables_rules: Gauge | None = None
+        self.iptables_rules_last: Gauge | None = None
+        if self._has("iptables"):
+            self.iptables_rules = self._gauge(
+                "sync_proxy_rules_iptables_total", "Total number of iptables rules owned by kube-proxy",
+                ("ip_family", "table"),
+            )
+            self.iptables_rules_last = self._gauge(
+                "sync_proxy_rules_iptables_last", "Number of iptables rules written by kube-proxy in last sync",
+                ("ip_family", "table"),
+            )
         self.no_local_endpoints = self._gauge(
             "sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
@@ -152,6 +236,25 @@ class ProxyMetrics:
     def _probes(self) -> None:
         self.healthz_total = self._counter("proxy_healthz", "Cumulative proxy healthz HTTP status", ("code",))
         self.livez_total = self._counter("proxy_livez", "Cumulative proxy livez HTTP status", ("code",))
+
+    def _conntrack(self) -> None:
+        # kube-proxy v1.33 (kubernetes#130204); registered in every mode. Its companion
+        # kubeproxy_conntrack_reconciler_sync_duration_seconds is not exported (see docs).
+        self.conntrack_reconciler_deleted = self._counter(
+            "conntrack_reconciler_deleted_entries", "Cumulative conntrack flows deleted by conntrack reconciler"
+        )
+
+    def _build_info(self) -> None:
+        """component-base's kubernetes_build_info: a constant 1 labelled with the build."""
+        self.build_info = Gauge(
+            "kubernetes_build_info",
+            "A metric with a constant '1' value labeled by major, minor, git version, git commit, git tree "
+            "state, build date, Go version, and compiler from which Kubernetes was built, and platform on "
+            "which it is running.",
+            BUILD_INFO_LABELS, registry=self.registry,
+        )
+        info = build_info()
+        self.build_info.labels(*(info[k] for k in BUILD_INFO_LABELS)).set(1)
 
     def _nfproxy_own(self) -> None:
         """What kube-proxy does not measure, under the nfproxy_ prefix."""
@@ -168,10 +271,12 @@ class ProxyMetrics:
             "nfproxy_sync_kernel_operations_last", "Kernel operations sent by the last successful sync",
             FAMILY, registry=r,
         )
-        self.nft_objects = Gauge(
-            "nfproxy_nftables_objects", "nftables objects owned by nfproxy after the last sync",
-            ("ip_family", "object"), registry=r,
-        )
+        self.nft_objects: Gauge | None = None
+        if self._has("nft"):
+            self.nft_objects = Gauge(
+                "nfproxy_nftables_objects", "nftables objects owned by nfproxy after the last sync",
+                ("ip_family", "object"), registry=r,
+            )
         self.conntrack_deleted = Counter(
             "nfproxy_conntrack_deleted_entries",
             "Stale UDP conntrack entries deleted after endpoint or service changes", FAMILY, registry=r,
@@ -256,19 +361,25 @@ class ProxyMetrics:
     def apply_failed(self, backend: Backend, *, family: IPFamily, partial: bool = False) -> None:
         """The kernel refused a sync (iptables-restore or the nft transaction failed)."""
         f = family_label(family)
+        self._check_backend(backend)
         if backend == "iptables":
-            if partial:
-                self.iptables_partial_restore_failures.labels(f).inc()
-            else:
-                self.iptables_restore_failures.labels(f).inc()
-        elif backend == "nft":
-            self.nftables_sync_failures.labels(f).inc()
+            counter = self.iptables_partial_restore_failures if partial else self.iptables_restore_failures
         else:
-            raise ValueError(f"unknown backend {backend!r}")
+            counter = self.nftables_sync_failures
+        assert counter is not None
+        counter.labels(f).inc()
 
     def cleanup_failed(self, *, family: IPFamily) -> None:
         """Deleting stale nft chains or sets failed (the sync went through; retried next time)."""
+        self._check_backend("nft")
+        assert self.nftables_cleanup_failures is not None
         self.nftables_cleanup_failures.labels(family_label(family)).inc()
+
+    def _check_backend(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}")
+        if not self._has(backend):  # type: ignore[arg-type]
+            raise ValueError(f"{backend} metrics are not registered: these metrics are for the {self.backend} backend")
 
     def set_no_local_endpoints(self, internal: int, external: int, *, family: IPFamily) -> None:
         """Services whose Local policy finds no local endpoint (their traffic is dropped)."""
@@ -289,24 +400,28 @@ class ProxyMetrics:
         `written` (iptables only) is the number of rules the last sync sent per table.
         """
         f = family_label(family)
+        self._check_backend(backend)
         if backend == "iptables":
+            assert self.iptables_rules is not None and self.iptables_rules_last is not None
             for table, n in counts.items():
                 _check_key(table, IPTABLES_TABLES, "iptables table")
                 self.iptables_rules.labels(f, table).set(n)
             for table, n in (written or {}).items():
                 _check_key(table, IPTABLES_TABLES, "iptables table")
                 self.iptables_rules_last.labels(f, table).set(n)
-        elif backend == "nft":
+        else:
             if written:
                 raise ValueError("`written` counts are an iptables metric")
+            assert self.nft_objects is not None
             for kind, n in counts.items():
                 _check_key(kind, NFT_OBJECTS, "nft object kind")
                 self.nft_objects.labels(f, kind).set(n)
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
 
     def conntrack_cleaned(self, deleted: int, *, family: IPFamily) -> None:
-        self.conntrack_deleted.labels(family_label(family)).inc(deleted)
+        """Stale UDP conntrack entries deleted after a sync: nfproxy's counter and kube-proxy's."""
+        f = family_label(family)
+        self.conntrack_deleted.labels(f).inc(deleted)
+        self.conntrack_reconciler_deleted.labels(f).inc(deleted)
 
     def conntrack_failed(self, *, family: IPFamily) -> None:
         self.conntrack_failures.labels(family_label(family)).inc()

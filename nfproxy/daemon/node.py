@@ -136,7 +136,7 @@ class Daemon:
         self.config = config
         self.source = source
         self.proxier = proxier or Proxier(config.backend, netns=config.netns)
-        self.metrics = ProxyMetrics()
+        self.metrics = ProxyMetrics(backend=config.backend)
         if config.netns is None and config.health_check_node_ports:
             # kube-proxy's INVALID-drop counter: the node's own kernel object, read when scraped.
             from nfproxy.daemon.invalid_drops import InvalidDropCollector, reader
