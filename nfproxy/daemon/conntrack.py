@@ -22,13 +22,20 @@ connections end, and the endpoint's own stack resets them.
 
 Pure: `stale_flows(old, new)` returns filters (nfproxy.kernel.conntrack.FlowFilter, the value the
 kernel layer deletes by); nfproxy.kernel.conntrack deletes what matches.
+
+A change the daemon did not see (made while it was down) has no `old` to compare with, so the
+first sync after a start reconciles the table instead, as kube-proxy's CleanStaleEntries does on
+every sync: `served_frontends(state)` says, per family, which replies each UDP frontend with
+serving endpoints may come from, and `Frontends.stale` judges each entry sent to one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from nfproxy.core.model import ClusterState, Endpoint, Protocol, ServicePort, ServicePortKey
-from nfproxy.kernel.conntrack import FlowFilter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from nfproxy.core.model import ClusterState, Endpoint, IPFamily, Protocol, ServicePort, ServicePortKey
+from nfproxy.kernel.conntrack import Flow, FlowFilter
 
 
 def _frontends(svc: ServicePort) -> tuple[tuple[str, int], ...]:
@@ -108,3 +115,74 @@ def stale_flows(
         for flow in _service_flows(key, old, new):
             found.setdefault(flow, flow)
     return sorted(found, key=FlowFilter.sort_key.fget)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# Reconciling the whole table (the first sync after a start)
+
+# Where replies may come from: serving endpoints' (ip, port).
+Replies = frozenset[tuple[str, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Frontends:
+    """One family's UDP frontends that have serving endpoints, each with the replies it may get.
+
+    kube-proxy's serviceIPEndpointIPs and serviceNodePortEndpointIPs, with the endpoint's port
+    as well as its address (nfproxy's filters match both: a target port that moved is stale).
+    Frontends without serving endpoints are absent: their rules reject, and their entries are
+    left alone, as kube-proxy leaves them.
+    """
+
+    family: IPFamily
+    addresses: Mapping[tuple[str, int], Replies]
+    node_ports: Mapping[int, Replies]
+
+    def __bool__(self) -> bool:
+        return bool(self.addresses or self.node_ports)
+
+    def destinations(self) -> set[tuple[str | None, int]]:
+        """What the kernel's dumps are narrowed to: each address and port, each node port."""
+        return {*self.addresses, *((None, port) for port in self.node_ports)}
+
+    def stale(self, flow: Flow) -> str | None:
+        """Why an entry points the wrong way (None: it does not, or is none of ours)."""
+        if flow.protocol is not Protocol.UDP or flow.orig_dport is None:
+            return None
+        reply = (flow.reply_src, flow.reply_sport)
+        replies = self.addresses.get((flow.orig_dst, flow.orig_dport))
+        if replies is not None and reply not in replies:
+            return f"{flow.orig_dst}:{flow.orig_dport}: reply from {_where(reply)}, not a serving endpoint"
+        replies = self.node_ports.get(flow.orig_dport)
+        if replies is not None and reply not in replies:
+            return f"node port {flow.orig_dport}: reply from {_where(reply)}, not a serving endpoint"
+        return None
+
+
+def _where(reply: tuple[str, int | None]) -> str:
+    return f"[{reply[0]}]:{reply[1]}" if ":" in reply[0] else f"{reply[0]}:{reply[1]}"
+
+
+def served_frontends(state: ClusterState) -> dict[IPFamily, Frontends]:
+    """Per family, the UDP frontends with serving endpoints (families with none are absent)."""
+    addresses: dict[IPFamily, dict[tuple[str, int], set[tuple[str, int]]]] = {}
+    node_ports: dict[IPFamily, dict[int, set[tuple[str, int]]]] = {}
+    for key, svc in state.services.items():
+        if svc.protocol is not Protocol.UDP:
+            continue
+        replies = {(ep.ip, ep.port) for ep in state.endpoints.get(key, ()) if ep.serving}
+        if not replies:
+            continue
+        family = key[1]
+        for frontend in _frontends(svc):
+            addresses.setdefault(family, {}).setdefault(frontend, set()).update(replies)
+        if svc.node_port:
+            node_ports.setdefault(family, {}).setdefault(svc.node_port, set()).update(replies)
+    return {
+        family: Frontends(
+            family,
+            {k: frozenset(v) for k, v in addresses.get(family, {}).items()},
+            {k: frozenset(v) for k, v in node_ports.get(family, {}).items()},
+        )
+        for family in sorted({*addresses, *node_ports})
+    }

@@ -21,7 +21,7 @@ from nfproxy.core.changes import Changes
 from nfproxy.daemon import logs
 from nfproxy.daemon.healthcheck import ServiceHealthServer, service_health
 from nfproxy.daemon.metrics import ProxyMetrics
-from nfproxy.core.model import ClusterState, IPFamily, ServicePortKey
+from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortKey
 from nfproxy.daemon.proxier import FailedSync, Proxier, SyncLoop, SyncResult
 from nfproxy.daemon.server import ProxierHealth, Servers, node_eligible, serve
 from nfproxy.sources import Source
@@ -164,6 +164,9 @@ class Daemon:
         self._no_local = NoLocalEndpoints()
         self._latency = ProgrammingLatency(source, self.metrics)
         self._health_ports: dict[object, int] = {}
+        # Changes made while the daemon was down have no previous state to diff: the first sync
+        # that writes reconciles the whole table instead (again after a failure to do so).
+        self._conntrack_unreconciled = True
 
     # ---- hooks
 
@@ -199,6 +202,8 @@ class Daemon:
             self.health_checks.sync_endpoints(sh.local_endpoints)
         if self.config.conntrack and previous is not None:
             self._clear_conntrack(previous, state, changes.keys)
+        if self.config.conntrack and self._conntrack_unreconciled:
+            self._conntrack_unreconciled = not self._reconcile_conntrack(state)
 
     def _observe(self, result: SyncResult) -> None:
         """Each family's metrics from that family's own part of the sync; changes once."""
@@ -236,6 +241,33 @@ class Daemon:
             self.metrics.conntrack_cleaned(n, family=family)
         logs.info(log, "Deleted stale UDP conntrack entries", level=2,
                   entries=sum(deleted.values()), filters=len(flows))
+
+    def _reconcile_conntrack(self, state: ClusterState) -> bool:
+        """Delete the UDP entries sent to a frontend whose reply source is none of its serving
+        endpoints (kube-proxy's CleanStaleEntries); False when the table could not be read.
+
+        Only at start, not every sync as kube-proxy: pyroute2 decodes about 2 500 entries a
+        second, and a sync's own changes are cleaned by `_clear_conntrack` for a fraction of it.
+        """
+        from nfproxy.daemon.conntrack import served_frontends
+        from nfproxy.kernel import conntrack as kernel_conntrack
+
+        done = True
+        for family, frontends in served_frontends(state).items():
+            started = time.perf_counter()
+            try:
+                n = kernel_conntrack.delete_judged(
+                    self.config.netns, family, Protocol.UDP, frontends.destinations(), frontends.stale
+                )
+            except Exception as exc:  # noqa: BLE001 - a failed cleanup must not fail the sync
+                self.metrics.conntrack_failed(family=family)
+                logs.warning(log, "Failed to reconcile conntrack entries", err=exc, ipFamily=f"IPv{family.value}")
+                done = False
+                continue
+            self.metrics.conntrack_cleaned(n, family=family)
+            logs.info(log, "Finished reconciling conntrack entries", level=2, ipFamily=f"IPv{family.value}",
+                      entriesDeleted=n, took=logs.Duration(time.perf_counter() - started))
+        return done
 
     def _failed(self, exc: BaseException) -> None:
         """Counted for the family whose kernel refused (every family if that is unknown)."""

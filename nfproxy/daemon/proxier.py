@@ -10,7 +10,7 @@ with the previous state, and it forces the next sync to be full, as kube-proxy d
 
 `SyncLoop` is the imperative shell around it: it listens to a source, coalesces changes into
 syncs no more often than `min_sync_period`, runs a full resync every `sync_period`, and retries
-failures with exponential backoff.
+failures with exponential backoff, which neither changes nor the periodic resync cut short.
 """
 
 from __future__ import annotations
@@ -350,12 +350,67 @@ def _overall_kind(families: Iterable[FamilySync]) -> SyncKind:
 # The loop
 
 
+@dataclass(slots=True)
+class SyncSchedule:
+    """When the loop may start its next sync, and whether that one is the periodic full sync.
+
+    Apart from the loop's thread and events so it can be driven by a fake clock. After a failure
+    nothing starts a sync before the retry time, neither the periodic full sync nor a change:
+    a failing full sync of 10 000 services is seconds of rendering, and once the failures had
+    outlasted sync_period the periodic one used to run every min_sync_period, while the log
+    announced a backoff doubling to max_backoff.
+    """
+
+    min_sync_period: float
+    sync_period: float
+    max_backoff: float
+    last_full: float = 0.0  # the last successful full sync (or the loop's start)
+    last_start: float = float("-inf")
+    retry_at: float | None = None  # set while the last sync failed
+    backoff: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.backoff = self._first_backoff()
+
+    def _first_backoff(self) -> float:
+        return max(self.min_sync_period, 0.1)
+
+    def full_due(self, now: float) -> bool:
+        return now - self.last_full >= self.sync_period
+
+    def delay(self, now: float, *, woken: bool) -> float:
+        """Seconds until a sync may start (0: now); `woken` says a change is waiting."""
+        earliest = self.last_start + self.min_sync_period
+        if self.retry_at is not None:
+            return max(self.retry_at, earliest) - now
+        if woken or self.full_due(now):
+            return max(earliest - now, 0.0)
+        return self.last_full + self.sync_period - now
+
+    def started(self, now: float) -> None:
+        self.last_start = now
+
+    def failed(self, now: float) -> float:
+        """Schedule the retry; returns how far off it is (what the log announces)."""
+        retry_in = self.backoff
+        self.retry_at = now + retry_in
+        self.backoff = min(self.backoff * 2, self.max_backoff)
+        return retry_in
+
+    def succeeded(self, now: float, *, full: bool) -> None:
+        self.retry_at = None
+        self.backoff = self._first_backoff()
+        if full:
+            self.last_full = now
+
+
 class SyncLoop:
     """Bounded-frequency sync runner around a Source and a Proxier.
 
     Changes are coalesced: however many arrive, syncs start at least `min_sync_period` apart.
     A full resync runs every `sync_period` to repair rules someone else changed. After a
-    failure the sync is retried after `min_sync_period`, doubling up to `max_backoff`.
+    failure the sync is retried after `min_sync_period`, doubling up to `max_backoff`; until
+    then nothing else starts one (`SyncSchedule`).
     """
 
     def __init__(
@@ -421,23 +476,15 @@ class SyncLoop:
         return self.proxier.sync(snap.state, full=True, touched=touched)
 
     def _run(self) -> None:
-        last_start = -1e18
-        last_full = time.monotonic()
-        retry_at: float | None = None
-        backoff = max(self.min_sync_period, 0.1)
+        schedule = SyncSchedule(
+            self.min_sync_period, self.sync_period, self.max_backoff, last_full=time.monotonic()
+        )
         while not self._stop.is_set():
-            now = time.monotonic()
-            due_full = now - last_full >= self.sync_period
-            wait = self.sync_period - (now - last_full)
-            if retry_at is not None:
-                wait = min(wait, retry_at - now)
-            if not self._wake.is_set() and not due_full and (retry_at is None or now < retry_at):
-                self._wake.wait(max(wait, 0.0))
-                continue
-            # Bounded frequency: never two sync starts closer than min_sync_period.
-            gap = last_start + self.min_sync_period - time.monotonic()
-            if gap > 0:
-                self._stop.wait(gap)
+            delay = schedule.delay(time.monotonic(), woken=self._wake.is_set())
+            if delay > 0:
+                # A notification ends only the idle wait; the min-sync-period gap and a failure's
+                # backoff hold it back (it stays set, and the sync after the wait covers it).
+                (self._stop if self._wake.is_set() else self._wake).wait(delay)
                 continue
             if not self.source.ready():
                 self._wake.clear()
@@ -447,21 +494,17 @@ class SyncLoop:
             self._wake.clear()
             with self._cond:
                 generation = self._generation
-            last_start = time.monotonic()
-            full = due_full
+            full = schedule.full_due(time.monotonic())
+            schedule.started(time.monotonic())
             try:
                 snap, touched = _take(self.source)
                 result = self.proxier.sync(snap.state, full=full, touched=touched)
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
-                retry_at = time.monotonic() + backoff
-                logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(backoff))
-                backoff = min(backoff * 2, self.max_backoff)
+                retry_in = schedule.failed(time.monotonic())
+                logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(retry_in))
                 continue
-            retry_at = None
-            backoff = max(self.min_sync_period, 0.1)
-            if full:
-                last_full = time.monotonic()
+            schedule.succeeded(time.monotonic(), full=full or result.kind == "full")
             if _cleanup_due(self.proxier, result):
                 self._wake.set()  # stale objects wait: the next sync (min_sync_period on) deletes them
             with self._cond:

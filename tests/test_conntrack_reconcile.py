@@ -1,0 +1,199 @@
+"""The start's conntrack reconciliation: changes made while the daemon was down.
+
+The probe that found it: a UDP service 10.96.0.53:53, an entry pinned to endpoint .5, the daemon
+stopped, .5 replaced by .6, the daemon restarted: its first sync had no previous state to diff,
+so it cleaned nothing and the client stayed pinned to .5. The first sync now judges every entry
+sent to a UDP frontend against the serving endpoints, as kube-proxy's CleanStaleEntries does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given
+
+from nfproxy.core.model import (
+    ClusterState,
+    Endpoint,
+    IPFamily,
+    NodeConfig,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    ServiceType,
+    sort_endpoints,
+)
+from nfproxy.daemon.conntrack import served_frontends, stale_flows
+from nfproxy.daemon.node import Daemon, DaemonConfig
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.kernel import conntrack as kct
+from nfproxy.kernel.conntrack import Flow
+from nfproxy.kernel.memory.nft import MemoryNft
+from nfproxy.testing import clusters, random_cluster
+from tests.test_conntrack import add_entry
+
+V4, V6 = IPFamily.V4, IPFamily.V6
+UDP = Protocol.UDP
+NODE = NodeConfig(name="node-a", ips=("192.168.0.2",), cluster_cidrs=("10.244.0.0/16",))
+OLD, NEW = "10.244.0.5", "10.244.0.6"
+CLIENT = "10.244.1.9"
+
+
+def port_of(name: str, protocol: Protocol = UDP, **kw: object) -> ServicePort:
+    fields: dict = dict(name=ServicePortName("kube-system", name, "dns", protocol), family=V4,
+                        type=ServiceType.CLUSTER_IP, port=53)
+    fields.update(kw)
+    return ServicePort(**fields)
+
+
+def cluster(*ports: tuple[ServicePort, list[Endpoint]]) -> ClusterState:
+    return ClusterState(
+        NODE, {p.key: p for p, _ in ports}, {p.key: sort_endpoints(eps) for p, eps in ports if eps}
+    )
+
+
+def ep(ip: str, port: int = 53, **kw: object) -> Endpoint:
+    return Endpoint(ip, port, node_name="node-a", **kw)  # type: ignore[arg-type]
+
+
+DNS = port_of("dns", cluster_ip="10.96.0.53", type=ServiceType.NODE_PORT, node_port=30053,
+              external_ips=("203.0.113.7",))
+DNS6 = port_of("dns", family=V6, cluster_ip="fd00:96::35")
+EMPTY = port_of("empty", cluster_ip="10.96.0.99")
+DNS_TCP = port_of("dns", protocol=Protocol.TCP, cluster_ip="10.96.0.53")
+NOW = cluster((DNS, [ep(NEW), ep("10.244.0.7", serving=False)]), (DNS6, [ep("fd01::6")]),
+              (EMPTY, []), (DNS_TCP, [ep(NEW)]))
+
+
+def flow(dst: str, dport: int, reply: str, rport: int = 53, family: IPFamily = V4,
+         protocol: Protocol = UDP, src: str = CLIENT) -> Flow:
+    return Flow(family, protocol, src, 40000, dst, dport, reply, rport, src, 40000)
+
+
+# ---- which entries are stale (pure)
+
+
+def test_frontends_are_the_udp_ports_with_serving_endpoints() -> None:
+    frontends = served_frontends(NOW)
+    assert set(frontends) == {V4, V6}
+    assert frontends[V4].addresses == {
+        ("10.96.0.53", 53): frozenset({(NEW, 53)}), ("203.0.113.7", 53): frozenset({(NEW, 53)}),
+    }
+    assert frontends[V4].node_ports == {30053: frozenset({(NEW, 53)})}
+    assert frontends[V4].destinations() == {("10.96.0.53", 53), ("203.0.113.7", 53), (None, 30053)}
+    assert frontends[V6].destinations() == {("fd00:96::35", 53)}
+    assert served_frontends(cluster((EMPTY, []), (DNS_TCP, [ep(NEW)]))) == {}
+
+
+def test_entries_whose_reply_is_no_serving_endpoint_are_stale() -> None:
+    v4 = served_frontends(NOW)[V4]
+    stale = [
+        flow("10.96.0.53", 53, OLD),  # the endpoint went away while the daemon was down
+        flow("203.0.113.7", 53, OLD),  # through an external IP
+        flow("192.168.0.2", 30053, OLD),  # through the node port
+        flow("10.96.0.53", 53, NEW, 5353),  # the target port moved
+        flow("10.96.0.53", 53, "10.96.0.53"),  # not NATed: the black hole before the rules
+        flow("10.96.0.53", 53, "10.244.0.7"),  # no longer serving
+    ]
+    kept = [
+        flow("10.96.0.53", 53, NEW),
+        flow("192.168.0.2", 30053, NEW),
+        flow("10.96.0.53", 53, OLD, protocol=Protocol.TCP),  # TCP is never touched
+        flow("10.96.0.99", 53, OLD),  # a service without endpoints: left alone, as kube-proxy does
+        flow("10.96.0.53", 54, OLD),  # another port
+        flow("8.8.8.8", 53, "8.8.8.8"),  # not a service
+    ]
+    assert [f for f in stale if not v4.stale(f)] == []
+    assert [f for f in kept if v4.stale(f)] == []
+    assert v4.stale(stale[0]) == "10.96.0.53:53: reply from 10.244.0.5:53, not a serving endpoint"
+    assert "node port 30053" in (v4.stale(stale[2]) or "")
+    v6 = served_frontends(NOW)[V6]
+    assert v6.stale(flow("fd00:96::35", 53, "fd01::5", family=V6)) == (
+        "fd00:96::35:53: reply from [fd01::5]:53, not a serving endpoint"
+    )
+    assert v6.stale(flow("fd00:96::35", 53, "fd01::6", family=V6)) is None
+
+
+@given(clusters(max_services=15, max_endpoints=6))
+def test_reconciling_finds_what_the_diff_would_have(old: ClusterState) -> None:
+    """Whatever a change's filters delete among flows DNATed through cluster IPs to the old
+    serving endpoints, the reconciliation against the new state deletes too (it knows no old
+    state; removed services aside, whose entries it leaves, as kube-proxy does)."""
+    new = dataclasses.replace(old, endpoints={k: eps[::2] for k, eps in old.endpoints.items()})
+    filters = stale_flows(old, new)
+    frontends = served_frontends(new)
+    for key, eps in old.endpoints.items():
+        svc = old.services[key]
+        for e in eps:
+            if not e.serving or svc.protocol is not UDP or not svc.cluster_ip:
+                continue
+            f = flow(svc.cluster_ip, svc.port, e.ip, e.port, family=key[1])
+            doomed = any(x.matches(UDP, f.orig_dst, f.orig_dport, f.reply_src, f.reply_sport) for x in filters)
+            if doomed and key[1] in frontends and any(x.serving for x in new.endpoints.get(key, ())):
+                assert frontends[key[1]].stale(f), (f, new.endpoints.get(key))
+
+
+def test_serving_endpoints_are_never_stale_on_random_clusters() -> None:
+    state = random_cluster(random.Random(11), 40)
+    for key, eps in state.endpoints.items():
+        svc = state.services[key]
+        frontends = served_frontends(state).get(key[1])
+        for e in eps:
+            if svc.protocol is UDP and e.serving and frontends is not None and svc.cluster_ip:
+                assert frontends.stale(flow(svc.cluster_ip, svc.port, e.ip, e.port, family=key[1])) is None
+
+
+# ---- the daemon's first sync, against a real conntrack table in a throwaway namespace
+
+
+class StillSource:
+    def snapshot(self) -> None:  # the daemon is driven through its proxier here
+        raise AssertionError("not used")
+
+
+def daemon_in(netns: str) -> Daemon:
+    proxier = Proxier("nft", kernels=lambda family: MemoryNft(family))
+    config = DaemonConfig("nft", netns=netns, health_check_node_ports=False,
+                          healthz_bind_address="", metrics_bind_address="")
+    return Daemon(StillSource(), config, proxier)  # type: ignore[arg-type]
+
+
+def udp_entries(netns: str, family: IPFamily) -> set[tuple[str, int | None, str, int | None]]:
+    return {(f.orig_dst, f.orig_dport, f.reply_src, f.reply_sport) for f in kct.list_flows(netns, family)}
+
+
+@pytest.mark.kernel
+def test_the_first_sync_after_a_start_deletes_entries_to_endpoints_gone_meanwhile(netns: str) -> None:
+    def entry(sport: int, dst: str, dport: int, reply: str, rport: int = 53, proto: int = 17) -> None:
+        add_entry(netns, V4, (CLIENT, sport, dst, dport), (reply, rport, CLIENT, sport), proto=proto)
+
+    entry(40001, "10.96.0.53", 53, OLD)  # the probe's entry: pinned to .5, which went away
+    entry(40002, "10.96.0.53", 53, NEW)
+    entry(40003, "10.96.0.53", 53, "10.96.0.53")  # un-NATed
+    entry(40004, "192.168.0.2", 30053, OLD)
+    entry(40005, "192.168.0.2", 30053, NEW)
+    entry(40006, "10.96.0.99", 53, OLD)  # a service without endpoints
+    entry(40007, "10.96.0.53", 53, OLD, proto=6)
+    add_entry(netns, V6, ("fd01::9", 40008, "fd00:96::35", 53), ("fd01::5", 53, "fd01::9", 40008))
+    add_entry(netns, V6, ("fd01::9", 40009, "fd00:96::35", 53), ("fd01::6", 53, "fd01::9", 40009))
+
+    daemon = daemon_in(netns)
+    daemon.proxier.sync(NOW)  # the first sync: no previous state
+    assert udp_entries(netns, V4) == {
+        ("10.96.0.53", 53, NEW, 53), ("192.168.0.2", 30053, NEW, 53), ("10.96.0.99", 53, OLD, 53),
+    }
+    assert [f.orig_sport for f in kct.list_flows(netns, V4, Protocol.TCP)] == [40007]
+    assert udp_entries(netns, V6) == {("fd00:96::35", 53, "fd01::6", 53)}
+    deleted = daemon.metrics.conntrack_deleted
+    assert deleted.labels("IPv4")._value.get() == 3 and deleted.labels("IPv6")._value.get() == 1
+    assert not daemon._conntrack_unreconciled
+
+
+@pytest.mark.kernel
+def test_a_reconciliation_that_cannot_read_the_table_is_retried_and_never_fails_the_sync() -> None:
+    daemon = daemon_in("nfp-test-no-such-namespace")
+    assert daemon.proxier.sync(NOW).kind == "full"
+    assert daemon._conntrack_unreconciled
+    assert daemon.metrics.conntrack_failures.labels("IPv4")._value.get() == 1
