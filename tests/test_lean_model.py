@@ -7,6 +7,7 @@ same figure on any load, so the bounds cannot fail by chance.
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import tracemalloc
 from dataclasses import replace
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from nfproxy.core import model
 from nfproxy.core.model import NO_HINTS, ClusterState, Endpoint, IPFamily, hint_set, sort_endpoints
 from nfproxy.daemon import heap
 from nfproxy.daemon import proxier as proxier_module
@@ -82,15 +84,28 @@ def test_hint_set_shares_equal_sets() -> None:
     assert first == frozenset({"zone-x", "zone-y"})
 
 
+def _intern_line() -> tuple[str, int]:
+    """Where `model.shared` calls sys.intern (file, line)."""
+    lines, start = inspect.getsourcelines(model.shared)
+    return model.__file__, start + next(i for i, line in enumerate(lines) if "sys.intern(" in line)
+
+
 def _traced(make: object) -> tuple[object, int]:
+    """Bytes `make` allocated and kept, less the growth of the interpreter's table of interned
+    strings: that table is the process's, and it grows (one block of megabytes) whenever the
+    strings interned so far cross its next size, which depends on every module the test run
+    imported before, not on the model (the strings themselves existed before the intern)."""
     gc.collect()
     tracemalloc.start()
     try:
         value = make()  # type: ignore[operator]
         gc.collect()
-        return value, tracemalloc.get_traced_memory()[0]
+        snapshot = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
+    path, line = _intern_line()
+    kept = snapshot.filter_traces([tracemalloc.Filter(False, path, lineno=line)])
+    return value, sum(stat.size for stat in kept.statistics("filename"))
 
 
 def test_the_model_loaded_from_manifests_is_small() -> None:
