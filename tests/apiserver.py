@@ -11,6 +11,10 @@ ServiceCIDRs (networking.k8s.io/v1, cluster-scoped):
   `metadata.resourceVersion`, items without `kind`/`apiVersion` (as the real server sends them),
   `limit`/`continue` pagination over one consistent snapshot (an expired token is 410 Expired),
   `fieldSelector` (metadata.name, metadata.namespace) and equality `labelSelector`s.
+  `resourceVersion` as the real server reads it: unset is a consistent read (paginated);
+  "0" is served from the watch cache, which **ignores `limit`** (one page, no `continue`); a
+  version newer than the server's is 504 "Too large resource version"; a `continue` together
+  with a `resourceVersion` is 400.
 - **watch** (`watch=true`): a chunked HTTP/1.1 stream, one JSON event per line and per chunk;
   `resourceVersion` unset or "0" starts with synthetic ADDED events for what exists; a
   resourceVersion older than the compacted history gets an ERROR event with a 410 Status (as
@@ -21,6 +25,9 @@ ServiceCIDRs (networking.k8s.io/v1, cluster-scoped):
   server away and bring it back on the same port; `compact()` forgets history (410 for anyone
   behind); `paused()` holds event delivery (a slow watch cache); `delay` slows every response;
   `fail(...)` answers the next matching requests with an error Status.
+- **not served / forbidden**: a plural in `not_served` is answered as the real server answers a
+  resource it does not have (404 NotFound Status; ServiceCIDRs before Kubernetes 1.33); one in
+  `forbidden` as RBAC refuses it (403 Forbidden, naming user, verb and resource).
 
 Objects are changed from the test with `apply()` and `delete()`, which assign resourceVersions
 from one counter (etcd's revision) and record watch events. Every request is logged in
@@ -139,6 +146,10 @@ class _Gone(Exception):
     """Answer 410 Expired."""
 
 
+class _TooLarge(Exception):
+    """Answer 504: the version asked for is newer than any the server has (yet)."""
+
+
 class _Dropped(Exception):
     """The connection is to be cut without a proper end (a fault the test asked for)."""
 
@@ -155,7 +166,7 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-_REASONS = {400: "BadRequest", 404: "NotFound", 410: "Expired", 429: "TooManyRequests",
+_REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 410: "Expired", 429: "TooManyRequests",
             500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
 
 
@@ -200,6 +211,9 @@ class FakeApiServer:
         self._thread: threading.Thread | None = None
         self._sockets: set[socket.socket] = set()
         self._watching: list[str] = []  # plural of each open watch stream
+        # Resources this server does not have (404), and those RBAC refuses the client (403).
+        self.not_served: set[str] = set()
+        self.forbidden: set[str] = set()
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -393,6 +407,18 @@ class FakeApiServer:
         if limit < 0:
             raise _BadRequest("limit must not be negative")
         token = query.get("continue")
+        raw_rv = query.get("resourceVersion", "")
+        if token and raw_rv:
+            raise _BadRequest("specifying resource version is not allowed when using continue")
+        if raw_rv == "0":
+            limit = 0  # served from the watch cache, which does not paginate
+        elif raw_rv:
+            try:
+                asked = int(raw_rv)
+            except ValueError:
+                raise _BadRequest(f"invalid resourceVersion {raw_rv!r}") from None
+            if asked > self.resource_version:
+                raise _TooLarge(f"Too large resource version: {asked}, current: {self.resource_version}")
         with self._cond:
             if token:
                 try:
@@ -614,6 +640,20 @@ class _Handler(BaseHTTPRequestHandler):
                 record.status = 404
                 self._send_status(404, f"{plural} is not namespaced")
                 return
+            if plural in api.not_served:
+                record.status = 404
+                self._send_status(404, "the server could not find the requested resource")
+                return
+            if plural in api.forbidden:
+                record.status = 403
+                group = resource.api_version.rpartition("/")[0]
+                self._send_status(403, (
+                    f'{plural}{"." + group if group else ""} is forbidden: User '
+                    f'"system:serviceaccount:kube-system:kube-proxy" cannot '
+                    f'{"watch" if watch else "list"} resource "{plural}" in API group "{group}" '
+                    f'at the cluster scope'
+                ))
+                return
             injected = api._take_failure(plural, watch)
             if api.delay:
                 time.sleep(api.delay)
@@ -635,6 +675,9 @@ class _Handler(BaseHTTPRequestHandler):
             except _Gone as exc:
                 record.status = 410
                 self._send_status(410, str(exc))
+            except _TooLarge as exc:
+                record.status = 504
+                self._send_status(504, str(exc))
         except _Dropped:
             self.close_connection = True
             try:

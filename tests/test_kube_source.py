@@ -142,15 +142,28 @@ def test_initial_list_builds_the_same_state_as_the_manifests(api, start_source):
     assert all(r.user_agent.startswith("nfproxy/") for r in api.requests)
 
 
-def test_paginated_list_reads_every_page_of_one_snapshot(api, start_source):
+def test_lists_ask_for_versions_as_client_go_does(api, start_source):
+    """client-go's reflector (tools/cache/reflector.go, relistResourceVersion): the first list
+    asks for resourceVersion "0", served from the watch cache, which ignores `limit`; after a
+    410 it lists with no resourceVersion (a consistent read), page by page, and a continuation
+    carries no resourceVersion (the server refuses one)."""
     for i in range(7):
         api.apply(service(f"svc-{i}", f"10.96.0.{10 + i}"))
     source, _ = start_source(WatchSettings(**{**_fields(FAST), "page_size": 3}))
 
     assert len(source.snapshot().state.services) == 7
-    pages = [r for r in api.requests if r.plural == "services" and not r.watch]
-    assert [bool(r.query.get("continue")) for r in pages] == [False, True, True]
-    assert all(r.query["limit"] == "3" for r in pages)
+    first = [r for r in api.requests if r.plural == "services" and not r.watch]
+    assert [(r.query.get("resourceVersion"), r.query.get("limit")) for r in first] == [("0", "3")]
+    assert not any(r.query.get("continue") for r in first), "the watch cache does not paginate"
+
+    with api.paused():
+        api.apply(service("svc-7", "10.96.0.17"))
+        api.compact()
+    assert eventually(lambda: len(source.snapshot().state.services) == 8)
+    relist = [r for r in api.requests if r.plural == "services" and not r.watch][1:]
+    assert [bool(r.query.get("continue")) for r in relist] == [False, True, True]
+    assert all("resourceVersion" not in r.query and r.query["limit"] == "3" for r in relist)
+    assert all(r.status == 200 for r in relist)
 
 
 def test_invalid_objects_are_reported_and_the_rest_is_used(api, start_source):
@@ -263,12 +276,33 @@ def test_zone_label_decides_topology_hints(api, start_source):
     assert eventually(lambda: cluster_endpoints() == ["10.244.1.5:8080"])
 
 
-def test_own_node_deleted_falls_back_to_flags(api, start_source):
-    api.apply(node(NODE, zone="zone-a", ips=["192.168.0.2"]))
+def test_own_node_gone_keeps_its_last_facts(api, start_source, caplog):
+    """A deleted Node (or one a relist lacks) must not take the NodeCIDR rule and the NodePort
+    addresses with it: kube-proxy fixes them at start and only logs the deletion."""
+    api.apply(node(NODE, zone="zone-a", ips=["192.168.0.2"], pod_cidr="10.244.0.0/24"))
     source, _ = start_source()
-    assert source.snapshot().state.node.ips == ("192.168.0.2",)
+    seen = source.snapshot().state.node
+    assert (seen.ips, seen.zone, seen.cluster_cidrs) == (("192.168.0.2",), "zone-a", ("10.244.0.0/24",))
+
     api.delete("Node", "", NODE)
-    assert eventually(lambda: source.snapshot().state.node == NodeConfig(name=NODE))
+    assert eventually(lambda: source.node_object() is None), "/healthz must still see it gone"
+    assert source.snapshot().state.node == seen
+    gone = [r for r in caplog.records if "is gone from the API server" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelname == "WARNING"
+
+    # Back with other facts: those are used.
+    api.apply(node(NODE, zone="zone-b", ips=["192.168.0.3"], pod_cidr="10.244.1.0/24"))
+    assert eventually(lambda: source.snapshot().state.node.ips == ("192.168.0.3",))
+    back = source.snapshot().state.node
+    assert (back.zone, back.cluster_cidrs) == ("zone-b", ("10.244.1.0/24",))
+
+    # Gone again, this time missing from a relist (deleted while the watch was behind).
+    with api.paused():
+        api.delete("Node", "", NODE)
+        api.compact()
+    assert eventually(lambda: source.node_object() is None)
+    assert source.snapshot().state.node == back
+    assert len([r for r in caplog.records if "is gone from the API server" in r.getMessage()]) == 2
 
 
 # --------------------------------------------------------------------------------------------

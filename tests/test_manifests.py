@@ -442,10 +442,13 @@ def test_unnamed_slice_port_matches_unnamed_service_port():
     assert endpoints_of(result, (spn(port=""), V4)) == ["10.244.0.5:8080"]
 
 
-def test_slice_port_without_number_is_ignored():
+def test_slice_port_without_number_is_ignored_and_said():
+    """The API server accepts a slice port without a number; kube-proxy ignores it with a log
+    line ("Ignoring invalid endpoint port"), so that port gets no endpoints from the slice."""
     sl = endpoint_slice(ports=[{"name": "http", "protocol": "TCP"}, {"name": "http", "port": None}])
     result = load_objects([service(), sl])
-    assert result.errors == ()
+    assert fields(result) == ["ports[0].port", "ports[1].port"]
+    assert "port http/TCP gets no endpoints from this slice" in result.errors[0].message
     assert result.state.endpoints == {}
 
 
@@ -1037,8 +1040,6 @@ BAD_ENDPOINT_FIELDS = [
     ("endpoints[0].conditions.terminating", "no", "expected true or false"),
     ("endpoints[0].conditions", [], "expected a mapping"),
     ("endpoints[0].nodeName", "Node_A", "not a valid DNS subdomain"),
-    ("endpoints[0].zone", "zone a", "not a valid label value"),
-    ("endpoints[0].zone", "-zone", "not a valid label value"),
     ("endpoints[0].hints.forZones[0].name", "zone/a", "not a valid label value"),
     ("endpoints[0].hints.forZones", {"name": "zone-a"}, "expected a list"),
     ("endpoints[0].hints.forNodes[0].name", "Node-A", "not a valid DNS subdomain"),
@@ -1055,6 +1056,18 @@ def test_endpoint_errors_skip_only_that_endpoint(path, value, fragment):
     assert fields(result) == [path], result.errors
     assert fragment in result.errors[0].message
     assert endpoints_of(result, (spn(), V4)) == ["10.244.0.6:8080"]
+
+
+@pytest.mark.parametrize("zone", ["zone a", "-zone", "x" * 64])
+def test_an_endpoint_zone_that_is_no_label_value_is_reported_and_dropped_not_the_endpoint(zone):
+    """The API server does not validate `zone` and kube-proxy keeps the endpoint; nfproxy keeps
+    it too, without the zone (only label values reach the model)."""
+    sl = endpoint_slice(endpoints=[{**endpoint("10.244.0.5", "node-a"), "zone": zone}, endpoint("10.244.0.6", "node-a")])
+    result = load_objects([service(), sl])
+    assert fields(result) == ["endpoints[0].zone"], result.errors
+    assert "not a valid label value" in result.errors[0].message and "the endpoint is kept" in result.errors[0].message
+    assert endpoints_of(result, (spn(), V4)) == ["10.244.0.5:8080", "10.244.0.6:8080"]
+    assert [e.zone for e in result.state.endpoints[(spn(), V4)]] == ["", ""]
 
 
 BAD_NODE_FIELDS = [

@@ -1,9 +1,12 @@
-"""The Kubernetes API source: list and watch Services, EndpointSlices and our own Node.
+"""The Kubernetes API source: list and watch Services, EndpointSlices, ServiceCIDRs and our own
+Node.
 
-Three reflectors (one thread each) keep a local copy of what the API server holds, the way
+Four reflectors (one thread each) keep a local copy of what the API server holds, the way
 client-go's informers do for kube-proxy:
 
-- **list** (paginated) gives a consistent snapshot and the resourceVersion it was taken at;
+- **list** gives a snapshot and the resourceVersion it was taken at. As client-go's reflector,
+  the first asks for resourceVersion "0" (the API server's watch cache, which ignores `limit`)
+  and a relist after 410 for none (a consistent read, paginated);
 - **watch** from that resourceVersion streams ADDED / MODIFIED / DELETED events, and BOOKMARKs
   that move the resourceVersion on without an object change (so a reconnect after a quiet hour
   does not start from a version the server has already forgotten);
@@ -29,7 +32,12 @@ kube-proxy's change trackers record the services and slices an event touched.
 Only the proxy's own Node is watched (field selector `metadata.name=<node>`). Heartbeats change
 a Node every few seconds; only what the proxy reads from it (labels, addresses, pod CIDRs) counts
 as a change. A changed Node changes `ClusterState.node`, which every rule may depend on (zone
-hints, node IPs, the masquerade CIDR), so the sync loop must treat it as a full sync.
+hints, node IPs, the masquerade CIDR), so the sync loop must treat it as a full sync. A Node
+that disappears leaves its last facts in force (see `ObjectCache._set_node`).
+
+ServiceCIDRs are optional (`_Kind.fallback`): a server that does not serve them (404, before
+Kubernetes 1.33) or may not show them to us (403) counts as having none, and
+--service-cluster-ip-range decides, as in kube-proxy without its MultiCIDRServiceAllocator gate.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException, incluster_config, load_incluster_config
@@ -54,7 +63,14 @@ from kubernetes.config import load_kube_config
 from kubernetes.watch.watch import iter_resp_lines
 
 from nfproxy.core.changes import Touched
-from nfproxy.core.model import ClusterState, Endpoint, NodeConfig, ServicePort, ServicePortKey
+from nfproxy.core.model import (
+    ClusterState,
+    Endpoint,
+    LocalMode,
+    NodeConfig,
+    ServicePort,
+    ServicePortKey,
+)
 from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, ObjectError, load_objects
 from nfproxy.sources.validation import show
 
@@ -90,6 +106,13 @@ class WatchSettings:
     # A relist that finds none of a kind the copy holds (an API server back from an outage with
     # an empty or restored store) is believed only after it has stayed empty this long.
     empty_grace: float = 30.0
+    # A kind the server does not serve (404) or we may not read (403), for kinds that have a
+    # fallback (ServiceCIDRs): listed again this often, in case an upgrade or an RBAC fix
+    # brings it. Rare: a server without the API answers the same for months.
+    absent_relist: float = 300.0
+    # How long `stop` waits for the reflector threads. A list in flight to a server that
+    # accepts but never answers cannot be interrupted; its (daemon) thread is left behind.
+    stop_timeout: float = 1.0
 
     def backoff(self, failures: int, rng: random.Random) -> float:
         """Delay before attempt `failures + 1`: exponential, capped, with +-jitter."""
@@ -102,13 +125,27 @@ class _Kind:
     kind: str
     api_version: str
     plural: str
+    # For a kind the proxy can do without: what stands in for it when the server does not serve
+    # it (404) or RBAC forbids it (403). Such a kind then counts as listed, and empty.
+    fallback: str = ""
+
+    @property
+    def resource(self) -> str:
+        """plural.group, as RBAC rules and the API server's messages name it."""
+        group = self.api_version.rpartition("/")[0]
+        return f"{self.plural}.{group}" if group else self.plural
 
 
 SERVICES = _Kind("Service", "v1", "services")
 ENDPOINT_SLICES = _Kind("EndpointSlice", "discovery.k8s.io/v1", "endpointslices")
 NODES = _Kind("Node", "v1", "nodes")
 # Cluster-scoped; they only feed the node configuration (ClusterState.node.service_cidrs).
-SERVICE_CIDRS = _Kind("ServiceCIDR", "networking.k8s.io/v1", "servicecidrs")
+# Served from Kubernetes 1.33 (beta before, off by default); kube-proxy reads them only with
+# its MultiCIDRServiceAllocator gate on and otherwise uses --service-cluster-ip-range.
+SERVICE_CIDRS = _Kind(
+    "ServiceCIDR", "networking.k8s.io/v1", "servicecidrs",
+    fallback="--service-cluster-ip-range is used for the service ranges",
+)
 
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
 GroupKey = tuple[str, str, str]  # ("service", namespace, service name) or ("orphan", ns, name)
@@ -124,6 +161,18 @@ class _StreamError(Exception):
 
 class _EmptyRelistHeld(Exception):
     """A relist came back empty while the copy holds objects: kept, and listed again later."""
+
+
+class _NotServed(Exception):
+    """The list of a kind with a fallback was answered 404 (not served) or 403 (forbidden)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Stopped(Exception):
+    """A response arrived after `stop`: it must change nothing."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +242,12 @@ def _node_facts(obj: dict[str, Any] | None) -> object:
     )
 
 
+def _has_pod_cidr(obj: dict[str, Any] | None) -> bool:
+    """Whether a Node object names any pod CIDR."""
+    spec = obj.get("spec") if isinstance(obj, dict) and isinstance(obj.get("spec"), dict) else {}
+    return bool(spec.get("podCIDRs") or spec.get("podCIDR"))
+
+
 def _stored(obj: dict[str, Any]) -> dict[str, Any]:
     """The object as the cache keeps it: without `metadata.managedFields`, which no rule reads
     and which is often the largest part of an object from a server-side-applying client
@@ -219,6 +274,10 @@ class ObjectCache:
         self._group_of: dict[ObjectKey, GroupKey] = {}
         self._dirty: set[GroupKey] = set()
         self._node: dict[str, Any] | None = None
+        # The last Node seen, kept when it disappears: its addresses, pod CIDRs and zone keep
+        # feeding the rules (see `_set_node`).
+        self._known_node: dict[str, Any] | None = None
+        self._no_pod_cidr_said = False
         self._cidrs: dict[str, dict[str, Any]] = {}  # ServiceCIDRs by name
         self._cidrs_dirty = False
         self._parsed: dict[GroupKey, LoadResult] = {}
@@ -248,9 +307,7 @@ class ObjectCache:
             fresh[key] = _stored(obj)
         with self._lock:
             if kind is NODES:
-                old = self._node
-                self._node = next(iter(fresh.values()), None)
-                return _node_facts(old) != _node_facts(self._node)
+                return self._set_node(next(iter(fresh.values()), None))
             if kind is SERVICE_CIDRS:
                 return self._set_cidrs({key[2]: obj for key, obj in fresh.items()})
             changed = False
@@ -271,9 +328,7 @@ class ObjectCache:
         obj = _stored(obj)
         with self._lock:
             if kind is NODES:
-                old = self._node
-                self._node = None if event == "DELETED" else obj
-                return _node_facts(old) != _node_facts(self._node)
+                return self._set_node(None if event == "DELETED" else obj)
             if kind is SERVICE_CIDRS:
                 cidrs = dict(self._cidrs)
                 if event == "DELETED":
@@ -290,6 +345,27 @@ class ObjectCache:
                 return False
             self._put(key, obj)
             return True
+
+    def _set_node(self, obj: dict[str, Any] | None) -> bool:
+        """Our Node as the server has it now; True when anything the proxy reads changed.
+
+        A Node that disappears (deleted, or missing from a relist) leaves its last facts in
+        force: dropping them would drop the NodeCIDR local-traffic rule and the NodePort
+        addresses (NodePorts would then answer on every local address). kube-proxy too fixes
+        them at start and only logs that the Node is being deleted. `node_object()` does say
+        it is gone, for /healthz.
+        """
+        old = self._node
+        self._node = obj
+        if obj is not None:
+            self._known_node = obj
+        elif old is not None:
+            log.warning(
+                "Node %s is gone from the API server: keeping its last addresses, pod CIDRs and "
+                "labels for the rules until it is back",
+                show(self._node_config.name),
+            )
+        return _node_facts(old) != _node_facts(obj)
 
     def _set_cidrs(self, cidrs: dict[str, dict[str, Any]]) -> bool:
         """Only the spec counts: status conditions and resourceVersions change no rule."""
@@ -343,7 +419,7 @@ class ObjectCache:
                 group: [self._objects[k] for k in sorted(self._groups.get(group, ()))]
                 for group in dirty
             }
-            node_obj = self._node
+            node_obj = self._known_node
             cidr_objs = [self._cidrs[name] for name in sorted(self._cidrs)]
             cidrs_dirty, self._cidrs_dirty = self._cidrs_dirty, False
         if (
@@ -357,6 +433,7 @@ class ObjectCache:
         for group, objects in work.items():
             self._reparse(group, objects)
         node_result = load_objects(([node_obj] if node_obj else []) + cidr_objs, self._node_config)
+        self._say_no_pod_cidr(node_result.state.node, node_obj)
         errors = list(node_result.errors)
         for group_errors in self._errors.values():
             errors.extend(group_errors)
@@ -365,6 +442,22 @@ class ObjectCache:
         result = LoadResult(state, tuple(errors))
         self._last = (node_obj, result)
         return result
+
+    def _say_no_pod_cidr(self, node: NodeConfig, node_obj: dict[str, Any] | None) -> None:
+        """--detect-local-mode=NodeCIDR reads the Node's pod CIDRs; until it has one, traffic
+        from local pods cannot be told from the rest. Said once per such stretch."""
+        if self._node_config.detect_local_mode is not LocalMode.NODE_CIDR:
+            return
+        missing = not _has_pod_cidr(node_obj)
+        if missing and not self._no_pod_cidr_said:
+            fallback = node.cluster_cidrs
+            log.warning(
+                "--detect-local-mode=NodeCIDR: Node %s has no podCIDR yet: %s until it has one",
+                show(self._node_config.name),
+                f"--cluster-cidr {','.join(fallback)} is used" if fallback
+                else "traffic from local pods cannot be detected",
+            )
+        self._no_pod_cidr_said = missing
 
     def _reparse(self, group: GroupKey, objects: list[dict[str, Any]]) -> None:
         """One group's objects parsed again; its old keys leave the merged state, its new ones
@@ -444,6 +537,12 @@ class _Reflector:
         # Where the next watch resumes; None means list first. Advanced by every event and
         # bookmark as it arrives, so a stream cut mid-way resumes after the last one seen.
         self.version: str | None = None
+        # The resourceVersion a list asks for, as client-go's reflector: "0" at first (served
+        # from the API server's watch cache, cheap when a thousand nodes start together), ""
+        # after a 410 (a consistent read: a relist never goes back in time).
+        self._list_from = "0"
+        # 404 or 403 while the kind is not served / not allowed (kinds with a fallback only).
+        self._absent: int | None = None
         self._progress = False
         self._empty_since: float | None = None
         self.on_error: list[Callable[[str], None]] = []
@@ -467,8 +566,17 @@ class _Reflector:
                 failures += 1
                 delay = self._settings.backoff(failures, self._rng)
                 log.info("%s watch ended at once; retrying in %.1fs", self.kind.plural, delay)
+            except _Stopped:
+                break
+            except _NotServed as exc:
+                self.version = None
+                self._fall_back(exc.status)
+                delay = self._settings.absent_relist * (
+                    1 + self._settings.jitter * (2 * self._rng.random() - 1)
+                )
             except _Gone as exc:
                 self.version = None
+                self._list_from = ""
                 relists += 1
                 if relists == 1:
                     # The server is up, our version is just old: relist right away.
@@ -491,30 +599,68 @@ class _Reflector:
                     delay,
                     exc_info=log.isEnabledFor(logging.DEBUG),
                 )
+                if _not_served(self.kind, exc):
+                    self.version = None  # the list says whether the kind is still there
             self._stopping.wait(delay)
 
     def _selector(self) -> dict[str, Any]:
         return {"field_selector": self._field_selector} if self._field_selector else {}
 
-    def _list(self) -> str:
-        """Every object (page by page, one consistent snapshot); returns its resourceVersion."""
+    def _fall_back(self, status: int) -> None:
+        """The kind is not served (404) or not allowed (403): none of it, and synced, so the
+        proxy runs on its fallback. Said once per status, not at every relist."""
+        if status != self._absent:
+            self._absent = status
+            if status == 404:
+                log.info(
+                    "%s are not served by this API server: %s (listing again every %gs in case "
+                    "an upgrade brings them)",
+                    self.kind.kind + "s", self.kind.fallback, self._settings.absent_relist,
+                )
+            else:
+                log.warning(
+                    "not allowed to list %s (HTTP 403): %s. Grant the proxy's account list and "
+                    "watch on %s (listing again every %gs)",
+                    self.kind.resource, self.kind.fallback, self.kind.resource,
+                    self._settings.absent_relist,
+                )
+        changed = self._cache.replace(self.kind, [])
+        if changed or not self.synced.is_set():
+            self._on_change()
+        self.synced.set()
+
+    def _list_page(self, token: str | None) -> Any:
+        """One page. A continuation carries no resourceVersion: the API server refuses both
+        (the token holds the snapshot's version)."""
         s = self._settings
+        version = {"resource_version": self._list_from} if self._list_from and not token else {}
+        try:
+            return self._call(
+                limit=s.page_size,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=(s.connect_timeout, s.list_timeout),
+                **version,
+                **self._selector(),
+            )
+        except ApiException as exc:
+            if exc.status == GONE:
+                raise _Gone("list continuation expired") from None
+            if token is None and _not_served(self.kind, exc):
+                raise _NotServed(exc.status) from None
+            raise
+
+    def _list(self) -> str:
+        """Every object (page by page, one consistent snapshot); returns its resourceVersion.
+
+        With resourceVersion "0" the API server answers from its watch cache and ignores
+        `limit`: one page, however many objects. client-go sends the limit anyway (it matters
+        when the watch cache is off), and so do we."""
         items: list[Any] = []
         version: str | None = None
         token: str | None = None
         while True:
-            try:
-                response = self._call(
-                    limit=s.page_size,
-                    _continue=token,
-                    _preload_content=False,
-                    _request_timeout=(s.connect_timeout, s.list_timeout),
-                    **self._selector(),
-                )
-            except ApiException as exc:
-                if exc.status == GONE:
-                    raise _Gone("list continuation expired") from None
-                raise
+            response = self._list_page(token)
             try:
                 body = json.loads(response.data)
             finally:
@@ -530,6 +676,8 @@ class _Reflector:
                 break
         if not isinstance(version, str) or not version:
             raise _StreamError(f"{self.kind.plural} list response has no resourceVersion")
+        if self._stopping.is_set():
+            raise _Stopped()
         # List items carry neither kind nor apiVersion; watch events do. Set both the same way.
         objects = [
             {**item, "kind": self.kind.kind, "apiVersion": self.kind.api_version}
@@ -540,6 +688,9 @@ class _Reflector:
         changed = self._cache.replace(self.kind, objects)
         self.lists += 1
         first = not self.synced.is_set()
+        if self._absent is not None:
+            log.info("%s are served now", self.kind.resource)
+            self._absent = None
         log.info("listed %d %s at resourceVersion %s", len(objects), self.kind.plural, version)
         # Notify before saying synced: whoever waits for readiness then never sees this list's
         # notice arrive after it (a sync loop woken early just finds the source not ready yet).
@@ -653,6 +804,11 @@ class _Reflector:
             pass
 
 
+def _not_served(kind: _Kind, exc: BaseException) -> bool:
+    """A 404 (not served) or 403 (forbidden) for a kind the proxy can do without."""
+    return bool(kind.fallback) and isinstance(exc, ApiException) and exc.status in (403, 404)
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
         return f"HTTP {exc.status} {exc.reason}"
@@ -730,12 +886,19 @@ class KubeSource:
         return True
 
     def stop(self) -> None:
+        """Prompt: watches are interrupted; a list in flight cannot be (the client gives no
+        handle on its socket before the answer), so its thread, a daemon thread that changes
+        nothing once stopping, is waited for `stop_timeout` in all and then left behind."""
         self._stopping.set()
         for reflector in self.reflectors:
             reflector.interrupt()
+        deadline = time.monotonic() + self.settings.stop_timeout
         for reflector in self.reflectors:
             if reflector.thread.is_alive():
-                reflector.thread.join(timeout=5)
+                reflector.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        busy = [r.kind.plural for r in self.reflectors if r.thread.is_alive()]
+        if busy:
+            log.info("stopped without waiting for the %s request(s) in flight", ", ".join(busy))
         self._api_client.close()
 
     def node_object(self) -> dict[str, Any] | None:
@@ -763,7 +926,16 @@ class ConnectionConfigError(ValueError):
     """
 
 
-def api_client(kubeconfig: str | None = None, master: str | None = None) -> k8s.ApiClient:
+# How often a kubeconfig `tokenFile` is read again: client-go caches it for a minute.
+TOKEN_FILE_PERIOD = 60.0
+
+
+def api_client(
+    kubeconfig: str | None = None,
+    master: str | None = None,
+    *,
+    token_period: float = TOKEN_FILE_PERIOD,
+) -> k8s.ApiClient:
     """A client for the API server, configured as kube-proxy is.
 
     `--kubeconfig` gives server and credentials; `--master` overrides the server (alone, it
@@ -781,6 +953,11 @@ def api_client(kubeconfig: str | None = None, master: str | None = None) -> k8s.
             )
         except (ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
             raise ConnectionConfigError(f"--kubeconfig {show(kubeconfig)}: {_one_line(exc)}") from None
+        token_file = _token_file(path)
+        if token_file is not None:
+            configuration.refresh_api_key_hook = _TokenFile(
+                token_file, configuration.api_key.get("BearerToken", ""), token_period
+            )
     elif not master:
         if not os.path.exists(incluster_config.SERVICE_TOKEN_FILENAME):
             raise ConnectionConfigError(
@@ -801,6 +978,65 @@ def api_client(kubeconfig: str | None = None, master: str | None = None) -> k8s.
     client = k8s.ApiClient(configuration)
     client.user_agent = USER_AGENT
     return client
+
+
+def _token_file(kubeconfig: str) -> str | None:
+    """The current user's `tokenFile` (relative to the kubeconfig's directory, as both clients
+    resolve it), when it is what authenticates: no `token`, exec plugin or auth provider
+    (those come first in the client's order)."""
+    try:
+        with open(kubeconfig, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        context_name = doc["current-context"]
+        context = next(c["context"] for c in doc["contexts"] if c["name"] == context_name)
+        user = next(u["user"] for u in doc["users"] if u["name"] == context["user"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, StopIteration):
+        return None  # the client loaded it, so whatever is odd here is no token file of ours
+    if not isinstance(user, dict) or not isinstance(user.get("tokenFile"), str):
+        return None
+    if user.get("token") or user.get("exec") or user.get("auth-provider"):
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(kubeconfig)), user["tokenFile"])
+
+
+class _TokenFile:
+    """The client's `refresh_api_key_hook` for a kubeconfig `tokenFile`.
+
+    The Python client reads the file once; a projected service account token (kubeadm's
+    kube-proxy kubeconfig points at one) is rotated by the kubelet and the old one expires.
+    client-go reads the file again when its cached copy is a minute old; so do we, on the
+    request that finds it so. An unreadable or empty file keeps the last token (said once).
+    """
+
+    def __init__(self, path: str, header: str, period: float) -> None:
+        self.path = path
+        self.period = period
+        self._header = header
+        self._read_at = time.monotonic()
+        self._failing = False
+        self._lock = threading.Lock()
+
+    def __call__(self, configuration: k8s.Configuration) -> None:
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.period:
+                self._read_at = time.monotonic()
+                self._reread()
+            configuration.api_key["BearerToken"] = self._header
+
+    def _reread(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            token, problem = "", _one_line(exc)
+        else:
+            problem = "the file is empty"
+        if token:
+            self._header = f"Bearer {token}"
+            self._failing = False
+        elif not self._failing:
+            self._failing = True
+            log.warning("tokenFile %s: %s; keeping the last token", show(self.path), problem)
 
 
 def _one_line(exc: BaseException) -> str:

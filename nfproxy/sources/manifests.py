@@ -486,6 +486,11 @@ class _Report:
 
     def add(self, path: str, message: str) -> None:
         self.count += 1
+        self.note(path, message)
+
+    def note(self, path: str, message: str) -> None:
+        """Reported as a problem, without costing the entry it is in (`count` stays): for what
+        the API server accepts and kube-proxy works around."""
         self._errors.append(
             ObjectError(self.kind, self.namespace, self.name, path, message, self.source)
         )
@@ -885,7 +890,10 @@ def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | 
         if r.count > before or port_name is None or protocol is None:
             continue
         if number is None:
-            log.debug("EndpointSlice %s/%s: %s has no port number: ignored", namespace, name, path)
+            # The API server accepts a null port (it would mean "all ports"; nothing implements
+            # that) and kube-proxy logs "Ignoring invalid endpoint port": say what it costs.
+            r.note(f"{path}.port", f"no port number: port {_port_label(port_name)}/{protocol} gets no "
+                   "endpoints from this slice (as in kube-proxy, which ignores such a port)")
             continue
         key = (port_name, Protocol(protocol))
         if key in seen:
@@ -1012,7 +1020,12 @@ def _endpoint(entry: dict[str, Any], path: str, family: IPFamily, r: _Report) ->
         node_name = r.check(f"{path}.nodeName", v.dns_subdomain, entry["nodeName"])
     zone = ""
     if entry.get("zone") is not None:
-        zone = r.check(f"{path}.zone", v.label_value, entry["zone"])
+        try:
+            zone = v.label_value(entry["zone"])
+        except FieldError as exc:
+            # The API server does not validate it, and kube-proxy keeps the endpoint: so does
+            # nfproxy, without the zone (only a valid label value reaches the model).
+            r.note(f"{path}.zone", f"{exc}: ignored, the endpoint is kept")
     hints = r.get(entry, "hints", f"{path}.hints", dict) or {}
     zone_hints = [
         r.check(f"{hint_path}.name", v.label_value, hint.get("name"))
