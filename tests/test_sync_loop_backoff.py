@@ -20,6 +20,7 @@ from nfproxy.daemon import logs
 from nfproxy.daemon.proxier import Proxier, SyncLoop, SyncSchedule
 from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.kernel.process import KernelError
+from tests.test_proxier_memory import _StaticSource as StaticSource
 
 NODE = NodeConfig(name="node-a", ips=("192.168.0.2",), cluster_cidrs=("10.244.0.0/16",))
 
@@ -88,25 +89,6 @@ class RefusingNft(MemoryNft):
     def apply(self, payload: object) -> None:
         self.attempts.append(time.monotonic())
         raise KernelError("Could not process rule: Operation not permitted (table owned by another process)")
-
-
-class StaticSource:
-    def __init__(self, state: ClusterState) -> None:
-        self.state = state
-
-    def start(self, notify) -> None:  # noqa: ANN001
-        pass
-
-    def snapshot(self):  # noqa: ANN201
-        from nfproxy.sources.manifests import LoadResult
-
-        return LoadResult(self.state)
-
-    def ready(self) -> bool:
-        return True
-
-    def stop(self) -> None:
-        pass
 
 
 def test_the_loop_keeps_to_the_backoff_through_periodic_syncs_and_changes(
