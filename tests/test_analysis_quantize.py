@@ -174,7 +174,7 @@ def test_nft_rules_in_memory_match_closed_form() -> None:
     """The same through the in-memory kernel's JSON (no root)."""
     state = sized_cluster(NFT_SIZES)
     kernel = MemoryNft(IPFamily.V4)
-    kernel.apply(nft_backend.render(state, IPFamily.V4).transaction())
+    kernel.apply(nft_backend.render(state, IPFamily.V4).transactions())
     _assert_closed_form(state, nft_json.parse(kernel.json()))
 
 

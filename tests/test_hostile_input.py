@@ -145,7 +145,7 @@ def test_hostile_manifests_never_reach_rule_text(tmp_path: Path) -> None:
     # And the nft transaction passes the in-memory kernel's checks (every reference exists);
     # the real kernel's acceptance is the kernel test above.
     for f in IPFamily:
-        MemoryNft(f).apply(nft_backend.render(result.state, f).transaction())
+        MemoryNft(f).apply(nft_backend.render(result.state, f).transactions())
 
 
 @pytest.mark.parametrize("value", ['web"x', "web\nx", "web;x", "we{b}", "wéb", "web\\x"])

@@ -51,7 +51,7 @@ def test_full_syncs_agree_on_the_compat_corpus_and_random_clusters() -> None:
         for state in states:
             for family, fam in FAMILIES.items():
                 session.delete_table(fam, nft_render.TABLE)
-                tx = nft_render.render(state, family).transaction()
+                tx = nft_render.render(state, family).transactions()
                 session.apply(nft_render.render(state, family).script())
                 fake = MemoryNft(family)
                 fake.apply(tx)
@@ -156,10 +156,10 @@ def test_real_kernel_dump_is_canonical() -> None:
     state = random_cluster(random.Random(5), 15)
     with netns.throwaway("nfp-memk-a") as a, netns.throwaway("nfp-memk-b") as b:
         ka, kb = NftKernel(IPFamily.V4, netns=a, netlink=False), NftKernel(IPFamily.V4, netns=b, netlink=False)
-        ka.apply(nft_render.render(state, IPFamily.V4).transaction())
+        ka.apply(nft_render.render(state, IPFamily.V4).transactions())
         # b first holds another cluster, then the same one: other element insertion history.
-        kb.apply(nft_render.render(random_cluster(random.Random(6), 15), IPFamily.V4).transaction())
-        kb.apply(nft_render.render(state, IPFamily.V4).transaction())
+        kb.apply(nft_render.render(random_cluster(random.Random(6), 15), IPFamily.V4).transactions())
+        kb.apply(nft_render.render(state, IPFamily.V4).transactions())
         dump = ka.dump()
         blocks = [line for line in dump.splitlines() if line.startswith(("chain ", "set ", "map "))]
         assert blocks == sorted(blocks) and len(blocks) > 10

@@ -71,9 +71,9 @@ def capture_sends(monkeypatch: pytest.MonkeyPatch, keep: Callable[[nft_bulk.Batc
     seen: list[T] = []
     real = nft_bulk.send
 
-    def counted(batch: nft_bulk.Batch, tx: Transaction, ns: str | None) -> None:
+    def counted(batch: nft_bulk.Batch, tx: Transaction, ns: str | None, sock: object = None) -> None:
         seen.append(keep(batch))
-        real(batch, tx, ns)
+        real(batch, tx, ns, sock)  # type: ignore[arg-type]
 
     monkeypatch.setattr(nft_bulk, "send", counted)
     return seen

@@ -38,7 +38,7 @@ from nfproxy.kernel.nft_netlink import (
     TYPE_INET_SERVICE,
 )
 from nfproxy.kernel.process import KernelError, find_tool
-from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction
+from nfproxy.nftables import OFF_TABLE, Chain, Counter, Element, Map, Rule, Set, Table, Transaction
 from nfproxy.nftables import text as nft_text
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
 from nfproxy.testing import random_cluster
@@ -78,21 +78,27 @@ def _netlink_text(raw: str) -> list[tuple[str, list[str]]]:
 
 
 def kernel_view(ns: str) -> dict[str, object]:
-    """Both families' tables as nft -j lists them, and the raw expressions of every rule."""
+    """Both families' tables (and off tables, when there are) as nft -j lists them, and the raw
+    expressions of every rule."""
     session = NftSession(ns)
     out: dict[str, object] = {}
     for fam in FAMILIES.values():
-        doc = _strip_handles(session.list_table(fam, TABLE))
-        for obj in doc["nftables"]:  # type: ignore[index]
-            for kind in ("set", "map"):
-                if kind in obj and "elem" in obj[kind]:
-                    obj[kind]["elem"] = sorted(obj[kind]["elem"], key=repr)
-        out[fam] = doc
-        raw = subprocess.run(
-            [find_tool("ip"), "netns", "exec", ns, find_tool("nft"), "--debug=netlink", "list", "table", fam, TABLE],
-            capture_output=True, text=True, check=True,
-        ).stdout
-        out[f"{fam}-netlink"] = _netlink_text(raw)
+        for table in (TABLE, OFF_TABLE):
+            listed = session.list_table(fam, table)
+            if listed is None and table == OFF_TABLE:
+                continue
+            doc = _strip_handles(listed)
+            for obj in doc["nftables"]:  # type: ignore[index]
+                for kind in ("set", "map"):
+                    if kind in obj and "elem" in obj[kind]:
+                        obj[kind]["elem"] = sorted(obj[kind]["elem"], key=repr)
+            where = fam if table == TABLE else f"{fam} {table}"
+            out[where] = doc
+            raw = subprocess.run(
+                [find_tool("ip"), "netns", "exec", ns, find_tool("nft"), "--debug=netlink", "list", "table", fam, table],
+                capture_output=True, text=True, check=True,
+            ).stdout
+            out[f"{where}-netlink"] = _netlink_text(raw)
     return out
 
 
@@ -449,6 +455,25 @@ def test_close_closes_the_sockets_and_loops_of_every_thread() -> None:
 
 
 @pytest.mark.kernel
+def test_bulk_batches_go_on_one_raw_socket_kept_until_close() -> None:
+    """Full syncs (and the off table's creation) are sent by nft_bulk on one raw socket, kept:
+    closing a netlink socket right after a commit waits out the kernel's freeing of what the
+    commit deleted."""
+    from nfproxy.daemon.proxier import Proxier
+
+    state = random_cluster(random.Random(6), 12)
+    with netns.throwaway("nfp-nl") as ns:
+        proxier = Proxier("nft", netns=ns)
+        fast = proxier.kernels[IPFamily.V4].fast  # type: ignore[attr-defined]
+        assert proxier.sync(state).kind == "full"
+        (first,) = fast._raw
+        assert proxier.sync(state, full=True).kind == "full"
+        assert fast._raw == [first]
+        proxier.close()
+        assert fast._raw == [] and first.fileno() == -1
+
+
+@pytest.mark.kernel
 def test_a_netlink_object_dropped_unclosed_leaves_no_loop_to_the_collector() -> None:
     """Dropped without close (a proxier a command or a test lets go of), its sockets' loops are
     closed when it is collected, not left to die in a cycle with their self-pipes, whose
@@ -556,7 +581,8 @@ def test_a_weighted_affinity_choice_is_an_interval_vmap_through_netlink(caplog: 
     svc = ServicePort(spn, IPFamily.V4, ServiceType.CLUSTER_IP, "10.96.0.30", 80, affinity_timeout=10800)
     eps = sort_endpoints([Endpoint(f"10.244.0.{i + 1}", 8080, weight=999 + i % 2) for i in range(100)])
     base = ClusterState(NodeConfig(name="node-a"), {svc.key: svc}, {svc.key: eps})
-    rule = next(r for rules in nft_backend.render(base, IPFamily.V4).services[svc.key].chains.values()
+    # Weighted affinity draws a modulus of its own: the port lives in the off table.
+    rule = next(r for rules in nft_backend.render(base, IPFamily.V4).off.services[svc.key].chains.values()  # type: ignore[union-attr]
                 for r in rules if "numgen" in r)
     assert rule.startswith("numgen random mod 99950 vmap { 0-999 : goto ") and rule.count(" : goto ") == 100
     from nfproxy.kernel.nft import NftKernel
@@ -567,11 +593,13 @@ def test_a_weighted_affinity_choice_is_an_interval_vmap_through_netlink(caplog: 
         try:
             # The full sync as the daemon sends it (one batch built from the objects, the rule
             # compiled as above) against libnftables reading the script.
-            applied = nft_backend.render(base, IPFamily.V4)
+            rendered = nft_backend.render(base, IPFamily.V4)
             with caplog.at_level("DEBUG", logger="nfproxy.kernel.nft"):
-                kernel.apply(applied.transaction())
+                kernel.apply(rendered.transactions())
             assert "through libnftables" not in caplog.text
-            NftSession(b).apply(applied.script())
+            NftSession(b).apply(rendered.script())
+            applied = rendered.off
+            assert applied is not None
             for ns in (a, b):
                 NftSession(ns).apply(nft_backend.render(base, IPFamily.V6).script())
             assert kernel_view(a) == kernel_view(b)
@@ -580,7 +608,7 @@ def test_a_weighted_affinity_choice_is_an_interval_vmap_through_netlink(caplog: 
                 changed = (dataclasses.replace(eps[0], weight=weights[0]), dataclasses.replace(eps[1], weight=weights[1]))
                 new_state = dataclasses.replace(state, endpoints={svc.key: changed + eps[2:]})
                 keys = diff(state, new_state).of(IPFamily.V4)
-                new = nft_backend.render_update(applied, new_state, keys)
+                new = nft_backend.update_table(applied, new_state, nft_backend.route(new_state, IPFamily.V4, keys))
                 d = nft_backend.delta(applied, new, keys)
                 # The affinity sets are declared again (`add set` is idempotent): through
                 # libnftables, the rest (the rewritten rule among it) through netlink.

@@ -36,8 +36,8 @@ pytestmark = pytest.mark.kernel
 def nft_snapshot(ns: str) -> dict[str, object]:
     session = NftSession(ns)
     out: dict[str, object] = {}
-    for fam in ("ip", "ip6"):
-        doc = session.list_table(fam, "nfproxy")
+    for fam, table in (("ip", "nfproxy"), ("ip6", "nfproxy"), ("ip", "nfproxy-off"), ("ip6", "nfproxy-off")):
+        doc = session.list_table(fam, table)
         if doc is None:
             continue
         chains: dict[str, list[str]] = {}
@@ -74,7 +74,7 @@ def nft_snapshot(ns: str) -> dict[str, object]:
                     if not body["name"].startswith("affinity-")
                     else [],
                 )
-        out[fam] = {"chains": chains, "sets": sets}
+        out[fam if table == "nfproxy" else f"{fam} {table}"] = {"chains": chains, "sets": sets}
     return out
 
 
@@ -85,7 +85,7 @@ def resolve_slots(expr: list, slots: dict[str, list[tuple[int, int, object]]]) -
         m = dnat.get("addr", {}).get("map") if isinstance(dnat, dict) and isinstance(dnat.get("addr"), dict) else None
         if m and "numgen" in m.get("key", {}):
             ng = m["key"]["numgen"]
-            first = ng.get("offset", 0)
+            first = ng.get("offset", 0) % (1 << 32)  # nft 1.0.6 prints an offset >= 2^31 negative
             last = first + ng["mod"] - 1
             targets = sorted(
                 (json.dumps([high - low + 1, target], sort_keys=True)

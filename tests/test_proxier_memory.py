@@ -43,14 +43,14 @@ def resolved(kernel: MemoryNft) -> str:
     """The kernel's dump with endpoint slots resolved to what they hold: slot numbers are the
     allocator's business and differ between partial syncs and one full sync."""
     lines = []
-    shards = {n for n in (kernel.table.sets if kernel.table else {}) if n.startswith(nft_render.SHARD_PREFIX)}
     for line in kernel.dump().splitlines():
-        if any(f" {s} " in line for s in shards) and line.startswith(("add map", "add element")):
+        table = kernel.tables[line.split()[3]]  # add <kind> <family> <table> ...
+        if line.startswith(("add map", "add element")) and line.split()[4].startswith(nft_render.SHARD_PREFIX):
             continue
         m = re.search(r"numgen random mod (\d+) offset (\d+) map @(\S+)", line)
         if m:
             n, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
-            targets = sorted(lane_targets(kernel.elements(shard), first, n))
+            targets = sorted(lane_targets(dict(table.sets[shard].elements), first, n))
             line = line[: m.start()] + f"mod {n}: {targets}"
         lines.append(line)
     return "\n".join(sorted(lines))

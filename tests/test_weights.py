@@ -154,7 +154,7 @@ def _applied(ruleset: nft_render.NftRuleset):
     from nfproxy.kernel.memory.nft import MemoryNft
 
     kernel = MemoryNft(IPFamily.V4)
-    kernel.apply(ruleset.transaction())
+    kernel.apply(ruleset.transactions())
     return nft_json.parse(kernel.json())
 
 

@@ -374,10 +374,10 @@ def read_live_counts(backend: str, netns: str | None) -> tuple[EndpointCount, ..
 
     if backend == "nft":
         from nfproxy.analysis.nft_elements import counted_table
-        from nfproxy.nftables import TABLE
+        from nfproxy.nftables import OFF_TABLE, TABLE
 
         # The counted maps' elements over netlink, not libnftables' listing of every element.
-        read = [counted_table(netns, fam, TABLE) for fam in ("ip", "ip6")]
+        read = [counted_table(netns, fam, table) for fam in ("ip", "ip6") for table in (TABLE, OFF_TABLE)]
         return _merge(c for doc, counted in filter(None, read) for c in endpoint_counts_nft(doc, counted))
     if backend != "iptables":
         raise ValueError(f"unknown backend {backend!r}")

@@ -63,15 +63,20 @@ def from_iptables_save(text: str, prefix: str = "KUBE-") -> Inventory:
     )
 
 
-def from_nft_json(doc: dict[str, Any], table: str = "nfproxy") -> Inventory:
-    """Count the objects of one table (every family) in `nft -j list ruleset/table` output."""
+def from_nft_json(doc: dict[str, Any], table: str = "nfproxy", *also: str) -> Inventory:
+    """Count the objects of `table` and the tables `also` (every family) in `nft -j list
+    ruleset/table` output. Names of objects of an `also` table carry its name and a colon (the
+    off table repeats nfproxy's static names: `nfproxy-off:services`)."""
     chains: set[str] = set()
     rules = sets = maps = 0
     elements: dict[str, int] = {}
+    tables = (table, *also)
     for item in doc.get("nftables", []):
         ((kind, obj),) = item.items()
-        if not isinstance(obj, dict) or obj.get("table") != table:
+        if not isinstance(obj, dict) or obj.get("table") not in tables:
             continue
+        if obj["table"] != table and "name" in obj:
+            obj = {**obj, "name": f"{obj['table']}:{obj['name']}"}
         if kind == "chain":
             chains.add(obj["name"])
         elif kind == "rule":
@@ -83,7 +88,7 @@ def from_nft_json(doc: dict[str, Any], table: str = "nfproxy") -> Inventory:
                 maps += 1
             elements[obj["name"]] = elements.get(obj["name"], 0) + len(obj.get("elem", []))
     # Per-service chain names always hold a "/" (ns/name/proto/port); fixed ones never do.
-    kinds = Counter(k for c in chains if "/" in c for k in _NFT_KINDS if c.startswith(k))
+    kinds = Counter(k for c in chains if "/" in c for k in _NFT_KINDS if c.split(":", 1)[-1].startswith(k))
     return Inventory(
         chains=len(chains),
         rules=rules,

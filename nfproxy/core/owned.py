@@ -16,3 +16,5 @@ class Owned:
     chains: frozenset[str] = frozenset()
     sets: frozenset[str] = frozenset()
     counters: frozenset[str] = frozenset()
+    # nft: the same names in the second table (nftables.OFF_TABLE); None when there is none.
+    off: Owned | None = None

@@ -87,7 +87,7 @@ def cleanup_nft(netns: str | None) -> list[Removed]:
     for family in ("ip", "ip6"):
         # The scratch table lives for milliseconds of a first full sync (kernel/nft_bulk.py);
         # one is left only if the daemon died in them.
-        for table in (nft_backend.TABLE, SCRATCH_TABLE):
+        for table in (nft_backend.TABLE, nft_backend.OFF_TABLE, SCRATCH_TABLE):
             if session.delete_table(family, table):
                 removed.append(Removed(f"nft: table {family} {table}", 1))
     return removed

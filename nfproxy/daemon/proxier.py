@@ -313,6 +313,8 @@ def _payload_text(payload: object) -> str:
 
     if isinstance(payload, Transaction):
         return script(payload)
+    if isinstance(payload, tuple):  # nft: nfproxy's and the off table's, in order
+        return "".join(_payload_text(p) for p in payload)
     return str(getattr(payload, "text", payload))
 
 

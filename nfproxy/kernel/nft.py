@@ -18,7 +18,7 @@ from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.process import KernelError, run
-from nfproxy.nftables import TABLE, Transaction
+from nfproxy.nftables import OFF_TABLE, TABLE, Transaction
 from nfproxy.nftables import text as nft_text
 
 log = logging.getLogger(__name__)
@@ -101,31 +101,42 @@ class NftSession:
         turned off; listing the whole table would also fetch every rule (and asking whether the
         table exists first did: `list table -t` still lists the rules).
         """
+        return self.tables_object_names(family, (table,), counters=counters and (lambda _t: counters()))[table]
+
+    def tables_object_names(
+        self, family: str, tables: tuple[str, ...], *, counters: Callable[[str], Iterable[str]] | None = None
+    ) -> dict[str, tuple[set[str], set[str], set[str]] | None]:
+        """`object_names` of several tables of one family from one listing of each kind."""
         chains = json.loads(self._cmd(f"list chains {family}", json_output=True))
         # `list sets` leaves maps out: both lists, or a stray map is never seen.
         sets = json.loads(self._cmd(f"list sets {family}", json_output=True, terse=True))
         maps = json.loads(self._cmd(f"list maps {family}", json_output=True, terse=True))
-        chain_names = {
-            o["chain"]["name"] for o in chains.get("nftables", ()) if "chain" in o and o["chain"]["table"] == table
-        }
-        set_names = {
-            body["name"]
-            for o in (*sets.get("nftables", ()), *maps.get("nftables", ()))
-            for kind in ("set", "map")
-            if (body := o.get(kind)) is not None and body["table"] == table
-        }
-        if counters is not None:
-            counter_names = set(counters())  # netlink: libnftables' listing fetches every rule
-        else:
-            listed = json.loads(self._cmd(f"list counters {family}", json_output=True))
-            counter_names = {
-                body["name"]
-                for o in listed.get("nftables", ())
-                if (body := o.get("counter")) is not None and body["table"] == table
+        listed = None if counters is not None else json.loads(self._cmd(f"list counters {family}", json_output=True))
+        out: dict[str, tuple[set[str], set[str], set[str]] | None] = {}
+        for table in tables:
+            chain_names = {
+                o["chain"]["name"] for o in chains.get("nftables", ()) if "chain" in o and o["chain"]["table"] == table
             }
-        if not (chain_names or set_names or counter_names) and self.list_table(family, table, terse=True) is None:
-            return None  # only then can the table be missing: it costs nothing to ask
-        return chain_names, set_names, counter_names
+            set_names = {
+                body["name"]
+                for o in (*sets.get("nftables", ()), *maps.get("nftables", ()))
+                for kind in ("set", "map")
+                if (body := o.get(kind)) is not None and body["table"] == table
+            }
+            if counters is not None:
+                counter_names = set(counters(table))  # netlink: libnftables' listing fetches every rule
+            else:
+                assert listed is not None
+                counter_names = {
+                    body["name"]
+                    for o in listed.get("nftables", ())
+                    if (body := o.get("counter")) is not None and body["table"] == table
+                }
+            if not (chain_names or set_names or counter_names) and self.list_table(family, table, terse=True) is None:
+                out[table] = None  # only then can the table be missing: it costs nothing to ask
+            else:
+                out[table] = (chain_names, set_names, counter_names)
+        return out
 
     def list_ruleset(self, *, terse: bool = False) -> dict[str, Any]:
         """`nft -j [-t] list ruleset` (terse: named sets without their elements). The context is
@@ -172,6 +183,8 @@ class NftKernel:
         self.family = family
         self.nft_family = "ip" if family is IPFamily.V4 else "ip6"
         self.table = table
+        # The off table goes with nfproxy's (nftables.OFF_TABLE); another table stands alone.
+        self.tables = (table, OFF_TABLE) if table == TABLE else (table,)
         self.session = NftSession(netns)
         # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
         # None sends everything through libnftables.
@@ -180,17 +193,32 @@ class NftKernel:
 
     def owned(self) -> Owned:
         fast = self.fast
-        found = self.session.object_names(
-            self.nft_family, self.table,
-            counters=None if fast is None else lambda: fast.counters(self.nft_family, self.table),
+        found = self.session.tables_object_names(
+            self.nft_family, self.tables,
+            counters=None if fast is None else lambda table: fast.counters(self.nft_family, table),
         )
-        if found is None:
-            return Owned()
-        return Owned(frozenset(found[0]), frozenset(found[1]), frozenset(found[2]))
+        main, off = (found.get(t) for t in (self.table, OFF_TABLE))
+        owned_off = None if off is None else Owned(frozenset(off[0]), frozenset(off[1]), frozenset(off[2]))
+        if main is None:
+            return Owned(off=owned_off)
+        return Owned(frozenset(main[0]), frozenset(main[1]), frozenset(main[2]), owned_off)
 
     def apply(self, payload: object) -> None:
+        """A Transaction atomically; a tuple of them in order, each atomically (a port moving
+        between nfproxy and the off table: backends/nft/backend.py)."""
         from nfproxy.kernel.nft_netlink import Unsupported, declarations_apart, unencodable
 
+        if isinstance(payload, tuple):
+            txs = [tx for tx in payload if tx]
+            if self.fast is not None and len(txs) > 1 and all(unencodable(tx) is None for tx in txs):
+                try:  # what a partial sync says of both tables: one batch, one commit
+                    self.fast.apply(*txs)
+                    return
+                except Unsupported as exc:  # a rule body outside the vocabulary
+                    log.debug("transactions one by one: %s", exc)
+            for tx in txs:  # one declares the off table (or deletes it): each atomic, in order
+                self.apply(tx)
+            return
         if not isinstance(payload, Transaction):
             raise TypeError(f"an nft kernel applies Transactions, not {type(payload).__name__}")
         payload.check()
@@ -225,7 +253,8 @@ class NftKernel:
         fast = self.fast
         batch = nft_bulk.compile_batch(tx, self._declarations(), lambda name: fast.set_type(tx.family, tx.table, name))
         try:
-            nft_bulk.send(batch, tx, self.session.netns)
+            with fast.raw_socket(len(batch.data) + 64) as sock:  # kept: see NetlinkNft._raw
+                nft_bulk.send(batch, tx, self.session.netns, sock)
         finally:
             fast.forget()  # set declarations may have changed with the table
 
@@ -240,14 +269,27 @@ class NftKernel:
         return self._declared
 
     def dump(self) -> str:
-        """The table as nft lists it, chains and sets in name order, elements sorted."""
-        return canonical_listing(self.session._cmd(f"list table {self.nft_family} {self.table}"))
+        """The table as nft lists it, chains and sets in name order, elements sorted (then the
+        off table, when there is one)."""
+        out = canonical_listing(self.session._cmd(f"list table {self.nft_family} {self.table}"))
+        for table in self.tables[1:]:
+            try:
+                out += canonical_listing(self.session._cmd(f"list table {self.nft_family} {table}"))
+            except KernelError as exc:
+                if "No such file or directory" not in str(exc):
+                    raise
+        return out
 
     def counted_dump(self) -> dict[str, Any]:
-        """`nft -j list table` of our table, counters included (rule counters, named counters,
-        per-element counters of the endpoint maps), or an empty document without the table."""
+        """`nft -j list table` of our tables, counters included (rule counters, named counters,
+        per-element counters of the endpoint maps), or an empty document without them."""
         try:
-            return self.session.list_table(self.nft_family, self.table) or {"nftables": []}
+            out: list[Any] = []
+            for table in self.tables:
+                listed = self.session.list_table(self.nft_family, table)
+                if listed is not None:
+                    out.extend(o for o in listed.get("nftables", ()) if "metainfo" not in o or not out)
+            return {"nftables": out}
         finally:
             self.session.release()  # the whole table, cached: not worth keeping between scrapes
 

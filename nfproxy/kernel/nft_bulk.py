@@ -146,28 +146,33 @@ class Declarations:
         self._apply = apply_script
         self._reader = reader
         self._release = release
-        self._known: dict[tuple[str, Declaration], Declared] = {}
+        # Keyed by the declaration without its hook (`_unhooked`): a base chain's hook is said
+        # here, so nfproxy's and the off table's base chains share what was learned.
+        self._known: dict[tuple[str, object], Declared] = {}
+        self._kept: dict[tuple[str, str], set[tuple[str, object]]] = {}  # per (family, table)
 
     def get(self, family: str, obj: Declaration) -> Declared:
-        return self._known[(family, obj)]
+        got = self._known[(family, _unhooked(obj))]
+        if type(obj) is Chain and obj.hook is not None:
+            return Declared(got.msg_type, got.attrs + _hook(obj), None)
+        return got
 
-    def retain(self, family: str, objs: list[object]) -> None:
-        """Forget what a full sync of `family` no longer declares (services come and go; their
-        affinity sets would pile up for the life of the daemon)."""
-        keep = {(family, o) for o in objs}
+    def retain(self, family: str, objs: list[object], table: str = "") -> None:
+        """Forget what no full sync of a table of `family` declares any more (services come and
+        go; their affinity sets would pile up for the life of the daemon). Per table: a full
+        sync of nfproxy keeps what the off table's last one declared, and the other way."""
+        self._kept[(family, table)] = {(family, _unhooked(o) if type(o) is Chain else o) for o in objs}  # type: ignore[arg-type]
+        keep = set().union(*(k for (f, _), k in self._kept.items() if f == family))
         self._known = {k: v for k, v in self._known.items() if k[0] != family or k in keep}
 
     def learn(self, family: str, objs: list[Declaration]) -> None:
-        missing = list(dict.fromkeys(o for o in objs if (family, o) not in self._known))
+        missing = list(dict.fromkeys(_unhooked(o) for o in objs if (family, _unhooked(o)) not in self._known))
         if not missing:
             return
-        found = self._scratch(family, [nft_text.command(Verb.ADD, _unhooked(o), _scratch(family)) for o in missing])
+        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in missing])
         for o in missing:
             kind = _GETCHAIN if type(o) is Chain else _GETOBJ if type(o) is Counter else _GETSET
-            got = self._found(found, kind, o.name, o)
-            if type(o) is Chain and o.hook is not None:
-                got = Declared(got.msg_type, got.attrs + _hook(o), None)
-            self._known[(family, o)] = got
+            self._known[(family, o)] = self._found(found, kind, o.name, o)
 
     def rule(self, family: str, rule: Rule) -> Declared | None:
         return self._known.get((family, rule))  # type: ignore[call-overload]
@@ -356,7 +361,7 @@ class _Compiler:
             encoded = helper.result(max(5.0, 4 * (time.monotonic() - started)))
             self.splice(pending, encoded if encoded is not None and len(encoded) == len(jobs) else self.encode(jobs))
         if any(type(o) is Table for _, o in tx.ops):  # a full sync: all it declares is here
-            self.declarations.retain(tx.family, [*declared, *(r for _, r in self.learned_rules)])
+            self.declarations.retain(tx.family, [*declared, *(r for _, r in self.learned_rules)], tx.table)
         data = bytearray().join(self.parts) if self.parts else bytearray()
         if helper is not None:
             _renumber(data, self.parts)
@@ -713,7 +718,7 @@ def compile_batch(tx: Transaction, declarations: Declarations, set_type: Callabl
 # Sending it.
 
 
-def send(batch: Batch, tx: Transaction, netns: str | None) -> None:
+def send(batch: Batch, tx: Transaction, netns: str | None, sock: socket.socket | None = None) -> None:
     """Send BEGIN, the batch, END in one write, and read what the kernel answered.
 
     nfnetlink handles a batch inside the sending call, so every answer is queued by the time
@@ -730,7 +735,8 @@ def send(batch: Batch, tx: Transaction, netns: str | None) -> None:
     struct.pack_into("=H", data, at + 6, flags | _NLM_F_ACK)
     data[:0] = nft_wire.batch_begin(0)  # in place: the batch is the one copy
     data += nft_wire.batch_end(last + 1)
-    sock = _socket(netns, len(data))
+    kept = sock is not None  # the caller's (NetlinkNft.raw_socket): left open
+    sock = sock if sock is not None else _socket(netns, len(data))
     try:
         try:
             sock.send(data)
@@ -738,7 +744,8 @@ def send(batch: Batch, tx: Transaction, netns: str | None) -> None:
             raise Unsupported(f"nft netlink{_where(netns)}: a batch of {len(data)} bytes not sent: {os.strerror(exc.errno or 0)}") from None
         errors, acked = _answers(sock, last, netns)
     finally:
-        sock.close()
+        if not kept:
+            sock.close()
     if errors:
         seq, code = errors[0]
         command = _command(tx, batch.origins[seq - 1]) if 0 < seq <= last else "(the batch)"

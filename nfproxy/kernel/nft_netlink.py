@@ -30,6 +30,7 @@ at 100 or 10 000 services.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno as errno_mod
 import ipaddress
@@ -39,7 +40,7 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     NFT_MSG_DELRULE,
     NFT_MSG_DELSET,
     NFT_MSG_DELSETELEM,
+    NFT_MSG_DELTABLE,
     NFT_MSG_GETOBJ,
     NFT_MSG_GETSET,
     NFT_MSG_NEWCHAIN,
@@ -74,6 +76,7 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     nft_rule_msg,
     nft_set_elem_list_msg,
     nft_set_msg,
+    nft_table_msg,
 )
 from pyroute2.netlink.nlsocket import NetlinkRequest
 
@@ -1031,7 +1034,8 @@ def unencodable(tx: Transaction) -> str | None:
 
     The vocabulary is what partial syncs say: plain chains added, flushed and deleted, rules
     added, elements added and deleted, sets and maps deleted (the stale ones a partial sync
-    left). Tables, set and map declarations, base chains and chain comments are a full sync's
+    left), the transaction's table deleted (the off table, with its last port). Tables
+    declared, set and map declarations, base chains and chain comments are a full sync's
     business, which goes through libnftables anyway (a partial sync's declarations go apart:
     `declarations_apart`).
     """
@@ -1048,6 +1052,8 @@ def _refusal(tx: Transaction, *, sets_apart: bool) -> str | None:
         kind = type(obj)
         if kind in (Set, Map) and (verb is Verb.DELETE or (sets_apart and verb is Verb.ADD)):
             continue
+        if kind is Table and verb is Verb.DELETE and obj.name == tx.table:  # type: ignore[union-attr]
+            continue  # the off table going with its last port
         if kind in (Table, Set, Map, Counter):
             return f"{verb.value} {kind.__name__.lower()} {getattr(obj, 'name', '')}: declarations go to libnftables"
         if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
@@ -1084,7 +1090,7 @@ def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | Non
     return declarations, rest
 
 
-def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> list[Message]:
+def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType], first_set_id: int = 1) -> list[Message]:
     """A Transaction -> the messages of one batch (without BEGIN/END). Pure except `set_type`.
 
     Verbs and fields are encoded directly; only rule bodies are compiled from nft syntax.
@@ -1096,7 +1102,7 @@ def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> 
         raise Unsupported(why)
     family, table = tx.family, tx.table
     out: list[Message] = []
-    set_ids = iter(range(1, 1 << 30))
+    set_ids = iter(range(first_set_id, 1 << 30))
     where = f"{family} {table}"
     for verb, obj in tx.operations():
         command = nft_text.command(verb, obj, where)
@@ -1113,6 +1119,8 @@ def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType]) -> 
                                    (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", obj.name)), command))
         elif kind is Rule:
             out.extend(_rule_messages(obj, family, table, set_type, command, set_ids))
+        elif kind is Table:  # a delete of the transaction's own table: unencodable() lets no other through
+            out.append(Message(nft_table_msg, NFT_MSG_DELTABLE, 0, (("NFTA_TABLE_NAME", obj.name),), command))
         elif kind in (Set, Map):  # a delete: unencodable() lets no other verb through
             out.append(Message(nft_set_msg, NFT_MSG_DELSET, 0,
                                (("NFTA_SET_TABLE", table), ("NFTA_SET_NAME", obj.name)), command))
@@ -1204,6 +1212,12 @@ def _close_loops(opened: list[tuple[Any, asyncio.AbstractEventLoop | None]]) -> 
     opened.clear()
 
 
+def _close_raw(raw: list[Any]) -> None:
+    for sock in raw:
+        sock.close()
+    raw.clear()
+
+
 class NetlinkNft:
     """One network namespace's nf_tables, spoken to in nfnetlink batches.
 
@@ -1225,6 +1239,10 @@ class NetlinkNft:
         self._opened: list[tuple[NFTSocket, asyncio.AbstractEventLoop | None]] = []
         self._generation = 0
         weakref.finalize(self, _close_loops, self._opened)
+        # nft_bulk's raw socket (`raw_socket`), kept.
+        self._raw: list[Any] = []  # none or one socket; closed with this object, at the latest
+        self._raw_size = 0
+        weakref.finalize(self, _close_raw, self._raw)
 
     # -- sockets -----------------------------------------------------------------------------
     def _socket(self, nfproto: int) -> NFTSocket:
@@ -1255,6 +1273,7 @@ class NetlinkNft:
             opened = list(self._opened)
             self._opened.clear()
             self._generation += 1
+            _close_raw(self._raw)
         for sock, _ in opened:
             sock.close()  # closes the calling thread's loop, and every socket's descriptor
         _close_loops(opened)
@@ -1321,18 +1340,24 @@ class NetlinkNft:
         return f" in netns {self.netns}" if self.netns else ""
 
     # -- the batch ---------------------------------------------------------------------------
-    def compile(self, tx: Transaction) -> list[Message]:
-        return compile_transaction(tx, lambda name: self.set_type(tx.family, tx.table, name))
+    def compile(self, tx: Transaction, first_set_id: int = 1) -> list[Message]:
+        return compile_transaction(tx, lambda name: self.set_type(tx.family, tx.table, name), first_set_id)
 
-    def apply(self, tx: Transaction) -> None:
-        """Send `tx` as one nfnetlink batch: all of it takes effect, or none does.
+    def apply(self, tx: Transaction, *more: Transaction) -> None:
+        """Send `tx` (and `more`, of the same family, other tables) as one nfnetlink batch: all
+        of it takes effect, or none does.
 
         Raises Unsupported (nothing sent) for a transaction outside the vocabulary, and
         NetlinkKernelError (a KernelError) naming the kernel's errno and the first refused
         command when the kernel refuses the batch.
         """
-        tx.check()
-        messages = self.compile(tx)
+        messages: list[Message] = []
+        for one in (tx, *more):
+            one.check()
+            if one.family != tx.family:
+                raise Unsupported(f"one batch of families {tx.family} and {one.family}")
+            # Anonymous sets are named by id within a batch: ids apart per transaction.
+            messages += self.compile(one, first_set_id=1 + (len(messages) << 8))
         if not messages:
             return
         nfproto = _FAMILIES[tx.family]
@@ -1351,15 +1376,38 @@ class NetlinkNft:
             ) from None
         self.messages_sent += len(messages)
         if errors:
-            self.forget()
-            code, command = errors[0]
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise NetlinkKernelError(
-                f"nft netlink{self._where()} rejected the transaction: {os.strerror(code)} "
-                f"(errno {errno_mod.errorcode.get(code, code)}) in: {command}{more}",
-                code,
-                command,
-            )
+            self._rejected(errors)
+
+    def _rejected(self, errors: list[tuple[int, str]]) -> None:
+        """Raise for the kernel's refusals, (errno, command) each, the first named."""
+        self.forget()
+        code, command = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise NetlinkKernelError(
+            f"nft netlink{self._where()} rejected the transaction: {os.strerror(code)} "
+            f"(errno {errno_mod.errorcode.get(code, code)}) in: {command}{more}",
+            code,
+            command,
+        )
+
+    def _raw_socket(self, size: int) -> Any:
+        """The kept raw socket, able to send `size` bytes in one write (call with the lock)."""
+        from nfproxy.kernel import nft_bulk
+
+        if not self._raw or size > self._raw_size:
+            _close_raw(self._raw)
+            self._raw_size = max(size, 1 << 22)
+            self._raw.append(nft_bulk._socket(self.netns, self._raw_size))
+        return self._raw[0]
+
+    @contextlib.contextmanager
+    def raw_socket(self, size: int) -> Iterator[Any]:
+        """A raw socket for nft_bulk's batches of `size` bytes, held for the block and kept:
+        closing a netlink socket right after a commit waits for the kernel to free what the
+        commit deleted (4-16 ms), paid by every full sync and every creation of the off table.
+        (Partial syncs stay on pyroute2's socket: docs/design.md.)"""
+        with self._lock:
+            yield self._raw_socket(size)
 
     @staticmethod
     async def _send(asock: Any, messages: list[Message], nfproto: int) -> list[tuple[int, str]]:

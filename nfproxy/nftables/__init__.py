@@ -11,5 +11,10 @@ from nfproxy.nftables.transaction import Transaction, Verb
 
 # The one table nfproxy owns in each family (kube-proxy's is `kube-proxy`).
 TABLE = "nfproxy"
+# Service ports whose endpoint draw changes modulus with their weights live here, so that such a
+# change rewrites rules in a small table and the kernel validates only that one
+# (docs/nft-layouts.md, "Chains off the lane"). Created with its first such port, deleted with
+# its last.
+OFF_TABLE = "nfproxy-off"
 
-__all__ = ["TABLE", "Chain", "Counter", "Element", "Elements", "Map", "Note", "Rule", "Set", "Table", "Transaction", "Verb"]
+__all__ = ["OFF_TABLE", "TABLE", "Chain", "Counter", "Element", "Elements", "Map", "Note", "Rule", "Set", "Table", "Transaction", "Verb"]

@@ -308,7 +308,7 @@ def nft_ruleset(state: ClusterState, family: IPFamily) -> Ruleset:
     """Apply the full transaction to the in-memory kernel and read its JSON: what the kernel
     would print (tests/test_memory_kernel.py checks that they agree), without root."""
     kernel = MemoryNft(family)
-    kernel.apply(nft_backend.render(state, family).transaction())
+    kernel.apply(nft_backend.render(state, family).transactions())
     return nft_json.parse(kernel.json())
 
 

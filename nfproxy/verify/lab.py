@@ -28,7 +28,7 @@ from typing import Any
 from nfproxy.backends.registry import backend_names
 from nfproxy.core.categorize import NoEndpoints, Routing, categorize
 from nfproxy.kernel import netns
-from nfproxy.nftables import TABLE
+from nfproxy.nftables import OFF_TABLE, TABLE
 from nfproxy.kernel.iptables import IptablesRunner
 from nfproxy.kernel.nft import NftSession
 from nfproxy.kernel.process import KernelError
@@ -549,9 +549,13 @@ def read_back(backend: str, ns: str, family: IPFamily) -> Any:
         if backend == "iptables":
             return iptables_save.parse(IptablesRunner(family, ns).save(), family)
         name = "ip" if family is IPFamily.V4 else "ip6"
-        doc = NftSession(ns).list_table(name, TABLE)
+        session = NftSession(ns)
+        doc = session.list_table(name, TABLE)
         if doc is None:
             raise LabError(f"the nft backend left no table {name} {TABLE} in the node namespace")
+        off = session.list_table(name, OFF_TABLE)  # weighted ports off the lane, if any
+        if off is not None:
+            doc = {"nftables": [*doc["nftables"], *(o for o in off["nftables"] if "metainfo" not in o)]}
         return nft_json.parse(doc)
     except (iptables_save.ParseError, nft_json.ParseError) as exc:
         raise LabError(f"cannot parse the {backend} rules read back (IPv{family.value}): {exc}") from None

@@ -53,9 +53,11 @@ def apply_nft(state: ClusterState, ns: str) -> list[Applied]:
         start = time.perf_counter()
         session.apply(script)
         elapsed = time.perf_counter() - start
-        doc = session.list_table("ip" if family is IPFamily.V4 else "ip6", nft_backend.TABLE) or {}
+        fam = "ip" if family is IPFamily.V4 else "ip6"
+        docs = [session.list_table(fam, t) for t in (nft_backend.TABLE, nft_backend.OFF_TABLE)]
+        doc = {"nftables": [o for d in docs if d is not None for o in d["nftables"]]}
         how = "libnftables" if session.uses_bindings else "nft -f"
-        out.append(Applied("nft", family, elapsed, from_nft_json(doc), how))
+        out.append(Applied("nft", family, elapsed, from_nft_json(doc, nft_backend.TABLE, nft_backend.OFF_TABLE), how))
     return out
 
 

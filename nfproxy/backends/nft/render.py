@@ -12,10 +12,15 @@ dispatch by verdict maps (`service-ips`, `service-nodeports`) from the nat hooks
 drop/reject and LoadBalancerSourceRanges checks by verdict maps from filter hooks that run before
 DNAT; per service port a cluster-policy chain, a local-policy chain, an external-entry chain and
 a firewall chain; per endpoint a chain that marks hairpin traffic, records affinity and DNATs.
+
+A weighted port whose chain draws a modulus of its own (`home`) lives in a second table of the
+same frame, `nfproxy-off` (`NftRuleset.off`), so that its rule changes make the kernel validate
+that small table only; `nfproxy` keeps a stub of it (its hairpin endpoints and cluster IP).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import re
@@ -54,6 +59,7 @@ from nfproxy.core.model import (
 )
 
 TABLE = nft.TABLE
+OFF_TABLE = nft.OFF_TABLE
 
 # Top-level chains and maps. Service and endpoint chain names always contain a "/", these
 # never do: that is how a sync tells its own per-service chains apart from the fixed ones.
@@ -339,6 +345,8 @@ class NftRuleset:
     counters: tuple[str, ...] = ()
     # Per-endpoint connection counters (see _Context.counters).
     endpoint_counters: bool = True
+    # The OFF_TABLE's ruleset (the ports `home` puts there), None when no port lives there.
+    off: NftRuleset | None = None
 
     @property
     def nft_family(self) -> str:
@@ -356,13 +364,22 @@ class NftRuleset:
             counter=counted,
         )
 
+    def transactions(self, kept: NftRuleset | None = None) -> tuple[nft.Transaction, ...]:
+        """`transaction` of this table, then of the off table when it has ports."""
+        main = self.transaction(kept)
+        if self.off is None:
+            return (main,)
+        return main, self.off.transaction(kept.off if kept is not None else None)
+
     def text(self) -> str:
         """This family's `nfproxy render` output (backends.base.Rendered)."""
         return self.script()
 
     def script(self) -> str:
-        """The full `nft -f` script (`nfproxy render`): the transaction, as text."""
-        return nft_text.script(self.transaction())
+        """The full `nft -f` script (`nfproxy render`): the transaction, as text (then the off
+        table's, when it has ports)."""
+        text = nft_text.script(self.transaction())
+        return text if self.off is None else text + nft_text.script(self.off.transaction())
 
     def transaction(self, kept: NftRuleset | None = None) -> nft.Transaction:
         """A complete sync as one atomic transaction.
@@ -386,7 +403,8 @@ class NftRuleset:
 
     def _transaction(self, kept: NftRuleset | None = None) -> nft.Transaction:
         tx = nft.Transaction(self.nft_family, self.table)
-        tx.add(nft.Table(self.nft_family, self.table, comment="rules for nfproxy"))
+        comment = "rules for nfproxy" if self.table == TABLE else "rules for nfproxy: weighted ports off the lane"
+        tx.add(nft.Table(self.nft_family, self.table, comment=comment))
         for name in self.counters:
             tx.add(nft.Counter(name))
         for bc in self.base_chains:
@@ -453,6 +471,11 @@ BASE_CHAINS = (
     nft.Chain("nat-prerouting", "nat", "prerouting", "-100"),
     nft.Chain("nat-output", "nat", "output", "-100"),
     nft.Chain("nat-postrouting", "nat", "postrouting", "100"),
+)
+# The off table's base chains run one priority step after nfproxy's: a connection's nat hooks
+# stop at the first chain that binds it, so a port in either table is DNATed by its own.
+OFF_BASE_CHAINS = tuple(
+    nft.Chain(c.name, c.type, c.hook, str(int(c.priority or 0) + 1)) for c in BASE_CHAINS
 )
 _REJECT_CHAIN = nft.Chain(REJECT_CHAIN, comment="helper for @no-endpoint-services / @no-endpoint-nodeports")
 
@@ -535,7 +558,7 @@ def _context(node: NodeConfig, family: IPFamily, counters: bool = True) -> tuple
 
 
 def _static(
-    ctx: _Context, service_cidrs: tuple[str, ...]
+    ctx: _Context, service_cidrs: tuple[str, ...], table: str = TABLE
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, Declaration], dict[str, Declaration], dict[str, dict[str, Element]]]:
     ipx, addr = ctx.ipx, ctx.addr_type
     loopback = "127.0.0.0/8" if ctx.family is IPFamily.V4 else "::1"
@@ -549,8 +572,9 @@ def _static(
         nodeport_match = f"{ipx} daddr @{NODEPORT_IPS_SET} {nodeport_match}"
 
     chains: dict[str, list[str]] = {bc.name: [] for bc in BASE_CHAINS}
-    # KUBE-FORWARD in the iptables backend drops INVALID packets; keep the two equal.
-    if ctx.node.drop_invalid:
+    # KUBE-FORWARD in the iptables backend drops INVALID packets; keep the two equal (once:
+    # the off table's frame is the same but for this rule and its counter).
+    if ctx.node.drop_invalid and table == TABLE:
         chains["filter-forward"].append(f"ct state invalid counter name {INVALID_DROP_COUNTER} drop")
     for name in (
         NODEPORT_ENDPOINTS_CHECK_CHAIN,
@@ -730,10 +754,32 @@ class _Slots:
                 self.allocator = self.allocator.release(base, size)
 
 
+def home(r: Routing, affinity: bool) -> str:
+    """The table a service port lives in: OFF_TABLE when a weighted chain of it draws a
+    modulus of its own (its weight sum leaves LANE's divisors, or affinity's `mod n` vmap), so
+    that the next weight change rewrites a rule there and the kernel validates that small
+    table, not the one holding every service (docs/nft-layouts.md, "Chains off the lane")."""
+    for subset in (r.cluster, r.local):
+        if subset and weighted(subset) and (affinity or lane_split(slot_counts(subset))[0] != LANE):
+            return OFF_TABLE
+    return TABLE
+
+
+def _hairpin(reachable: tuple[Endpoint, ...]) -> tuple[str, ...]:
+    """The endpoint IPs a port without affinity puts in the shared hairpin set (a port with
+    affinity marks hairpin traffic in its endpoint chains)."""
+    for ep in reachable:
+        if not ep.ip or ep.ip.strip(_IP_CHARS):
+            raise ValueError(f"not an endpoint address: {ep.ip!r}")
+    return tuple(dict.fromkeys(ep.ip for ep in reachable))
+
+
 def _render_service(
-    ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, ...], slots: _Slots
+    ctx: _Context, svc: ServicePort, endpoints: tuple[Endpoint, ...], slots: _Slots,
+    r: Routing | None = None,
 ) -> ServiceRules:
-    r: Routing = categorize(svc, endpoints, ctx.node)
+    if r is None:
+        r = categorize(svc, endpoints, ctx.node)
     spn = svc.name
     ipx = ctx.ipx
     proto = spn.protocol.lower
@@ -752,12 +798,7 @@ def _render_service(
     blocks: dict[str, tuple[int, int]] = {}
     shards: list[str] = []
     slot_elements: list[tuple[str, str, Element]] = []
-    hairpin: tuple[str, ...] = ()
-    if not affinity:
-        for ep in reachable:
-            if not ep.ip or ep.ip.strip(_IP_CHARS):
-                raise ValueError(f"not an endpoint address: {ep.ip!r}")
-        hairpin = tuple(dict.fromkeys(ep.ip for ep in reachable))
+    hairpin = () if affinity else _hairpin(reachable)
 
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
         """One random value of the chain's lane, looked up in a shared interval data map
@@ -918,7 +959,8 @@ def _service_order(key: ServicePortKey) -> tuple[str, str, str, str]:
 def render(
     state: ClusterState, family: IPFamily, *, endpoint_counters: bool = True, keep: NftRuleset | None = None
 ) -> NftRuleset:
-    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy`.
+    """Compile one family of `state` into kube-proxy's nftables layout, in table `nfproxy` (and
+    `nfproxy-off` for the ports `home` puts there: the result's `off`).
     `endpoint_counters=False` leaves out the per-endpoint counters (to measure their cost).
     `keep` (the ruleset the kernel holds) keeps each chain's slot block and each endpoint's
     slot where they still fit, so that `transaction(kept=keep)` leaves those elements, and
@@ -935,30 +977,28 @@ def _kept_slots(keep: NftRuleset | None) -> _Slots:
     return _Slots(keep.allocator, MappingProxyType(blocks), held)
 
 
-def _render(
-    state: ClusterState, family: IPFamily, endpoint_counters: bool = True, keep: NftRuleset | None = None
-) -> NftRuleset:
-    ctx, service_cidrs = _context(state.node, family, endpoint_counters)
-    chains, sets, unused, elements = _static(ctx, service_cidrs)
+class _Build:
+    """One table's ruleset being rendered: its static frame and what its ports add."""
 
-    services: dict[ServicePortKey, ServiceRules] = {}
-    all_endpoints = state.endpoints
-    svc_map = state.services
-    contested: set[tuple[str, str]] = set()
-    slots = _kept_slots(keep)
-    hairpin_refs: dict[str, int] = {}
-    cluster_ip_refs: dict[str, int] = {}
-    shard_users: dict[str, int] = {}
-    # Sorted by plain string tuples: far cheaper than the dataclass ordering at 10 000 services.
-    keys = sorted((k for k in svc_map if k[1] is family), key=_service_order)
-    for key in keys:
-        rules = _render_service(ctx, svc_map[key], all_endpoints.get(key, ()), slots)
-        services[key] = rules
+    def __init__(self, ctx: _Context, service_cidrs: tuple[str, ...], table: str, keep: NftRuleset | None) -> None:
+        self.table = table
+        self.chains, self.sets, self.unused, self.elements = _static(ctx, service_cidrs, table)
+        self.services: dict[ServicePortKey, ServiceRules] = {}
+        self.contested: set[tuple[str, str]] = set()
+        self.slots = _kept_slots(keep)
+        self.hairpin_refs: dict[str, int] = {}
+        self.cluster_ip_refs: dict[str, int] = {}
+        self.shard_users: dict[str, int] = {}
+
+    def add(self, key: ServicePortKey, rules: ServiceRules) -> None:
+        self.services[key] = rules
+        hairpin_refs, elements = self.hairpin_refs, self.elements
         for ip in rules.hairpin:
             hairpin_refs[ip] = hairpin_refs.get(ip, 0) + 1
-        cluster_ip_refs[rules.cluster_ip] = cluster_ip_refs.get(rules.cluster_ip, 0) + 1
+        if rules.cluster_ip:
+            self.cluster_ip_refs[rules.cluster_ip] = self.cluster_ip_refs.get(rules.cluster_ip, 0) + 1
         for shard in rules.shards:
-            shard_users[shard] = shard_users.get(shard, 0) + 1
+            self.shard_users[shard] = self.shard_users.get(shard, 0) + 1
         for map_name, elem_key, element in rules.elements:
             # A key claimed twice (e.g. one external IP on two services) would make nft fail
             # the whole transaction ("File exists"); the first service port keeps it.
@@ -966,28 +1006,74 @@ def _render(
             if held is None:
                 held = elements[map_name] = {}
             if elem_key in held:
-                contested.add((map_name, elem_key))
+                self.contested.add((map_name, elem_key))
             else:
                 held[elem_key] = element
-    slots.release_unkept()
 
-    return NftRuleset(
-        family=family,
-        table=TABLE,
-        base_chains=BASE_CHAINS,
-        chains=MappingProxyType(chains),
-        sets=MappingProxyType(sets),
-        unused_sets=MappingProxyType(unused),
-        elements=MappingProxyType({k: MappingProxyType(v) for k, v in elements.items()}),
-        services=MappingProxyType(services),
-        contested=frozenset(contested),
-        hairpin_refs=MappingProxyType(hairpin_refs),
-        shard_users=MappingProxyType(shard_users),
-        allocator=slots.allocator,
-        cluster_ip_refs=MappingProxyType(cluster_ip_refs),
-        counters=(INVALID_DROP_COUNTER,) if state.node.drop_invalid else (),
-        endpoint_counters=endpoint_counters,
-    )
+    def finish(self, family: IPFamily, drop_invalid: bool, endpoint_counters: bool) -> NftRuleset:
+        self.slots.release_unkept()
+        return NftRuleset(
+            family=family,
+            table=self.table,
+            base_chains=BASE_CHAINS if self.table == TABLE else OFF_BASE_CHAINS,
+            chains=MappingProxyType(self.chains),
+            sets=MappingProxyType(self.sets),
+            unused_sets=MappingProxyType(self.unused),
+            elements=MappingProxyType({k: MappingProxyType(v) for k, v in self.elements.items()}),
+            services=MappingProxyType(self.services),
+            contested=frozenset(self.contested),
+            hairpin_refs=MappingProxyType(self.hairpin_refs),
+            shard_users=MappingProxyType(self.shard_users),
+            allocator=self.slots.allocator,
+            cluster_ip_refs=MappingProxyType(self.cluster_ip_refs),
+            counters=(INVALID_DROP_COUNTER,) if drop_invalid and self.table == TABLE else (),
+            endpoint_counters=endpoint_counters,
+        )
+
+
+def _render(
+    state: ClusterState, family: IPFamily, endpoint_counters: bool = True, keep: NftRuleset | None = None
+) -> NftRuleset:
+    ctx, service_cidrs = _context(state.node, family, endpoint_counters)
+    builds = {TABLE: _Build(ctx, service_cidrs, TABLE, keep)}
+    all_endpoints = state.endpoints
+    svc_map = state.services
+    node = state.node
+    # Sorted by plain string tuples: far cheaper than the dataclass ordering at 10 000 services.
+    keys = sorted((k for k in svc_map if k[1] is family), key=_service_order)
+    for key in keys:
+        svc, eps = svc_map[key], all_endpoints.get(key, ())
+        r = categorize(svc, eps, node)
+        table = home(r, svc.affinity_timeout > 0)
+        build = builds.get(table)
+        if build is None:
+            build = builds[table] = _Build(ctx, service_cidrs, table, keep.off if keep is not None else None)
+        rules = _render_service(ctx, svc, eps, build.slots, r)
+        if table != TABLE:
+            builds[TABLE].add(key, _stub(rules.hairpin, rules.cluster_ip))
+            rules = dataclasses.replace(rules, hairpin=(), cluster_ip="")
+        build.add(key, rules)
+    off = builds.get(OFF_TABLE)
+    main = builds[TABLE].finish(family, node.drop_invalid, endpoint_counters)
+    if off is None:
+        return main
+    return dataclasses.replace(main, off=off.finish(family, node.drop_invalid, endpoint_counters))
+
+
+def _stub(hairpin: tuple[str, ...], cluster_ip: str) -> ServiceRules:
+    """What nfproxy's table holds of a port that lives in the off table: its endpoints in the
+    `hairpin` set and its cluster IP in `cluster-ips`, no chain, no other element; the off
+    table's port holds neither. nfproxy's postrouting marks hairpin traffic whichever table
+    DNATed it, and its cluster-ips-check runs first (it would drop what must be rejected: a
+    port of the off table's cluster IPs that nobody serves). So a move between the tables
+    touches neither set."""
+    return ServiceRules(MappingProxyType({}), MappingProxyType({}), (), hairpin=hairpin, cluster_ip=cluster_ip)
+
+
+def empty_off(state: ClusterState, family: IPFamily, endpoint_counters: bool = True) -> NftRuleset:
+    """The off table's static frame, without ports: where a partial sync starts the table."""
+    ctx, service_cidrs = _context(state.node, family, endpoint_counters)
+    return _Build(ctx, service_cidrs, OFF_TABLE, None).finish(family, state.node.drop_invalid, endpoint_counters)
 
 
 # --------------------------------------------------------------------------------------------
@@ -998,10 +1084,37 @@ class NeedsFullSync(Exception):
     """A partial update cannot be expressed safely; the caller must do a full sync instead."""
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A changed port as the state has it now, and the table it belongs in (`home`)."""
+
+    service: ServicePort
+    endpoints: tuple[Endpoint, ...]
+    routing: Routing
+    table: str
+
+
+def route(state: ClusterState, family: IPFamily, keys: Iterable[ServicePortKey]) -> dict[ServicePortKey, Route | None]:
+    """Each changed port of `family` with its home; None for a port that is gone."""
+    out: dict[ServicePortKey, Route | None] = {}
+    for key in keys:
+        if key[1] is not family:
+            continue
+        svc = state.services.get(key)
+        if svc is None:
+            out[key] = None
+            continue
+        eps = state.endpoints.get(key, ())
+        r = categorize(svc, eps, state.node)
+        out[key] = Route(svc, eps, r, home(r, svc.affinity_timeout > 0))
+    return out
+
+
 def render_update(
     previous: NftRuleset, state: ClusterState, keys: Iterable[ServicePortKey]
 ) -> NftRuleset:
-    """`previous` with the service ports in `keys` (of this family) rendered again from `state`.
+    """`previous` with the service ports in `keys` (of this family) rendered again from `state`,
+    in both tables (a port whose home changed leaves one and enters the other).
 
     Equivalent to `render(state, family)` as long as only those ports changed and the node did
     not (the caller checks the node: a changed node means a full render); slot numbers may
@@ -1009,8 +1122,22 @@ def render_update(
     claimed by two services) move between owners in ways only a full render gets right, so
     touching one raises NeedsFullSync.
     """
+    routed = route(state, previous.family, keys)
+    main = update_table(previous, state, routed)
+    off = previous.off
+    if off is not None or any(r is not None and r.table == OFF_TABLE for r in routed.values()):
+        off = update_table(off or empty_off(state, previous.family, previous.endpoint_counters), state, routed)
+    return dataclasses.replace(main, off=off if off is not None and off.services else None)
+
+
+def update_table(
+    previous: NftRuleset, state: ClusterState, routed: Mapping[ServicePortKey, Route | None]
+) -> NftRuleset:
+    """One table's `render_update`: the ports of `routed` leave it, and those whose home it is
+    are rendered into it again. Its `off` is left unset (render_update sets the main table's)."""
     with gc_paused():
         family = previous.family
+        table = previous.table
         ctx, _ = _context(state.node, family, previous.endpoint_counters)
         # The big maps (services, hairpin and cluster-IP counts) are shared with `previous`, not
         # copied: the new ruleset holds only what this sync changes (layered.py). The endpoint
@@ -1035,8 +1162,14 @@ def render_update(
         shard_users = previous.shard_users.copy()  # one entry per endpoint map: services / 64
         removed: list[tuple[str, str, Element]] = []
         added: list[tuple[str, str, Element]] = []
-        for key in sorted((k for k in keys if k[1] is family), key=_service_order):
+        for key in sorted(routed, key=_service_order):
             old = services.get(key)
+            now = routed[key]
+            stub = now is not None and now.table != table and table == TABLE
+            if now is not None and now.table != table:
+                now = None
+            if old is None and now is None and not stub:
+                continue
             old_blocks: Mapping[str, tuple[int, int]] = MappingProxyType({})
             if old is not None:
                 service_changes[key] = GONE
@@ -1044,20 +1177,29 @@ def render_update(
                 old_blocks = old.blocks
                 for ip in old.hairpin:
                     hairpin.add(ip, -1)
-                cluster_ips.add(old.cluster_ip, -1)
+                if old.cluster_ip:
+                    cluster_ips.add(old.cluster_ip, -1)
                 for shard in old.shards:
                     shard_users[shard] -= 1
                     if not shard_users[shard]:
                         del shard_users[shard]
-            svc = state.services.get(key)
             slots = _Slots(allocator, old_blocks, old.elements if old is not None else ())
-            if svc is not None:
-                rules = _render_service(ctx, svc, state.endpoints.get(key, ()), slots)
+            if now is not None or stub:
+                if now is not None:
+                    rules = _render_service(ctx, now.service, now.endpoints, slots, now.routing)
+                    if table != TABLE:
+                        rules = dataclasses.replace(rules, hairpin=(), cluster_ip="")
+                else:
+                    away = routed[key]
+                    assert away is not None
+                    affinity = away.service.affinity_timeout > 0
+                    rules = _stub(() if affinity else _hairpin(away.routing.reachable), _address(away.service.cluster_ip))
                 service_changes[key] = rules
                 added.extend(rules.elements)
                 for ip in rules.hairpin:
                     hairpin.add(ip, 1)
-                cluster_ips.add(rules.cluster_ip, 1)
+                if rules.cluster_ip:
+                    cluster_ips.add(rules.cluster_ip, 1)
                 for shard in rules.shards:
                     shard_users[shard] = shard_users.get(shard, 0) + 1
             slots.release_unkept()
@@ -1121,6 +1263,20 @@ class NftDelta:
         return nft_text.script(self.transaction)
 
 
+def live_again(new: NftRuleset, keys: Iterable[ServicePortKey]) -> tuple[set[str], set[str]]:
+    """The chains and sets (affinity sets, endpoint maps) of `new` that an earlier sync's stale
+    objects might name again. Chain and affinity set names are made from their port's name, so
+    only a port rendered again now (`keys`) can bring one back; the endpoint maps are few."""
+    chains: set[str] = set()
+    sets: set[str] = set(new.shard_users)
+    for key in keys:
+        svc = new.services.get(key)
+        if svc is not None:
+            chains.update(svc.chains)
+            sets.update(svc.affinity_sets)
+    return chains, sets
+
+
 def delta(
     previous: NftRuleset,
     new: NftRuleset,
@@ -1135,12 +1291,8 @@ def delta(
     deleted first unless `new` uses those names again.
     """
     tx = nft.Transaction(new.nft_family, new.table)
-    live_sets = (
-        {name for svc in new.services.values() for name in svc.affinity_sets} | set(new.shard_users)
-        if delete_sets
-        else set()
-    )
-    live_chains = {name for svc in new.services.values() for name in svc.chains} if delete_chains else set()
+    keys = tuple(keys)
+    live_chains, live_sets = live_again(new, keys) if delete_chains or delete_sets else (set(), set())
     for name in delete_chains:
         if name not in live_chains:
             tx.delete(nft.Chain(name))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
 from nfproxy.kernel.process import KernelError
-from nfproxy.nftables import TABLE, Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
+from nfproxy.nftables import OFF_TABLE, TABLE, Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
 
 _CHAIN_REF = re.compile(r"\b(?:jump|goto)\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
@@ -59,33 +59,53 @@ def _declaration(obj: Set | Map) -> tuple[object, ...]:
     return (type(obj), obj.type, obj.typeof, obj.flags, getattr(obj, "timeout", None), getattr(obj, "counter", False))
 
 
+def _owned(t: _Table | None) -> Owned | None:
+    if t is None:
+        return None
+    return Owned(frozenset(t.chains), frozenset(t.sets), frozenset(t.counters))
+
+
 class MemoryNft:
-    """One family's `nfproxy` table (or none) in memory."""
+    """One family's `nfproxy` table and its off table (nftables.OFF_TABLE), or none, in memory.
+
+    A payload is a Transaction or a tuple of them, applied in order, each atomically, as the
+    real kernel (kernel/nft.py) applies them."""
 
     def __init__(self, family: IPFamily = IPFamily.V4, *, table: str = TABLE, **_: object) -> None:
         self.family = family
         self.nft_family = "ip" if family is IPFamily.V4 else "ip6"
         self.table_name = table
-        self.table: _Table | None = None
+        self.names = (table, OFF_TABLE) if table == TABLE else (table,)
+        self.tables: dict[str, _Table] = {}
         self.last: Transaction | None = None
         self.applied = 0  # transactions committed
 
+    @property
+    def table(self) -> _Table | None:
+        """The main table (`nfproxy`)."""
+        return self.tables.get(self.table_name)
+
     # -- Kernel --------------------------------------------------------------------------------
     def owned(self) -> Owned:
-        if self.table is None:
-            return Owned()
-        return Owned(frozenset(self.table.chains), frozenset(self.table.sets), frozenset(self.table.counters))
+        main = _owned(self.table) or Owned()
+        off = _owned(self.tables.get(OFF_TABLE))
+        return main if off is None else Owned(main.chains, main.sets, main.counters, off)
 
     def apply(self, payload: object) -> None:
+        if isinstance(payload, tuple):
+            for tx in payload:
+                self.apply(tx)
+            return
         if not isinstance(payload, Transaction):
             raise TypeError(f"an nft kernel applies Transactions, not {type(payload).__name__}")
         try:
             payload.check()
         except ValueError as exc:
             raise KernelError(f"nft (memory) rejected the transaction: {exc}") from None
-        if (payload.family, payload.table) != (self.nft_family, self.table_name):
-            raise KernelError(f"nft (memory) holds {self.nft_family} {self.table_name}, not {payload.family} {payload.table}")
-        work = self.table.copy() if self.table is not None else None
+        if payload.family != self.nft_family or payload.table not in self.names:
+            raise KernelError(f"nft (memory) holds {self.nft_family} {' and '.join(self.names)}, not {payload.family} {payload.table}")
+        held = self.tables.get(payload.table)
+        work = held.copy() if held is not None else None
         where = f"{payload.family} {payload.table}"
         touched: set[str] = set()
         for verb, obj in payload.operations():
@@ -101,7 +121,10 @@ class MemoryNft:
             dangling = _dangling(work) or _overlapping(work, touched)
             if dangling:
                 raise KernelError(f"nft (memory) rejected the transaction: {dangling}")
-        self.table = work
+        if work is None:
+            self.tables.pop(payload.table, None)
+        else:
+            self.tables[payload.table] = work
         self.last = payload
         self.applied += 1
 
@@ -109,10 +132,13 @@ class MemoryNft:
         """Nothing held open."""
 
     def dump(self) -> str:
-        if self.table is None:
+        return "".join(self._dump(name) for name in self.names)
+
+    def _dump(self, table: str) -> str:
+        t = self.tables.get(table)
+        if t is None:
             return ""
-        t = self.table
-        where = f"{self.nft_family} {self.table_name}"
+        where = f"{self.nft_family} {table}"
         out = [nft_text.command(Verb.ADD, t.decl, where)]
         for name in sorted(t.counters):
             out.append(nft_text.command(Verb.ADD, t.counters[name], where))
@@ -131,22 +157,24 @@ class MemoryNft:
         """The table as `nft -j list table` prints it (nftables/json.py), for analysis/."""
         from nfproxy.nftables import json as nft_json
 
-        fam, name = self.nft_family, self.table_name
+        fam = self.nft_family
         out: list[object] = [{"metainfo": {"version": "1.0.6", "json_schema_version": 1}}]
-        if self.table is None:
-            return {"nftables": out}
         handle = iter(range(1, 1 << 30))
-        out.append({"table": {"family": fam, "name": name, "handle": next(handle)}})
-        for c in self.table.counters.values():
-            out.append({"counter": {"family": fam, "name": c.name, "table": name,
-                                    "handle": next(handle), "packets": 0, "bytes": 0}})
-        for s in self.table.sets.values():
-            out.append(nft_json.set_(fam, name, s.decl, list(s.elements.values()), next(handle)))
-        for c in self.table.chains.values():
-            out.append(nft_json.chain(fam, name, c.decl, next(handle)))
-        for c in self.table.chains.values():
-            for body in c.rules:
-                out.append(nft_json.rule(fam, name, c.decl.name, body, next(handle)))
+        for name in self.names:
+            t = self.tables.get(name)
+            if t is None:
+                continue
+            out.append({"table": {"family": fam, "name": name, "handle": next(handle)}})
+            for c in t.counters.values():
+                out.append({"counter": {"family": fam, "name": c.name, "table": name,
+                                        "handle": next(handle), "packets": 0, "bytes": 0}})
+            for s in t.sets.values():
+                out.append(nft_json.set_(fam, name, s.decl, list(s.elements.values()), next(handle)))
+            for c in t.chains.values():
+                out.append(nft_json.chain(fam, name, c.decl, next(handle)))
+            for c in t.chains.values():
+                for body in c.rules:
+                    out.append(nft_json.rule(fam, name, c.decl.name, body, next(handle)))
         return {"nftables": out}
 
     # -- reading back --------------------------------------------------------------------------
