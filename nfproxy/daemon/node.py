@@ -47,6 +47,16 @@ class DaemonConfig:
     endpoint_connections_metric: bool = False
     # The effective KubeProxyConfiguration, for /configz (None: not served).
     configz: Mapping[str, Any] | None = None
+    # --empty-source-grace: how long the first sync of an empty state waits while the kernel
+    # still serves services from before this start (daemon/empty_start.py).
+    empty_grace: float = 0.0
+
+
+def _source_label(source: object) -> str:
+    """The `source` label of nfproxy_source_errors_total: `manifests` or `api`."""
+    from nfproxy.sources.files import ManifestSource
+
+    return "manifests" if isinstance(source, ManifestSource) else "api"
 
 
 class NoLocalEndpoints:
@@ -154,8 +164,10 @@ class Daemon:
             self.proxier,
             min_sync_period=config.min_sync_period,
             sync_period=config.sync_period,
+            empty_grace=config.empty_grace,
         )
         self.loop.on_queued.append(self._queued)
+        self.loop.on_empty_held.append(lambda: self.metrics.source_error(_source_label(source)))
         self.proxier.hooks.on_synced.append(self._synced)
         self.proxier.hooks.on_failed.append(self._failed)
         getattr(source, "on_error", []).append(self.metrics.source_error)

@@ -28,6 +28,7 @@ from nfproxy.backends.base import Backend, Plan
 from nfproxy.core.changes import Changes, ChangeTracker, Touched, diff
 from nfproxy.core.model import ClusterState, IPFamily
 from nfproxy.daemon import heap, logs
+from nfproxy.daemon.empty_start import EmptyStartHold
 from nfproxy.kernel.base import Kernel, KernelFactory
 from nfproxy.kernel.iptables import Flavour
 from nfproxy.kernel.registry import KERNELS
@@ -178,6 +179,16 @@ class Proxier:
     def state(self) -> ClusterState | None:
         """The state of the last successful sync."""
         return self._last
+
+    def service_chains(self) -> int:
+        """Per-service chains the kernels hold now (nft: names with a "/", in either table;
+        iptables: kube-proxy's per-service and per-endpoint chains), read from the kernels."""
+        count = 0
+        for kernel in self.kernels.values():
+            owned = kernel.owned()
+            for names in (owned.chains, owned.off.chains if owned.off is not None else ()):
+                count += sum(1 for n in names if "/" in n or n.startswith(_SERVICE_CHAIN_PREFIXES))
+        return count
 
     def close(self) -> None:
         """Close the kernels' sockets (the rules stay, as kube-proxy leaves them on exit); a
@@ -335,6 +346,9 @@ def _cleanup_due(proxier: Proxier, result: SyncResult) -> bool:
     return proxier.backend.pending()
 
 
+_SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
+
+
 def _take(source: Source) -> tuple[LoadResult, Touched | None]:
     """The source's snapshot, with the keys it touched when the source tracks them."""
     take = getattr(source, "snapshot_changes", None)
@@ -423,9 +437,13 @@ class SyncLoop:
         min_sync_period: float = 1.0,
         sync_period: float = 3600.0,
         max_backoff: float = 60.0,
+        empty_grace: float = 0.0,
     ) -> None:
         if min_sync_period < 0 or sync_period <= 0:
             raise ValueError("sync periods must be positive")
+        # The first sync of an empty state waits while the kernel serves services (empty_start.py).
+        self.empty_start = EmptyStartHold(empty_grace)
+        self.on_empty_held: list[Callable[[], None]] = []
         self.source = source
         self.proxier = proxier
         self.min_sync_period = min_sync_period
@@ -477,6 +495,17 @@ class SyncLoop:
         snap, touched = _take(self.source)
         return self.proxier.sync(snap.state, full=True, touched=touched)
 
+    def _empty_held(self) -> bool:
+        hold = self.empty_start
+        if hold.done:
+            return False
+        first = hold.since is None
+        held = hold.held(self.source.snapshot().state, time.monotonic(), self.proxier.service_chains)
+        if held and first:
+            for hook in self.on_empty_held:
+                hook()
+        return held
+
     def _run(self) -> None:
         schedule = SyncSchedule(
             self.min_sync_period, self.sync_period, self.max_backoff, last_full=time.monotonic()
@@ -493,6 +522,11 @@ class SyncLoop:
                 self._wake.wait(0.1)
                 self._wake.set()
                 continue
+            if self._empty_held():
+                self._wake.clear()
+                self._wake.wait(1.0)
+                self._wake.set()
+                continue
             self._wake.clear()
             with self._cond:
                 generation = self._generation
@@ -507,6 +541,7 @@ class SyncLoop:
                 logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(retry_in))
                 continue
             schedule.succeeded(time.monotonic(), full=full or result.kind == "full")
+            self.empty_start.done = True
             if _cleanup_due(self.proxier, result):
                 self._wake.set()  # stale objects wait: the next sync (min_sync_period on) deletes them
             with self._cond:

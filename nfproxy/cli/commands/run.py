@@ -209,6 +209,7 @@ def _daemon_config(args: argparse.Namespace, min_sync: float, sync_period: float
         "bind_address_hard_fail": bool(args.bind_address_hard_fail),
         "endpoint_connections_metric": bool(getattr(args, "metrics_endpoint_connections", False)),
         "configz": kubeproxy_config.effective(args),
+        "empty_grace": _source_flags(args),
     }
     return DaemonConfig(**{**fields, **more})  # type: ignore[arg-type]
 
