@@ -114,24 +114,10 @@ class NftSession:
         listed = None if counters is not None else json.loads(self._cmd(f"list counters {family}", json_output=True))
         out: dict[str, tuple[set[str], set[str], set[str]] | None] = {}
         for table in tables:
-            chain_names = {
-                o["chain"]["name"] for o in chains.get("nftables", ()) if "chain" in o and o["chain"]["table"] == table
-            }
-            set_names = {
-                body["name"]
-                for o in (*sets.get("nftables", ()), *maps.get("nftables", ()))
-                for kind in ("set", "map")
-                if (body := o.get(kind)) is not None and body["table"] == table
-            }
-            if counters is not None:
-                counter_names = set(counters(table))  # netlink: libnftables' listing fetches every rule
-            else:
-                assert listed is not None
-                counter_names = {
-                    body["name"]
-                    for o in listed.get("nftables", ())
-                    if (body := o.get("counter")) is not None and body["table"] == table
-                }
+            chain_names = _named(chains, ("chain",), table)
+            set_names = _named({"nftables": [*sets.get("nftables", ()), *maps.get("nftables", ())]}, ("set", "map"), table)
+            # netlink: libnftables' listing of counters fetches every rule
+            counter_names = set(counters(table)) if counters is not None else _named(listed or {}, ("counter",), table)
             if not (chain_names or set_names or counter_names) and self.list_table(family, table, terse=True) is None:
                 out[table] = None  # only then can the table be missing: it costs nothing to ask
             else:
@@ -161,6 +147,16 @@ class NftSession:
                 return False
             raise
         return True
+
+
+def _named(listing: dict[str, Any], kinds: tuple[str, ...], table: str) -> set[str]:
+    """Names of the objects of `kinds` in `table` in an `nft -j list …` document."""
+    return {
+        body["name"]
+        for o in listing.get("nftables", ())
+        for kind in kinds
+        if (body := o.get(kind)) is not None and body["table"] == table
+    }
 
 
 class NftKernel:
