@@ -8,7 +8,6 @@ Chi-square thresholds as tests/test_weights_traffic.py argues them: p > 1e-5.
 
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -31,6 +30,7 @@ from nfproxy.nftables import OFF_TABLE
 from nfproxy.testing import uniform_cluster
 from nfproxy.verify.sandbox import Sandbox, SandboxSpec, summarize
 from nfproxy.verify.stats import goodness_of_fit
+from tests.test_off_table import weighted
 from tests.test_proxier import fresh, snapshot
 
 pytestmark = pytest.mark.kernel
@@ -52,11 +52,6 @@ def state_of(weights: tuple[int, ...]) -> ClusterState:
 
 def has_off_table(ns: str) -> bool:
     return NftSession(ns).list_table("ip", OFF_TABLE, terse=True) is not None
-
-
-def weighted(state: ClusterState, key, weights: list[int]) -> ClusterState:  # noqa: ANN001
-    eps = [Endpoint(ip=f"10.251.{key[0].name[4:]}.{i + 1}", port=8080, weight=w) for i, w in enumerate(weights)]
-    return dataclasses.replace(state, endpoints={**state.endpoints, key: sort_endpoints(eps)})
 
 
 def test_moves_in_and_out_of_the_off_table_converge_to_a_fresh_full_sync() -> None:
