@@ -126,6 +126,28 @@ def test_declarations_are_learned_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.kernel
+def test_partial_syncs_know_the_sets_a_full_sync_declared_as_the_kernel_has_them() -> None:
+    """After a full sync no endpoint map costs partial syncs a round trip for its type, and
+    what they were told is what the kernel answers."""
+    state = random_cluster(random.Random(11), 30)
+    with netns.throwaway("nfp-bulk-known") as ns:
+        kernel = NftKernel(IPFamily.V4, netns=ns)
+        proxier = Proxier("nft", netns=ns, families=(IPFamily.V4,), kernels=lambda f: kernel)
+        proxier.sync(state)
+        fast = kernel.fast
+        assert fast is not None
+        known = dict(fast._set_types)
+        ruleset = proxier.backend.believed(IPFamily.V4)
+        assert ruleset is not None
+        declared = {*ruleset.sets, *ruleset.shard_users}  # the endpoint maps among them
+        assert any(name.startswith("endpoints-") for name in ruleset.shard_users)
+        assert {("ip", ruleset.table, name) for name in declared} <= set(known)
+        fast.forget()
+        for (family, table, name), st in known.items():
+            assert fast.set_type(family, table, name) == st, name
+
+
+@pytest.mark.kernel
 def test_a_refused_batch_changes_nothing_and_names_the_command() -> None:
     state = random_cluster(random.Random(3), 20)
     with netns.throwaway("nfp-bulk-refused") as ns:

@@ -627,3 +627,19 @@ def test_a_weighted_affinity_choice_is_an_interval_vmap_through_netlink(caplog: 
         finally:
             fast.close()
             kernel.close()
+
+
+def test_forgetting_one_tables_set_types_keeps_the_others() -> None:
+    """A transaction through another path (libnftables, the bulk sender) may redeclare its own
+    table's sets, nobody else's: the endpoint maps of nfproxy stay known when the off table is
+    created; a refusal forgets everything."""
+    fast = NetlinkNft()  # no socket until one is needed
+    st = SetType("m", (Field(TYPE_IPV4, 4),), None)
+    fast.know("ip", "nfproxy", {"a": st, "b": st})
+    fast.know("ip", "nfproxy-off", {"a": st})
+    fast.know("ip6", "nfproxy", {"a": st})
+    fast.forget("ip", "nfproxy-off")
+    assert set(fast._set_types) == {("ip", "nfproxy", "a"), ("ip", "nfproxy", "b"), ("ip6", "nfproxy", "a")}
+    fast.forget()
+    assert fast._set_types == {}
+    fast.close()

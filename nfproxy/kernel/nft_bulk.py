@@ -22,6 +22,7 @@ cannot say raises `Unsupported` before anything is sent, and the caller uses lib
 
 from __future__ import annotations
 
+import dataclasses
 import errno as errno_mod
 import functools
 import os
@@ -29,7 +30,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nfproxy.core import forked
 from nfproxy.kernel import netns as netns_mod
@@ -302,6 +303,9 @@ class Batch:
     data: bytearray
     origins: list[tuple[int, int, int]]  # per message: (index in tx.ops, first element, last element)
     last: int = 0  # where the last message starts in `data`
+    # The element types of every set the batch declares, as the kernel reported them for the
+    # same declaration (Declarations): once it is committed, nft_netlink need not ask.
+    declared: dict[str, SetType] = field(default_factory=dict)
 
 
 class _Compiler:
@@ -365,7 +369,8 @@ class _Compiler:
         data = bytearray().join(self.parts) if self.parts else bytearray()
         if helper is not None:
             _renumber(data, self.parts)
-        batch = Batch(data, self.origins, len(data) - len(self.parts[-1]) if self.parts else 0)
+        batch = Batch(data, self.origins, len(data) - len(self.parts[-1]) if self.parts else 0,
+                      {n: st if st.name == n else dataclasses.replace(st, name=n) for n, st in self.new_sets.items()})
         self.parts = []
         return batch
 

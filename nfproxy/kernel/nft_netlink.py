@@ -1278,12 +1278,23 @@ class NetlinkNft:
             sock.close()  # closes the calling thread's loop, and every socket's descriptor
         _close_loops(opened)
 
-    def forget(self) -> None:
-        """Drop the cached set declarations (after a full sync may have changed them)."""
+    def forget(self, family: str | None = None, table: str | None = None) -> None:
+        """Drop the cached set declarations: of one table, after a transaction through another
+        path may have changed them; of all, after a refusal."""
         with self._lock:
-            self._set_types.clear()
+            if table is None:
+                self._set_types.clear()
+            else:
+                for key in [k for k in self._set_types if k[:2] == (family, table)]:
+                    del self._set_types[key]
 
     # -- set declarations ------------------------------------------------------------------------
+    def know(self, family: str, table: str, types: dict[str, SetType]) -> None:
+        """Set types known without asking: those a committed batch declared."""
+        with self._lock:
+            for name, st in types.items():
+                self._set_types[(family, table, name)] = st
+
     def set_type(self, family: str, table: str, name: str) -> SetType:
         key = (family, table, name)
         with self._lock:
