@@ -55,7 +55,7 @@ from nfproxy.kernel.nft_netlink import (
     Unsupported,
     compile_transaction,
 )
-from nfproxy.kernel.nft_wire import batch_begin, batch_end, encode_message
+from nfproxy.kernel.nft_wire import batch_begin, batch_end, encode_message, wired
 from nfproxy.nftables import Chain, Element, Map, Rule, Set, Transaction, Verb
 from nfproxy.testing import random_cluster, uniform_cluster
 
@@ -610,3 +610,18 @@ def _rule_with(*exprs: dict[str, Any]) -> Message:
 def test_what_pyroute2_would_not_encode_faithfully_is_unsupported(message: Message) -> None:
     with pytest.raises(Unsupported):
         encode_message(message, NFPROTO_IPV4, 1)
+    with pytest.raises(Unsupported):  # as a partial sync's message: refused before sending
+        wired(message, NFPROTO_IPV4)
+
+
+def test_a_wired_message_is_sent_as_pyroute2_would_send_it() -> None:
+    """What NetlinkNft._send writes for a Wired message is, for any sequence number and port
+    id NetlinkRequest gives it, the bytes pyroute2's encoder writes for the same message."""
+    for seq, pid in ((0, 0), (9, 0), (1, 4242), (0xFFFFFFFF, 0x7FFFFFFF)):
+        for family in (NFPROTO_IPV4, NFPROTO_IPV6):
+            for m in hand_made():
+                msg = wired(m, family)
+                assert (msg["header"]["type"], msg["header"]["flags"]) == (
+                    (NFNL_SUBSYS_NFTABLES << 8) | m.msg_type, NLM_F_REQUEST | NLM_F_ACK | m.flags)
+                assert _sent(msg, seq, pid) == _sent(nn.build(m, family, 0), seq, pid), m.command
+

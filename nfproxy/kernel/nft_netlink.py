@@ -1187,7 +1187,9 @@ def _queue_element(out: list[Message], verb: Verb, el: Element, table: str, st: 
 
 
 def build(message: Message, family: int, seq: int) -> Any:
-    """The pyroute2 message object for one Message (encoded when it is sent)."""
+    """The pyroute2 message object for one Message: what pyroute2's encoder would write, the
+    reference nft_wire's bytes are held equal to (tests/test_nft_wire.py). Batches are sent as
+    nft_wire.Wired messages."""
     msg = message.msg_class()
     msg["nfgen_family"] = family
     msg["res_id"] = 0
@@ -1371,10 +1373,13 @@ class NetlinkNft:
             messages += self.compile(one, first_set_id=1 + (len(messages) << 8))
         if not messages:
             return
+        from nfproxy.kernel.nft_wire import wired  # it imports this module
+
         nfproto = _FAMILIES[tx.family]
+        outgoing = [(wired(m, nfproto), m.command) for m in messages]  # Unsupported: nothing sent
         sock = self._socket(nfproto)
         try:
-            errors = sock._run_with_cleanup(self._send, sock.asyncore, messages, nfproto)
+            errors = sock._run_with_cleanup(self._send, sock.asyncore, outgoing)
         except asyncio.TimeoutError:
             self.close()  # replies may still arrive: never reuse this socket
             raise KernelError(f"nft netlink{self._where()}: no answer to a batch within {_REPLY_TIMEOUT:.0f}s") from None
@@ -1416,13 +1421,14 @@ class NetlinkNft:
         """A raw socket for nft_bulk's batches of `size` bytes, held for the block and kept:
         closing a netlink socket right after a commit waits for the kernel to free what the
         commit deleted (4-16 ms), paid by every full sync and every creation of the off table.
-        (Partial syncs stay on pyroute2's socket: docs/design.md.)"""
+        (Partial syncs are sent on pyroute2's socket: docs/design.md.)"""
         with self._lock:
             yield self._raw_socket(size)
 
     @staticmethod
-    async def _send(asock: Any, messages: list[Message], nfproto: int) -> list[tuple[int, str]]:
-        """Frame BEGIN, the messages, END; send them in one write; collect every ack.
+    async def _send(asock: Any, messages: list[tuple[Any, str]]) -> list[tuple[int, str]]:
+        """Frame BEGIN, the messages (each with its command), END; send them in one write;
+        collect every ack.
 
         Every message asks for an ack, so each one's fate is known and an error names its
         command; the kernel answers all of them (it keeps going after an error to report the
@@ -1445,12 +1451,11 @@ class NetlinkNft:
             await first.prepare()
             data += first.msg.data
             first.cleanup()
-            for message in messages:
-                msg = build(message, nfproto, 0)
+            for msg, command in messages:
                 req = NetlinkRequest(asock, msg)
                 await req.prepare()
                 data += req.msg.data
-                requests.append((req, message.command))
+                requests.append((req, command))
             last = NetlinkRequest(asock, end, msg_flags=NLM_F_REQUEST, msg_type=NFNL_MSG_BATCH_END)
             await last.prepare()
             data += last.msg.data
