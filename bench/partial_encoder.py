@@ -20,6 +20,7 @@ import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,11 +42,13 @@ ENCODERS = {"pyroute2": lambda m, family: nn.build(m, family, 0), "nft_wire": nf
 class Cluster:
     """One cluster in its namespace, changed one service at a time."""
 
-    def __init__(self, ns: str, state: ClusterState) -> None:
+    def __init__(self, ns: str, state: ClusterState, pick: Callable[[tuple[Endpoint, ...]], bool] | None = None) -> None:
+        """`pick`: which services' endpoints may be changed (all by default)."""
         self.proxier = Proxier("nft", netns=ns)
         self.proxier.sync(state)
         self.state = state
-        self.keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
+        keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
+        self.keys = [k for k in keys if pick is None or pick(state.endpoints[k])]
         self.n = 0
 
     def change(self) -> float:

@@ -14,10 +14,8 @@ measurement of a layout not built, so `home` is patched here and nowhere else.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -25,13 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nfproxy.backends.nft import render  # noqa: E402
-from nfproxy.core.changes import Touched  # noqa: E402
-from nfproxy.core.model import ClusterState, Endpoint  # noqa: E402
-from nfproxy.daemon.proxier import Proxier  # noqa: E402
+from nfproxy.core.model import ClusterState  # noqa: E402
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.testing import uniform_cluster  # noqa: E402
 
-from off_table import with_endpoints  # noqa: E402
+from partial_encoder import Cluster  # noqa: E402  (one cluster, one service changed at a time)
 from sync import weighted  # noqa: E402
 
 
@@ -49,22 +45,10 @@ def sharded_home(shards: int):  # noqa: ANN201
 
 
 def changes(state: ClusterState, repeat: int, pick) -> list[float]:  # noqa: ANN001
-    keys = [k for k in sorted(state.services, key=lambda k: (k[0].namespace, k[0].name)) if pick(state.endpoints[k])]
-    out = []
+    """ms per change: an endpoint of weight 1 added to one picked service at a time."""
     with netns.throwaway("nfp-homes") as ns:
-        proxier = Proxier("nft", netns=ns)
-        proxier.sync(state)
-        current = state
-        for i in range(repeat):
-            key = keys[(i * 7919 + 11) % len(keys)]
-            new = with_endpoints(current, key, [*current.endpoints[key], Endpoint(f"10.99.{i % 250}.{i // 250 + 1}", 8080, weight=1)])
-            gc.collect()
-            start = time.perf_counter()
-            result = proxier.sync(new, touched=Touched(current, frozenset({key})))
-            out.append((time.perf_counter() - start) * 1000)
-            assert result.kind == "partial", result
-            current = new
-    return out
+        cluster = Cluster(ns, state, pick)
+        return [cluster.change() for _ in range(repeat)]
 
 
 def main() -> int:
