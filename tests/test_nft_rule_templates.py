@@ -3,6 +3,7 @@ compiler makes of it, and a shape whose numbers cannot be found is compiled ever
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -56,6 +57,31 @@ def test_templated_rules_are_the_compiled_bytes() -> None:
         body = f"meta l4proto tcp dnat ip to numgen random mod 67026960 offset {lane * 67026960} map @slots"
         assert one.body(body) == compiler.rule_body(body)
     assert [len(t.slots) for t in one._known.values() if t is not None] == [2]
+
+
+def test_maps_of_one_type_share_a_template() -> None:
+    """Endpoint maps the batch declares are a slot of the shape: one template per name length
+    and type, its bytes the compiler's for every map; a map of another type has its own."""
+    compiler = _compiler()
+    other = dataclasses.replace(_SLOTS, key=(Field(TYPE_INTEGER, 4, False),))
+    names = [f"endpoints-tcp-ranges-{i}" for i in range(120)]
+    compiler.new_sets.update({name: dataclasses.replace(_SLOTS, name=name) for name in names})
+    compiler.new_sets["endpoints-udp-ranges-7"] = dataclasses.replace(other, name="endpoints-udp-ranges-7")
+    templates = RuleTemplates(compiler.rule_body, compiler.map_kind)
+    bodies = [f"meta l4proto tcp dnat ip to numgen random mod 67026960 offset {k * 67026960} map @{name}"
+              for name in [*names, "endpoints-udp-ranges-7"] for k in (1, 5)]
+    for body in bodies:
+        assert templates.body(body) == compiler.rule_body(body), body
+    learned = [shape for shape, t in templates._known.items() if t is not None]
+    assert len(learned) == 4  # names of 22 and 23 characters, and the map of another type
+    assert len(templates._known) == 4
+
+
+def test_a_name_the_compiler_does_not_copy_is_not_templated() -> None:
+    """A compiler whose bytes depend on a map's name other than by copying it: compiled every time."""
+    hashed = RuleTemplates(lambda body, aliases=None: str(hash(body.split("@")[1])).encode(), lambda name: "maps")
+    assert hashed.body("lookup @abc") is None
+    assert hashed.body("lookup @abd") is None
 
 
 def test_a_number_that_is_not_one_plain_field_is_not_templated() -> None:

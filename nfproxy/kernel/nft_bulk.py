@@ -29,7 +29,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from nfproxy.core import forked
@@ -322,11 +322,20 @@ class _Compiler:
         self.set_ids = iter(range(1, 1 << 30))
         self.table_attr = strz(1, tx.table)  # NFTA_{CHAIN,SET,OBJ,RULE,SET_ELEM_LIST}_TABLE are all 1
         self.new_sets: dict[str, SetType] = {}
-        self.templates = RuleTemplates(self.rule_body)
+        self.templates = RuleTemplates(self.rule_body, self.map_kind)
+        self._kinds: dict[str, SetType | None] = {}
 
     def set_type(self, name: str) -> SetType:
         st = self.new_sets.get(name)
         return st if st is not None else self.outer_set_type(name)
+
+    def map_kind(self, name: str) -> SetType | None:
+        """What a rule naming a set this batch declares depends on: its type, whatever its name."""
+        kind = self._kinds.get(name, False)
+        if kind is False:
+            st = self.new_sets.get(name)
+            kind = self._kinds[name] = None if st is None else dataclasses.replace(st, name="")
+        return kind  # type: ignore[return-value]
 
     def emit(self, msg: bytes, origin: tuple[int, int, int]) -> None:
         self.parts.append(msg)
@@ -487,10 +496,16 @@ class _Compiler:
         for message in messages:
             self.emit(nft_wire.encode_message(message, self.family, self.seq(), ack=False), (i, 0, 0))
 
-    def rule_body(self, body: str) -> bytes:
-        """A rule of one message, its attributes after table and chain (for RuleTemplates)."""
+    def rule_body(self, body: str, aliases: Mapping[str, str] | None = None) -> bytes:
+        """A rule of one message, its attributes after table and chain (for RuleTemplates; an
+        alias names a map by another name)."""
         command = f"add rule {self.tx.family} {self.tx.table} - {body}"
-        messages = _rule_messages(Rule("-", body), self.tx.family, self.tx.table, self.set_type, command, iter(range(1, 2)))
+        set_type = self.set_type
+        if aliases:
+            def set_type(name: str) -> SetType:
+                alias = aliases.get(name)
+                return self.set_type(name) if alias is None else dataclasses.replace(self.set_type(alias), name=name)
+        messages = _rule_messages(Rule("-", body), self.tx.family, self.tx.table, set_type, command, iter(range(1, 2)))
         if len(messages) != 1:
             raise Unsupported("a rule of more than one message")
         encoded = nft_wire.encode_message(messages[0], self.family, 0, ack=False)
