@@ -242,6 +242,35 @@ def test_an_element_outside_the_vocabulary_is_refused_before_sending(st: SetType
 
 
 @pytest.mark.kernel
+def test_maps_alike_but_for_their_names_are_learned_two_of_a_kind() -> None:
+    """Twenty endpoint maps of one spec and three of another: the scratch table declares two of
+    each, and every other's declaration is what learning it would have given."""
+    from nfproxy.kernel.nft import NftSession
+    from nfproxy.kernel.nft_elements import ElementReader
+    from nfproxy.nftables import Map
+
+    spec = "numgen random mod 1 : ip daddr . tcp dport"
+    maps = [Map(f"endpoints-counted-tcp-ranges-{i}", typeof=spec, flags=("interval",), counter=True) for i in range(20)]
+    maps += [Map(f"endpoints-udp-ranges-{i}", typeof=spec.replace("tcp", "udp"), flags=("interval",)) for i in range(3)]
+    with netns.throwaway("nfp-bulk-alike") as ns:
+        session = NftSession(ns)
+        scripts: list[str] = []
+
+        def apply(text: str) -> None:
+            scripts.append(text)
+            session.apply(text)
+
+        two = nft_bulk.Declarations(apply, lambda: ElementReader(ns), session.release)
+        two.learn("ip", maps)  # type: ignore[arg-type]
+        declared = [line for text in scripts for line in text.splitlines() if line.startswith("add map")]
+        assert len(declared) == 4, declared
+        each = nft_bulk.Declarations(session.apply, lambda: ElementReader(ns), session.release)
+        for m in maps:
+            each.learn("ip", [m])
+            assert two.get("ip", m) == each.get("ip", m), m.name
+
+
+@pytest.mark.kernel
 def test_a_scratch_table_left_by_a_crash_is_replaced_and_cleaned_up() -> None:
     from nfproxy.daemon.cleanup import cleanup_nft
     from nfproxy.kernel.nft import NftSession

@@ -167,11 +167,32 @@ class Declarations:
         self._known = {k: v for k, v in self._known.items() if k[0] != family or k in keep}
 
     def learn(self, family: str, objs: list[Declaration]) -> None:
+        """Learn what is not known yet. Sets and maps alike but for their names (the endpoint
+        maps: one per 16 lanes) are learned two of a kind: when the second is the first with
+        its name attribute replaced, so is every other (else each is learned)."""
         missing = list(dict.fromkeys(_unhooked(o) for o in objs if (family, _unhooked(o)) not in self._known))
         if not missing:
             return
-        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in missing])
+        alike: dict[Declaration, list[Declaration]] = {}
         for o in missing:
+            if type(o) in (Set, Map):
+                alike.setdefault(dataclasses.replace(o, name=""), []).append(o)  # type: ignore[type-var]
+        later = {id(o) for group in alike.values() for o in group[2:]}
+        self._learn_each(family, [o for o in missing if id(o) not in later])
+        unlike: list[Declaration] = []
+        for first, second, *rest in (group for group in alike.values() if len(group) > 2):
+            known = self._known[(family, first)]
+            if _renamed(known, first.name, second.name) != self._known[(family, second)]:
+                unlike += rest
+                continue
+            for o in rest:
+                self._known[(family, o)] = _renamed(known, first.name, o.name)  # type: ignore[assignment]
+        if unlike:
+            self._learn_each(family, unlike)
+
+    def _learn_each(self, family: str, objs: list[Declaration]) -> None:
+        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in objs])
+        for o in objs:
             kind = _GETCHAIN if type(o) is Chain else _GETOBJ if type(o) is Counter else _GETSET
             self._known[(family, o)] = self._found(found, kind, o.name, o)
 
@@ -223,6 +244,15 @@ class Declarations:
                 self._apply(f"delete table {where}\n")
         finally:
             self._release()
+
+
+def _renamed(known: Declared, old: str, new: str) -> Declared | None:
+    """A set's declaration under another name: its name attribute replaced, nothing else."""
+    before = strz(_SET_NAME, old)
+    if known.attrs.count(before) != 1:
+        return None
+    st = None if known.set_type is None else dataclasses.replace(known.set_type, name=new)
+    return Declared(known.msg_type, known.attrs.replace(before, strz(_SET_NAME, new)), st)
 
 
 def _unhooked(obj: Declaration) -> Declaration:
