@@ -4,9 +4,9 @@ One cluster of S services x N endpoints with weights 1:2:7 cycled (every chain o
 a traffic sandbox, through the proxier, in one run:
 
 - changes, each a partial sync of one service (medians): a port moved off the lane (an
-  endpoint of weight 1 added: sum 31 -> 32), a weight change of a port already off (32 -> 34),
-  a port moved back (the endpoint removed: 34 -> 31 ... on the lane again), against an
-  endpoint added to an unweighted cluster of the same size;
+  endpoint of weight 3 added: sum 31 -> 34 = 2 . 17, a prime the lane lacks), a weight change
+  of a port already off (34 -> 38), a port moved back (the endpoint removed: 38 -> 31, on the
+  lane again), against an endpoint added to an unweighted cluster of the same size;
 - first connections (median of `--connections`, `connect()` + the server's line) to a service
   in nfproxy's table with and without an off table beside it, and to the port in the off
   table; the states alternate so that drift hits both sides alike.
@@ -66,9 +66,9 @@ def changes(state: ClusterState, repeat: int) -> dict[str, list[float]]:
             key = keys[(i * 7919 + 11) % len(keys)]
             base = list(current.endpoints[key])
             steps = (
-                ("off", [*base, Endpoint(f"10.99.{i}.1", 8080, weight=1)]),  # 31 -> 32
-                ("while off", [*base, Endpoint(f"10.99.{i}.1", 8080, weight=3)]),  # 32 -> 34
-                ("back", base),  # 34 -> 31
+                ("off", [*base, Endpoint(f"10.99.{i}.1", 8080, weight=3)]),  # 31 -> 34
+                ("while off", [*base, Endpoint(f"10.99.{i}.1", 8080, weight=7)]),  # 34 -> 38
+                ("back", base),  # 38 -> 31
             )
             for label, eps in steps:
                 new = with_endpoints(current, key, eps)
@@ -98,7 +98,7 @@ def first_connections(state: ClusterState, n: int, rounds: int) -> dict[str, lis
     an off table holding port `b`, and to `b` there."""
     keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
     a, b = keys[0], keys[1]
-    off = with_endpoints(state, b, [*state.endpoints[b], Endpoint(state.endpoints[b][0].ip, 8081, weight=1)])
+    off = with_endpoints(state, b, [*state.endpoints[b], Endpoint(state.endpoints[b][0].ip, 8081, weight=3)])  # 31 -> 34
     eps = {ep.ip for key in (a, b) for ep in off.endpoints[key]}
     spec = SandboxSpec.of(node_ips=["192.168.0.2"], clients={"pod": "10.244.5.5"},
                           endpoints={ip: [(8080, "tcp"), (8081, "tcp")] for ip in eps})
@@ -146,9 +146,9 @@ def main() -> int:
     print("| measure | median | against the unweighted change |")
     print("|---|---|---|")
     print(f"| unweighted: an endpoint added (ms) | {base:.2f} | 1 |")
-    for label, what in (("off", "a port moved off the lane (sum 31 -> 32)"),
-                        ("while off", "a weight change of a port off the lane (32 -> 34)"),
-                        ("back", "a port moved back (34 -> 31)")):
+    for label, what in (("off", "a port moved off the lane (sum 31 -> 34)"),
+                        ("while off", "a weight change of a port off the lane (34 -> 38)"),
+                        ("back", "a port moved back (38 -> 31)")):
         m = MED(moves[label])
         print(f"| weighted: {what} (ms) | {m:.2f} | {m / base:.2f} |")
     ref = MED(first["nfproxy, no off table"])

@@ -38,8 +38,9 @@ then two weight changes of one service: one that moves the weight sum off the la
 (the chain's modulus, and so its rule, changes: the port moves to the off table,
 docs/nft-layouts.md "Chains off the lane") and a swap of two weights (the sum stays: map
 elements only). With 1:2:7 cycled over ten endpoints the sum is 31, on the lane; the endpoint
-added makes it 32, so that row too is a move to the off table (bench/off_table.py measures
-moves back and changes of ports already off).
+added (weight 1) makes it 32, on the lane since 2026-12-03 (2^5 divides it; a move to the off
+table before), the weight change 34 = 2 . 17, off it (bench/off_table.py measures moves back and
+changes of ports already off).
 """
 
 from __future__ import annotations
@@ -280,12 +281,21 @@ def shape_rows(repeat: int) -> list[tuple[str, float, str, bool]]:
 
 def _child_full(backend: str, services: int, endpoints: int) -> int:
     """One full sync in this process (of the tree NFPROXY_TREE names), printed as JSON."""
+    import resource
+
     flavour = Flavour.LEGACY if backend == "iptables" else None
-    seconds = full_sync(backend, uniform_cluster(services, endpoints), flavour)
+    state = uniform_cluster(services, endpoints)
+    before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    seconds = full_sync(backend, state, flavour)
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    # CPU of this process and its forked helpers (user + system: the kernel's handling of the
+    # netlink batch runs in this process), namespace set-up included: far less disturbed by
+    # the other tenants of the machine than wall time.
+    cpu = sum(b.ru_utime + b.ru_stime - a.ru_utime - a.ru_stime for a, b in zip(before, after))
     # VmHWM, not ru_maxrss: Linux carries the forking parent's peak into ru_maxrss across exec.
     with open("/proc/self/status") as status:
         peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-    print(json.dumps({"seconds": seconds, "peak_mib": peak}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_mib": peak}))
     return 0
 
 
@@ -295,6 +305,7 @@ def compare_trees(old: str, services: int, endpoints: int, rounds: int, backends
     trees alternating first, so that the machine's load falls on both alike."""
     trees = {"old": os.path.abspath(old), "this": str(Path(__file__).resolve().parent.parent)}
     times: dict[str, dict[str, list[float]]] = {t: {b: [] for b in backends} for t in trees}
+    cpus: dict[str, list[float]] = {t: [] for t in trees}  # nft only
     print(f"# full sync A/B, {services} x {endpoints}: this tree {trees['this']} against {trees['old']}, "
           f"{rounds} rounds alternating", flush=True)
     for i in range(rounds):
@@ -311,9 +322,12 @@ def compare_trees(old: str, services: int, endpoints: int, rounds: int, backends
                 if out.returncode != 0:
                     print(out.stderr, file=sys.stderr)
                     raise SystemExit(f"{tree} {backend} full sync failed (exit {out.returncode})")
-                seconds = json.loads(out.stdout.splitlines()[-1])["seconds"]
+                got = json.loads(out.stdout.splitlines()[-1])
+                seconds = got["seconds"]
                 times[tree][backend].append(seconds)
-                print(f"round {i + 1} {tree:>4} {backend:>8} full sync {seconds:.3f} s", flush=True)
+                if backend == "nft":
+                    cpus[tree].append(got["cpu"])
+                print(f"round {i + 1} {tree:>4} {backend:>8} full sync {seconds:.3f} s ({got['cpu']:.3f} s CPU)", flush=True)
     med = statistics.median
     print()
     print("| tree | nft full (best / median s) | iptables-legacy full (best / median s) | nft / iptables-legacy (medians) |")
@@ -326,7 +340,11 @@ def compare_trees(old: str, services: int, endpoints: int, rounds: int, backends
         ratios = [a / b for a, b in zip(n, l)]
         print(f"| {tree} | {min(n):.3f} / {med(n):.3f} | {min(l):.3f} / {med(l):.3f} | {med(ratios):.3f} |")
     this, was = times["this"]["nft"], times["old"]["nft"]
-    print(f"\nnft full sync this/old: best {min(this) / min(was):.3f}, median {med(this) / med(was):.3f}")
+    paired = med([a / b for a, b in zip(this, was)])
+    cpu = med([a / b for a, b in zip(cpus["this"], cpus["old"])])
+    print(f"\nnft full sync this/old: best {min(this) / min(was):.3f}, median {med(this) / med(was):.3f}, "
+          f"median of the rounds' ratios {paired:.3f}; CPU: median of the rounds' ratios {cpu:.3f} "
+          f"(this {med(cpus['this']):.3f} s, old {med(cpus['old']):.3f} s)")
     return 0
 
 

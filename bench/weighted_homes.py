@@ -1,8 +1,9 @@
 """What issue M's one-service change would cost if weighted ports never moved between tables.
 
 Today a weighted port lives in nfproxy while its weight sum divides the lane and in the off table
-otherwise (render.home), so bench/sync.py's weighted change (an endpoint of weight 1 added: sum
-31 -> 32) is a move. This bench replaces `home` for its run by "every weighted port of one in T
+otherwise (render.home), so a change that takes the sum off the lane (here an endpoint of weight
+3 added: sum 31 -> 34 = 2 . 17; bench/sync.py's endpoint of weight 1 did it, 31 -> 32, until the
+lane held 2^5 on 2026-12-03) is a move. This bench replaces `home` for its run by "every weighted port of one in T
 services lives in the off table, whatever its sum": the layout of T hash-sharded off tables,
 seen from one shard. The same change on a port of that shard is then a rule rewrite in a table
 of S / T ports, against an endpoint added to an unweighted cluster of the same size. A
@@ -44,10 +45,11 @@ def sharded_home(shards: int):  # noqa: ANN201
     return home
 
 
-def changes(state: ClusterState, repeat: int, pick) -> list[float]:  # noqa: ANN001
-    """ms per change: an endpoint of weight 1 added to one picked service at a time."""
+def changes(state: ClusterState, repeat: int, pick, added: int = 1) -> list[float]:  # noqa: ANN001
+    """ms per change: an endpoint added to one picked service at a time (weight 3: in the
+    weighted cluster 31 -> 34, a new modulus and so a rule rewrite)."""
     with netns.throwaway("nfp-homes") as ns:
-        cluster = Cluster(ns, state, pick)
+        cluster = Cluster(ns, state, pick, added_weight=added)
         return [cluster.change() for _ in range(repeat)]
 
 
@@ -61,14 +63,14 @@ def main() -> int:
     heavy = weighted(plain, [1, 2, 7])
     real = render.home
     print(f"# weighted ports kept off the lane's table: {args.services} x 10, one run")
-    print("| shards T | ports in the shard | unweighted change (ms) | change in the shard, sum 31 -> 32 (ms) | ratio |")
+    print("| shards T | ports in the shard | unweighted change (ms) | change in the shard, sum 31 -> 34 (ms) | ratio |")
     print("|---|---|---|---|---|")
     try:
         for shards in (int(t) for t in args.shards.split(",")):
             render.home = sharded_home(shards)
             mine = sum(in_shard(heavy.endpoints[k][0].ip, shards) for k in heavy.services)
             base = statistics.median(changes(plain, args.repeat, lambda eps: True))
-            moved = statistics.median(changes(heavy, args.repeat, lambda eps, t=shards: in_shard(eps[0].ip, t)))
+            moved = statistics.median(changes(heavy, args.repeat, lambda eps, t=shards: in_shard(eps[0].ip, t), added=3))
             print(f"| {shards} | {mine} | {base:.2f} | {moved:.2f} | {moved / base:.3f} |", flush=True)
     finally:
         render.home = real

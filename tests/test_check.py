@@ -167,7 +167,7 @@ def test_nft_numgen_modulus_too_small(nft: str) -> None:
     expr = rule["expr"]
     # Same rule, two thirds of the lane instead of all of it (three endpoints, a range of a
     # third each): the third endpoint can never be drawn.
-    text = json.dumps({"nftables": [{"replace": {"rule": {"family": "ip", "table": "nfproxy", "chain": chain, "handle": handle, "expr": json.loads(json.dumps(expr).replace('"mod": 67026960', '"mod": 44684640'))}}}]})
+    text = json.dumps({"nftables": [{"replace": {"rule": {"family": "ip", "table": "nfproxy", "chain": chain, "handle": handle, "expr": json.loads(json.dumps(expr).replace('"mod": 223423200', '"mod": 148948800'))}}}]})
     run(["nft", "-j", "-f", "-"], netns=nft, stdin=text)
     report = check(dump.read_live("nft", nft).ruleset)
     catalog = next(s for s in report.services if s.chain == chain)

@@ -46,7 +46,7 @@ from nfproxy.testing import random_cluster
 TABLE = nft_backend.TABLE
 FAMILIES = {IPFamily.V4: "ip", IPFamily.V6: "ip6"}
 # Transactions that declare sets and maps are outside the vocabulary by design (rare: a new
-# endpoint map every 64 lanes, affinity sets): the declarations go through libnftables first
+# endpoint map every 16 lanes, affinity sets): the declarations go through libnftables first
 # (`declarations_apart`), the rest as a netlink batch; which ones they are is known from their
 # objects (`unencodable`), before anything is compiled.
 

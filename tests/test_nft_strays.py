@@ -172,3 +172,62 @@ def test_an_upgrade_from_the_single_slot_endpoint_maps_converges(netns: str) -> 
     assert "endpoints-counted-tcp-0" not in sets and "service-OLDHASH1-ns/old/tcp/p" not in chains
     assert sets == set(want.sets) | set(want.shard_users)
     assert all("-ranges-" in name for name in want.shard_users)
+
+
+def _lane_upgrade_state() -> ClusterState:
+    """Ports whose weight sums sit on one side of the lane change of 2026-12-03 (LANE 67 026 960
+    with 64 lanes per map before, 223 423 200 with 16 after): 25 and 32 only on the new lane,
+    27 only on the old one, 10 on both; 40 ports, so more than one map of 16 lanes."""
+    state = uniform_cluster(40, 3)
+    keys = sorted(state.services, key=lambda k: k[0].name)
+    endpoints = dict(state.endpoints)
+    for key, weights in zip(keys, [(7, 8, 10), (1, 2, 29), (1, 1, 25), (1, 2, 7)]):
+        endpoints[key] = tuple(dataclasses.replace(e, weight=w) for e, w in zip(endpoints[key], weights))
+    return dataclasses.replace(state, endpoints=endpoints)
+
+
+def _old_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nft_render, "LANE", 67_026_960)
+    monkeypatch.setattr(nft_render, "LANES_PER_MAP", 64)
+
+
+def test_an_upgrade_to_another_lane_converges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose rules a release with another lane wrote (other moduli, offsets, map
+    packing, ports in the other table): the upgraded daemon's first full sync leaves what a
+    fresh apply of the same state leaves."""
+    state = _lane_upgrade_state()
+    kernels: dict[IPFamily, MemoryNft] = {}
+    with monkeypatch.context() as m:
+        _old_lane(m)
+        memory_proxier(kernels).sync(state)
+        old = kernels[V4].dump()
+        assert "mod 67026960" in old and "mod 25 " in old and "mod 32 " in old and "mod 27 " not in old
+    converge(memory_proxier(kernels), state, full=True)  # the upgraded daemon starts
+    new = kernels[V4].dump()
+    assert "mod 27 " in new and "mod 25 " not in new and "mod 32 " not in new and "mod 67026960" not in new
+    assert new == fresh_dump(state)
+
+
+@pytest.mark.kernel
+def test_on_the_kernel_an_upgrade_to_another_lane_converges(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on the real kernel: its interval maps refuse overlapping ranges, and the new
+    lane's ranges overlap the old ones in every map both use."""
+    from nfproxy.kernel.netns import throwaway
+    from nfproxy.kernel.nft import NftKernel
+
+    state = _lane_upgrade_state()
+    kernels: dict[IPFamily, NftKernel] = {}
+
+    def make(family: IPFamily) -> NftKernel:
+        return kernels.setdefault(family, NftKernel(family, netns=netns))
+
+    with monkeypatch.context() as m:
+        _old_lane(m)
+        Proxier("nft", kernels=make).sync(state)
+    assert "mod 25 " in kernels[V4].dump()
+    converge(Proxier("nft", kernels=make), state, full=True)
+    with throwaway("nfp-lane-ref") as ref:
+        fresh: dict[IPFamily, NftKernel] = {}
+        Proxier("nft", kernels=lambda family: fresh.setdefault(family, NftKernel(family, netns=ref))).sync(state)
+        assert kernels[V4].dump() == fresh[V4].dump()
+        assert kernels[V4].owned() == fresh[V4].owned()

@@ -97,10 +97,10 @@ def test_renderings_of_1_2_7() -> None:
     probs = [line.split("--probability ")[1].split()[0] for line in ipt.splitlines() if "--probability" in line]
     assert probs == ["0.7000000000", "0.6666666667"]  # heaviest first: 7/10, then 2/3 of the rest
     nft = nft_render.render(state, IPFamily.V4).text()
-    # One range per endpoint, sized by weight, in a lane of 67 026 960 values: 1/10, 2/10, 7/10.
-    assert "numgen random mod 67026960 offset 0 map @endpoints-counted-tcp-ranges-0" in nft
-    assert "0-6702695 : 10.244.0.1 . 8080" in nft
-    assert "6702696-20108087 : 10.244.0.2 . 8080" in nft and "20108088-67026959 : 10.244.0.3 . 8080" in nft
+    # One range per endpoint, sized by weight, in a lane of 223 423 200 values: 1/10, 2/10, 7/10.
+    assert "numgen random mod 223423200 offset 0 map @endpoints-counted-tcp-ranges-0" in nft
+    assert "0-22342319 : 10.244.0.1 . 8080" in nft
+    assert "22342320-67026959 : 10.244.0.2 . 8080" in nft and "67026960-223423199 : 10.244.0.3 . 8080" in nft
     eps = state.endpoints[SVC.key]
     assert slot_counts(eps) == (1, 2, 7)
     assert cascade_order([e.weight for e in eps]) == [2, 1, 0]

@@ -95,11 +95,12 @@ INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
 # `numgen random mod LANE offset K` and finds its endpoint's address and port in one range per
 # endpoint. LANE is divisible by every endpoint count up to 16 (and many above), so adding,
 # removing or replacing an endpoint only changes map elements: the kernel does not validate the
-# whole table as it does for a new rule. Why shards, lanes and ranges: docs/design.md ("The nft
-# layout at scale").
+# whole table as it does for a new rule. Weighted chains keep their rule while the weight sum
+# (over the gcd) divides LANE: 5^2 makes every percentage split such a sum. Why shards, lanes and
+# ranges, and why this LANE: docs/design.md ("The nft layout at scale"), bench/lane_coverage.py.
 SHARD_PREFIX = "endpoints-"
-LANE = 67_026_960  # 720 720 x 93 = 2^4 . 3^3 . 5 . 7 . 11 . 13 . 31
-LANES_PER_MAP = 64  # a map bound by at most 64 rules; 64 lanes fit in 32 bits
+LANE = 223_423_200  # 2^5 . 3^2 . 5^2 . 7 . 11 . 13 . 31
+LANES_PER_MAP = 16  # 16 lanes fit in 32 bits; a map bound by at most 16 rules
 _RANGES = "-ranges"
 
 # Per service port / per endpoint name prefixes (kube-proxy's; none longer than 16 characters,
