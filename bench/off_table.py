@@ -8,8 +8,9 @@ a traffic sandbox, through the proxier, in one run:
   of a port already off (34 -> 38), a port moved back (the endpoint removed: 38 -> 31, on the
   lane again), against an endpoint added to an unweighted cluster of the same size;
 - first connections (median of `--connections`, `connect()` + the server's line) to a service
-  in nfproxy's table with and without an off table beside it, and to the port in the off
-  table; the states alternate so that drift hits both sides alike.
+  of the same cluster without weights, to it weighted in nfproxy's table with and without an
+  off table beside it, and to the port in the off table; the states alternate so that drift
+  hits all sides alike.
 
     sudo .venv/bin/python bench/off_table.py [--services 10000] [--endpoints 10]
 """
@@ -94,15 +95,19 @@ def plain_changes(state: ClusterState, repeat: int) -> list[float]:
 
 
 def first_connections(state: ClusterState, n: int, rounds: int) -> dict[str, list[float]]:
-    """Median µs per round: to service `a` (nfproxy's table) with no off table, to `a` with
-    an off table holding port `b`, and to `b` there."""
+    """Median µs per round: to service `a` of the cluster without weights, to `a` weighted
+    (nfproxy's table) with no off table, to `a` with an off table holding port `b`, and to `b`
+    there."""
     keys = sorted(state.services, key=lambda k: (k[0].namespace, k[0].name))
     a, b = keys[0], keys[1]
     off = with_endpoints(state, b, [*state.endpoints[b], Endpoint(state.endpoints[b][0].ip, 8081, weight=3)])  # 31 -> 34
     eps = {ep.ip for key in (a, b) for ep in off.endpoints[key]}
     spec = SandboxSpec.of(node_ips=["192.168.0.2"], clients={"pod": "10.244.5.5"},
                           endpoints={ip: [(8080, "tcp"), (8081, "tcp")] for ip in eps})
-    out: dict[str, list[float]] = {"nfproxy, no off table": [], "nfproxy, off table beside": [], "off table": []}
+    plain = dataclasses.replace(state, endpoints={k: tuple(dataclasses.replace(e, weight=1) for e in eps)
+                                                  for k, eps in state.endpoints.items()})
+    out: dict[str, list[float]] = {"nfproxy, no off table": [], "unweighted cluster": [],
+                                   "nfproxy, off table beside": [], "off table": []}
     with Sandbox(spec) as sb:
         proxier = Proxier("nft", netns=sb.node_ns)
         proxier.sync(state)
@@ -115,6 +120,8 @@ def first_connections(state: ClusterState, n: int, rounds: int) -> dict[str, lis
             return MED(o.seconds for o in outcomes) * 1e6
 
         for _ in range(rounds):
+            proxier.sync(plain)
+            out["unweighted cluster"].append(probe(a))
             proxier.sync(state)
             proxier.sync(state)
             assert NftSession(sb.node_ns).list_table("ip", OFF_TABLE, terse=True) is None
