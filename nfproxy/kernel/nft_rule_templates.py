@@ -20,15 +20,17 @@ and one element type: the compiler's output depends on the name only through tha
 name's own bytes, which the check above confirms (the rule compiled again with every character
 of the name changed, the changed name standing for the same map, must differ in exactly the
 name's bytes). Without it every endpoint map was a shape of its own, learned by compiling its
-rule three times: ~0.3 ms per map, and the maps are many when a map holds few lanes. tests/test_nft_rule_templates.py holds the templated bytes
-equal to the compiler's for every rule the renderers write in the test clusters.
+rule three times: ~0.3 ms per map, and the maps are many when a map holds few lanes.
+
+tests/test_nft_rule_templates.py holds the templated bytes equal to the compiler's for every rule
+the renderers write in the test clusters.
 """
 
 from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from nfproxy.kernel.nft_netlink import Unsupported, _tokens
