@@ -1,9 +1,13 @@
 """First connections through the nft rules of one cluster in several states, taking turns.
 
 One traffic sandbox, S x 10 services, one service probed (`connect()` + the server's line,
-sequential, medians per round); before each round the node's rules are rewritten for the state
-(a full sync; a fresh proxier when the lane changes), the states' order reversing every round so
-that the machine's drift falls on all of them alike:
+sequential, medians per round); before each probe a fresh proxier writes the state's rules (a
+full sync, as a restart does), the states' order reversing every round so that the machine's
+drift falls on all of them alike. Every state gets a fresh proxier, so that none differs from
+another by what ran before it (when only a lane change restarted it, three runs on 2026-12-03
+read the old lane's weighted state 1.14-1.38x faster than today's; with a restart for every
+state, 1.001 in a two-state run and 1.10 in a four-state one: first connections on that
+machine did not resolve 10 %).
 
 - `--compare weights` (default): the cluster unweighted, with 1:2:7 cycled over each service's
   endpoints, and with nine of weight 1 and one of weight 2 (weighted rules, traffic nearly even);
@@ -68,15 +72,12 @@ def main() -> int:
     print(f"# first connections: {args.services} x 10, {args.compare}, {args.rounds} rounds of "
           f"{args.connections}, one run", flush=True)
     with Sandbox(spec) as sb:
-        proxier: Proxier | None = None
-        lane: tuple[int, int] | None = None
         for r in range(args.rounds):
             order: Callable = (lambda x: x) if r % 2 == 0 else reversed  # type: ignore[assignment]
             for name in order(list(cases)):
-                state, wanted = cases[name]
-                if proxier is None or lane != wanted:
-                    render.LANE, render.LANES_PER_MAP = lane = wanted
-                    proxier = Proxier("nft", netns=sb.node_ns)  # a restart: the lanes are laid out anew
+                state, lane = cases[name]
+                render.LANE, render.LANES_PER_MAP = lane
+                proxier = Proxier("nft", netns=sb.node_ns)  # a restart: the lanes are laid out anew
                 proxier.sync(state, full=True)
                 proxier.sync(state)  # what the first one left for cleanup
                 sb.connect("pod", svc.cluster_ip, svc.port, "tcp", 10)  # warm up
