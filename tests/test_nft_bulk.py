@@ -3,6 +3,7 @@ libnftables leaves for the same transaction, all of it or none of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -244,7 +245,10 @@ def test_an_element_outside_the_vocabulary_is_refused_before_sending(st: SetType
 @pytest.mark.kernel
 def test_maps_alike_but_for_their_names_are_learned_two_of_a_kind() -> None:
     """Twenty endpoint maps of one spec and three of another: the scratch table declares two of
-    each, and every other's declaration is what learning it would have given."""
+    each, and every other's declaration is what learning it would have given. So is a map a
+    partial sync declares later, alone (a new endpoint map), once a pair proved its kind: a
+    kind of one is learned beside a twin of another name, which proves it and is then
+    forgotten."""
     from nfproxy.kernel.nft import NftSession
     from nfproxy.kernel.nft_elements import ElementReader
     from nfproxy.nftables import Map
@@ -264,8 +268,20 @@ def test_maps_alike_but_for_their_names_are_learned_two_of_a_kind() -> None:
         two.learn("ip", maps)  # type: ignore[arg-type]
         declared = [line for text in scripts for line in text.splitlines() if line.startswith("add map")]
         assert len(declared) == 4, declared
+        later = [dataclasses.replace(maps[0], name="endpoints-counted-tcp-ranges-20"),
+                 dataclasses.replace(maps[-1], name="endpoints-udp-ranges-100")]
+        for m in later:
+            two.learn("ip", [m])
+        lone = [Map(f"endpoints-sctp-ranges-{i}", typeof=spec.replace("tcp", "sctp"), flags=("interval",)) for i in (0, 1)]
+        two.learn("ip", lone[:1])
+        two.learn("ip", lone[1:])
+        declared = [line for text in scripts for line in text.splitlines() if line.startswith("add map")]
+        assert len(declared) == 6 and all("sctp" in d for d in declared[4:]), declared
+        assert "twin-endpoints-sctp-ranges-0" in declared[5]
+        with pytest.raises(KeyError):
+            two.get("ip", dataclasses.replace(lone[0], name="twin-endpoints-sctp-ranges-0"))
         each = nft_bulk.Declarations(session.apply, lambda: ElementReader(ns), session.release)
-        for m in maps:
+        for m in maps + later + lone:
             each.learn("ip", [m])
             assert two.get("ip", m) == each.get("ip", m), m.name
 

@@ -31,7 +31,6 @@ from nfproxy.kernel.nft_netlink import (
     Unsupported,
     MAX_MESSAGES,
     compile_transaction,
-    declarations_apart,
     unencodable,
     TYPE_INTEGER,
     TYPE_IPV4,
@@ -46,9 +45,9 @@ from nfproxy.testing import random_cluster
 TABLE = nft_backend.TABLE
 FAMILIES = {IPFamily.V4: "ip", IPFamily.V6: "ip6"}
 # Transactions that declare sets and maps are outside the vocabulary by design (rare: a new
-# endpoint map every 16 lanes, affinity sets): the declarations go through libnftables first
-# (`declarations_apart`), the rest as a netlink batch; which ones they are is known from their
-# objects (`unencodable`), before anything is compiled.
+# endpoint map every 16 lanes, affinity sets): the bulk compiler says them, declarations
+# included; which ones they are is known from their objects (`unencodable`), before anything is
+# compiled.
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,28 +333,28 @@ def test_what_netlink_cannot_say_is_known_from_the_objects() -> None:
     assert "declarations" in (unencodable(tx) or "")
 
 
-def test_only_set_declarations_are_split_off() -> None:
-    """A partial sync that declares a set is split in two; anything else that netlink cannot
-    say (a table, a named counter, a base chain, too many operations: a full sync) is not split
-    at all, and is turned away before the transaction is copied."""
+def test_only_deletions_of_sets_and_tables_are_in_the_vocabulary() -> None:
+    """A set, map, counter or table declared, a base chain, too many operations (a full sync):
+    each turned away by kind, before anything is compiled; a set deleted, or the transaction's
+    own table, is said."""
     def partial() -> Transaction:
         tx = Transaction("ip", TABLE)
-        tx.add(Set("affinity-a", "ipv4_addr", flags=("dynamic", "timeout"), timeout=10))
         tx.add(Chain("a"))
         tx.add(Rule("a", "drop"))
         return tx
 
-    split = declarations_apart(partial())
-    assert split is not None
-    assert [type(o).__name__ for _, o in split[0].operations()] == ["Set"]
-    assert [type(o).__name__ for _, o in split[1].operations()] == ["Chain", "Rule"]
-    for extra in (Table("ip", TABLE), Counter("c"), Chain("filter-input", type="filter", hook="input", priority=-110)):
+    for extra in (Set("affinity-a", "ipv4_addr", flags=("dynamic", "timeout"), timeout=10), Map("m", "ipv4_addr : verdict"),
+                  Table("ip", TABLE), Counter("c"), Chain("filter-input", type="filter", hook="input", priority=-110)):
         tx = partial()
         tx.add(extra)
-        assert declarations_apart(tx) is None, extra
+        assert unencodable(tx) is not None, extra
+    gone = partial()
+    gone.delete(Set("affinity-a", "ipv4_addr"))
+    gone.delete(Table("ip", TABLE))
+    assert unencodable(gone) is None
     big = partial()
     big.add_elements(Element("service-ips", f"10.0.{i // 256}.{i % 256} . tcp . 80", "goto a") for i in range(MAX_MESSAGES))
-    assert declarations_apart(big) is None
+    assert "large" in (unencodable(big) or "")
 
 
 def test_element_keys_are_typed_by_the_set_declaration() -> None:
@@ -517,55 +516,75 @@ def test_a_closed_proxier_syncs_again() -> None:
         assert fast.messages_sent > 0
 
 
-@pytest.mark.kernel
-def test_new_sets_are_declared_first_and_the_rest_goes_through_netlink() -> None:
-    """A partial sync that declares sets (endpoints of an affinity port: one set each) sends
-    only the declarations through libnftables, whose cache dump would list every element of
-    every interval map before any rule or element; the rest is a netlink batch, and the table
-    ends as the same partial sync through libnftables alone leaves it."""
-    from nfproxy.daemon.proxier import Proxier
-    from nfproxy.kernel.nft_netlink import declarations_apart
-
-    base = random_cluster(random.Random(12), 40)
+def _grown_affinity(base: ClusterState) -> tuple[ClusterState, str]:
+    """`base` with two endpoints more on an affinity port (one set each), and their prefix."""
     key = sorted((k for k in base.services if base.services[k].affinity_timeout), key=str)[0]
     prefix = "10.253.0." if key[1] is IPFamily.V4 else "fd0c::"
     eps = [*base.endpoints.get(key, ()), *(Endpoint(ip=f"{prefix}{i}", port=80) for i in (1, 2))]
-    grown = dataclasses.replace(base, endpoints={**base.endpoints, key: sort_endpoints(eps)})
+    return dataclasses.replace(base, endpoints={**base.endpoints, key: sort_endpoints(eps)}), prefix
+
+
+def _one_more_service(full: ClusterState) -> ClusterState:
+    """`full`'s services but its last (in lane order, name order here): the last one then opens
+    a new endpoint map when it is added."""
+    keys = sorted(full.services, key=lambda k: int(k[0].name.split("-")[1]))[:-1]
+    return dataclasses.replace(full, services={k: full.services[k] for k in keys}, endpoints={k: full.endpoints[k] for k in keys})
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", ["affinity sets", "an endpoint map"])
+def test_a_partial_sync_that_declares_sets_is_one_bulk_batch(case: str) -> None:
+    """A partial sync that declares sets (two endpoints of an affinity port: a set each) or a
+    map (the service that fills the lanes of the last endpoint map opens the next) goes as one
+    batch from the bulk compiler, its declarations those libnftables encoded for the full sync
+    under another name: no libnftables call, whose cache dump would list every element of every
+    interval map first, and one commit. The table ends as the same partial sync through
+    libnftables alone leaves it, and the other sets' element types stay known (no round trip to
+    ask the kernel again)."""
+    from nfproxy.backends.nft.render import LANES_PER_MAP
+    from nfproxy.daemon.proxier import Proxier
+    from nfproxy.testing import uniform_cluster
+
+    if case == "affinity sets":
+        base = random_cluster(random.Random(12), 40)
+        grown, prefix = _grown_affinity(base)
+        family, new_sets = IPFamily.V4 if prefix[0] == "1" else IPFamily.V6, 2
+    else:
+        grown = uniform_cluster(LANES_PER_MAP + 1, 3)
+        base, family, new_sets = _one_more_service(grown), IPFamily.V4, 1
     with netns.throwaway("nfp-nl-a") as a, netns.throwaway("nfp-nl-b") as b:
         proxier = Proxier("nft", netns=a)
         proxier.sync(base)
-        kernel = proxier.kernels[key[1]]
+        kernel = proxier.kernels[family]
         fast = kernel.fast  # type: ignore[attr-defined]
-        sent: list[Transaction] = []
+        scripts: list[str] = []
         real_apply = kernel.session.apply  # type: ignore[attr-defined]
-        kernel.session.apply = lambda script: (sent.append(script), real_apply(script))  # type: ignore[attr-defined]
-        before = fast.messages_sent
-        result = proxier.sync(grown)
-        assert result.kind == "partial"
-        (script,) = sent  # one libnftables call, declarations only
-        assert script.count("add set") == 2 and "add rule" not in script and "element" not in script, script
-        assert fast.messages_sent > before
+        kernel.session.apply = lambda script: (scripts.append(script), real_apply(script))  # type: ignore[attr-defined]
+        bulk: list[Transaction] = []
+        real_bulk = kernel._bulk  # type: ignore[attr-defined]
+        kernel._bulk = lambda tx: (bulk.append(tx), real_bulk(tx))  # type: ignore[attr-defined]
+        known = set(fast._set_types)
+        owned = set(kernel.owned().sets)  # type: ignore[attr-defined]
+        assert proxier.sync(grown).kind == "partial"
+        assert scripts == [], scripts
+        (tx,) = bulk
+        added = {o.name for verb, o in tx.ops if type(o) in (Set, Map) and verb.value == "add"}
+        assert len(added - owned) == new_sets, (added, owned)
+        assert known <= set(fast._set_types) and {k[2] for k in fast._set_types} >= added
         slow = Proxier("nft", netns=b)
         for k in slow.kernels.values():
             k.fast = None  # type: ignore[attr-defined]
         slow.sync(base)
         assert slow.sync(grown).kind == "partial"
         assert kernel_view(a) == kernel_view(b)
-        # Back to base: the two affinity sets go stale and the next sync deletes them, all of
-        # it over netlink now (deleting a set is in the vocabulary).
+        # Back to base: what the partial sync declared goes stale and the next syncs delete
+        # it, over netlink (deleting a set is in the vocabulary).
         for state in (base, base):
             assert proxier.sync(state).kind in ("partial", "noop")
             assert slow.sync(state).kind in ("partial", "noop")
-        assert sent == [script] and kernel_view(a) == kernel_view(b)
-        assert not any(prefix.replace(":", ".") in n for n in kernel.owned().sets)  # type: ignore[attr-defined]
+        assert scripts == [] and len(bulk) == 1 and kernel_view(a) == kernel_view(b)
+        assert not (added - owned) & set(kernel.owned().sets)  # type: ignore[attr-defined]
         fast.close()
-    plain = Transaction("ip", TABLE)
-    plain.add(Rule("c", "drop"))
-    assert declarations_apart(plain) is None  # nothing to set apart
-    table = Transaction("ip", TABLE)
-    table.add(Table("ip", TABLE))
-    table.add(Set("s", "ipv4_addr"))
-    assert declarations_apart(table) is None  # a table is a full sync's: all of it to libnftables
 
 
 @pytest.mark.kernel
@@ -610,17 +629,14 @@ def test_a_weighted_affinity_choice_is_an_interval_vmap_through_netlink(caplog: 
                 keys = diff(state, new_state).of(IPFamily.V4)
                 new = nft_backend.update_table(applied, new_state, nft_backend.route(new_state, IPFamily.V4, keys))
                 d = nft_backend.delta(applied, new, keys)
-                # The affinity sets are declared again (`add set` is idempotent): through
-                # libnftables, the rest (the rewritten rule among it) through netlink.
+                # The affinity sets are declared again (`add set` is idempotent): through the
+                # bulk compiler then, the rewritten rule among the rest; else through netlink.
                 rest = d.transaction
-                if unencodable(rest) is not None:
-                    split = declarations_apart(rest)
-                    assert split is not None
-                    NftSession(a).apply(nft_text.script(split[0]))
-                    fast.forget()
-                    rest = split[1]
                 assert any("numgen" in str(o) for _, o in rest.operations())
-                fast.apply(rest)  # Unsupported fails the test
+                if unencodable(rest) is not None:
+                    kernel._bulk(rest)  # Unsupported fails the test
+                else:
+                    fast.apply(rest)  # Unsupported fails the test
                 NftSession(b).apply(d.script())
                 assert kernel_view(a) == kernel_view(b)
                 applied, state = new, new_state

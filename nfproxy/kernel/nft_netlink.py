@@ -1035,59 +1035,28 @@ def unencodable(tx: Transaction) -> str | None:
     The vocabulary is what partial syncs say: plain chains added, flushed and deleted, rules
     added, elements added and deleted, sets and maps deleted (the stale ones a partial sync
     left), the transaction's table deleted (the off table, with its last port). Tables
-    declared, set and map declarations, base chains and chain comments are a full sync's
-    business, which goes through libnftables anyway (a partial sync's declarations go apart:
-    `declarations_apart`).
+    declared, set and map declarations, base chains and chain comments are said by the bulk
+    compiler (kernel/nft_bulk.py), from what libnftables encoded for them. Judged from the
+    queue (an element batch is one entry), so a full sync (a table declaration first, 250 000
+    operations) is turned away at once.
     """
-    return _refusal(tx, sets_apart=False)
-
-
-def _refusal(tx: Transaction, *, sets_apart: bool) -> str | None:
-    """`unencodable`, or with `sets_apart` what would still keep `tx` from netlink once its set
-    and map declarations went first. Judged from the queue (an element batch is one entry), so
-    a full sync (a table declaration first, 250 000 operations) is turned away at once."""
     if tx.family not in _FAMILIES:
         return f"family {tx.family!r}"
     for verb, obj in tx.ops:
         kind = type(obj)
-        if kind in (Set, Map) and (verb is Verb.DELETE or (sets_apart and verb is Verb.ADD)):
+        if kind in (Set, Map) and verb is Verb.DELETE:
             continue
         if kind is Table and verb is Verb.DELETE and obj.name == tx.table:  # type: ignore[union-attr]
             continue  # the off table going with its last port
         if kind in (Table, Set, Map, Counter):
-            return f"{verb.value} {kind.__name__.lower()} {getattr(obj, 'name', '')}: declarations go to libnftables"
+            return f"{verb.value} {kind.__name__.lower()} {getattr(obj, 'name', '')}: declarations go to the bulk compiler"
         if kind is Chain and (obj.hook is not None or obj.comment):  # type: ignore[union-attr]
-            return f"{verb.value} chain {obj.name}: base chains and chain comments go to libnftables"  # type: ignore[union-attr]
+            return f"{verb.value} chain {obj.name}: base chains and chain comments go to the bulk compiler"  # type: ignore[union-attr]
         if verb is Verb.CREATE:
             return f"create {kind.__name__.lower()}: not in the netlink vocabulary"
     if len(tx) > MAX_MESSAGES:
-        return f"{len(tx)} operations: large transactions go to libnftables"
+        return f"{len(tx)} operations: large transactions go to the bulk compiler"
     return None
-
-
-def declarations_apart(tx: Transaction) -> tuple[Transaction, Transaction] | None:
-    """(the sets and maps `tx` adds, the rest of `tx`) when adding sets and maps is all that
-    keeps `tx` from netlink; None otherwise.
-
-    A partial sync declares a new endpoint map or affinity set now and then. libnftables says
-    that cheaply, but its cache dump before anything else (rules, elements) lists every element
-    of every interval set (0.7 s at 10 000 services); so the declarations go first, through
-    libnftables, and the rest as a netlink batch. Not one transaction: if the second is refused
-    the new sets stay, empty and unreferenced, until the full sync the refusal forces removes
-    them as strays.
-    """
-    if _refusal(tx, sets_apart=True) is not None:
-        return None
-    declarations = Transaction(tx.family, tx.table)
-    rest = Transaction(tx.family, tx.table)
-    for verb, obj in tx.operations():
-        if type(obj) in (Set, Map) and verb is Verb.ADD:
-            declarations.add(obj)
-        else:
-            getattr(rest, verb.value)(obj)
-    if not declarations or unencodable(rest) is not None:
-        return None
-    return declarations, rest
 
 
 def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType], first_set_id: int = 1) -> list[Message]:
