@@ -6,6 +6,7 @@ states) and the tests assert the answer, or count the operations."""
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 from typing import Any
 
@@ -15,7 +16,7 @@ from nfproxy.analysis import check as check_mod
 from nfproxy.analysis import interpret
 from nfproxy.analysis.check import check
 from nfproxy.analysis.interpret import InterpretError, Packet, trace
-from nfproxy.analysis.ir import Concat, Field, Numgen
+from nfproxy.analysis.ir import Concat, Field, Numgen, Ruleset
 from nfproxy.analysis.nft_json import parse
 
 PRE = ("pre", {"type": "nat", "hook": "prerouting", "prio": -100, "policy": "accept"})
@@ -80,7 +81,8 @@ def test_filter_chain_into_5000_straight_jumps() -> None:
     n = 5000
     chains = [FWD] + [(f"c{i}", {}) for i in range(n)]
     rules = [("fwd", [J("c0")])] + [(f"c{i}", [J(f"c{i + 1}")]) for i in range(n - 1)] + [(f"c{n - 1}", [{"drop": None}])]
-    assert kinds(ruleset(chains, rules)) == ["ungated-filter-jump"]
+    # 5 000 deep: the kernel would refuse the table (jump-depth), and the walk is no recursion.
+    assert kinds(ruleset(chains, rules)) == ["jump-depth", "ungated-filter-jump"]
 
 
 # ---- 2. diamonds: one path through 2^n rule matches
@@ -111,7 +113,8 @@ def test_diamond_of_40_levels_lists_the_first_steps_and_counts_the_rest() -> Non
     matched += 2  # pre: the jump to A0 and the DNAT
     assert len(path.steps) == interpret._MAX_STEPS
     assert len(path.steps) + path.unlisted == matched  # 2^41 - 1 + ..., exactly
-    assert check(rs).problems == ()
+    (problem,) = check(rs).problems  # 40 levels are more than the kernel takes; nothing else
+    assert problem.kind == "jump-depth" and "nest 40 deep" in problem.detail
 
 
 def test_short_paths_list_every_step() -> None:
@@ -244,6 +247,40 @@ def test_a_self_jump_and_a_long_loop_are_problems() -> None:
     problems = check(ruleset(chains, rules)).problems
     assert sorted(p.kind for p in problems) == ["jump-loop", "jump-loop"]
     assert {p.where for p in problems} == {"ip t c0", "ip t s"}
+
+
+def straight_run(levels: int, *, base: bool = True, last: dict | None = None) -> tuple[list, list]:
+    """`pre` (a base chain, or a plain one) jumping `levels` deep, c1 -> c2 -> ..."""
+    chains = [PRE if base else ("pre", {})] + [(f"c{i}", {}) for i in range(1, levels + 1)]
+    rules = [("pre", [J("c1")])] + [(f"c{i}", [J(f"c{i + 1}")]) for i in range(1, levels)]
+    return chains, rules + [(f"c{levels}", [last or {"counter": None}])]
+
+
+def test_jumps_16_deep_below_a_base_chain_are_a_problem() -> None:
+    """The kernel takes 15 levels below a base chain and refuses 16 (tests/test_check.py finds
+    that edge on the running kernel)."""
+    assert kinds(ruleset(*straight_run(15))) == []
+    (problem,) = check(ruleset(*straight_run(16))).problems
+    assert problem.kind == "jump-depth" and problem.where == "ip t pre"
+    assert problem.detail.startswith("pre -> c1 -> c2") and "c16: jumps and gotos nest 16 deep" in problem.detail
+    (problem,) = check(ruleset(*straight_run(30))).problems
+    assert "c16 -> …: jumps and gotos nest 30 deep" in problem.detail
+
+
+def test_a_verdict_map_counts_and_unhooked_or_iptables_chains_do_not() -> None:
+    chains, rules = straight_run(15, last=COIN_VMAP("x", "y"))
+    assert kinds(ruleset(chains + [("x", {}), ("y", {})], rules)) == ["jump-depth"]  # the map's jumps: the 16th level
+    assert kinds(ruleset(*straight_run(40, base=False))) == []  # nothing hooked: the kernel validates no depth
+    rs = ruleset(*straight_run(40))
+    legacy = Ruleset(tuple(dataclasses.replace(t, dialect="iptables") for t in rs.tables))
+    assert "jump-depth" not in kinds(legacy)  # x_tables sizes its jump stack to the ruleset
+
+
+def test_a_loop_ends_a_run_and_is_reported_as_a_loop() -> None:
+    chains, rules = straight_run(10)
+    chains += [(f"l{i}", {}) for i in range(20)]
+    rules += [("c10", [J("l0")])] + [(f"l{i}", [J(f"l{(i + 1) % 20}")]) for i in range(20)]
+    assert kinds(ruleset(chains, rules)) == ["jump-loop"]
 
 
 def test_an_anonymous_vmap_counts_towards_the_budget() -> None:

@@ -191,6 +191,31 @@ def test_nft_ungated_filter_jump(nft: str) -> None:
     assert "ungated-filter-jump" in kinds(nft, "nft")
 
 
+@pytest.mark.kernel
+def test_the_kernel_takes_15_levels_of_jumps_and_check_agrees(netns: str) -> None:
+    """analysis.check.JUMP_STACK is the running kernel's: a base chain with gotos 15 deep is
+    taken and `check` finds nothing; one level more is refused ("Too many links"), which is
+    what `jump-depth` reports of a dump."""
+    from nfproxy.analysis.check import JUMP_STACK
+    from nfproxy.kernel.process import KernelError
+
+    def table(levels: int) -> str:
+        lines = ["add table ip deep", "delete table ip deep", "add table ip deep",
+                 "add chain ip deep out { type filter hook output priority 0 ; }"]
+        lines += [f"add chain ip deep c{i}" for i in range(1, levels + 1)]
+        lines += ["add rule ip deep out goto c1"] + [f"add rule ip deep c{i} jump c{i + 1}" for i in range(1, levels)]
+        return "\n".join(lines) + "\n"
+
+    session = NftSession(netns)
+    session.apply(table(JUMP_STACK - 1))
+    ruleset = dump.read_live("nft", netns).ruleset
+    deep = ruleset.table("ip", "deep")
+    assert deep is not None and len(deep.chains) == JUMP_STACK  # the base chain and 15 below it
+    assert not [p for p in check(ruleset).problems if p.kind == "jump-depth"]
+    with pytest.raises(KernelError, match="Too many links"):
+        session.apply(table(JUMP_STACK))
+
+
 def test_nft_missing_chain_in_a_dump() -> None:
     doc = json.loads((DUMPS / "kube-proxy-nft.json").read_text())
     doc["nftables"] = [i for i in doc["nftables"] if not ("chain" in i and i["chain"]["name"].startswith("endpoint-ZCZBVNAZ"))

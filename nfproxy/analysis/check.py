@@ -18,6 +18,8 @@ affinity history, so the numbers are the kernel's. Problem kinds:
 - `missing-chain`: a jump, goto or verdict-map entry names a chain that does not exist;
 - `jump-loop`: chains jump or go to one another in a cycle (the kernel refuses a loop; the
   interpreter would stop on it, and `trace` does);
+- `jump-depth`: nft only, jumps and gotos (verdict maps included) nest 16 deep or more below a
+  base chain (the kernel refuses that table: at most 15, its jump stack holds 16);
 - `ungated-filter-jump`: a filter base chain jumps to a chain that can drop or reject, without
   a `ct state new` gate (it would then drop packets of established connections);
 - `uninterpretable`: a rule the interpreter does not understand sits on a service's path;
@@ -292,6 +294,7 @@ def check(
         survey = _survey(table)
         problems.extend(_missing_chains(table, survey))
         problems.extend(_loops(table, survey))
+        problems.extend(_too_deep(table, survey))
         problems.extend(_ungated(table))
         problems.extend(_undrawable_slots(table))
         reached: set[str] = set()
@@ -788,6 +791,74 @@ def _loops(table: Table, survey: _Survey) -> Iterator[Problem]:
             if len(component) > 1 or node in edges.get(node, ()):
                 cycle = _cycle(node, set(component), edges)
                 yield Problem("jump-loop", _where(table, node), f"{' -> '.join(cycle)}: chains that jump to one another in a loop (the kernel refuses it)")
+
+
+# The kernel's jump stack (NFT_JUMP_STACK_SIZE): a chain 16 jumps or gotos below a base chain
+# is refused ("Too many links"; tests/test_check.py finds the edge on the running kernel).
+JUMP_STACK = 16
+
+
+def _too_deep(table: Table, survey: _Survey) -> Iterator[Problem]:
+    """One problem per base chain of an nft table below which jumps and gotos nest JUMP_STACK
+    deep or more, naming the deepest run (iptables has no such limit; chains no base chain
+    reaches are not counted, as the kernel does not). Chains on a loop count as the end of a
+    run: the loop is `jump-loop`'s to report."""
+    if table.dialect != "nft":
+        return
+    chains = table.chains
+    edges = {name: [v.target for v in targets if v.target in chains and v.kind in ("jump", "goto")]
+             for name, targets in survey.targets.items() if targets}
+    height, below = _heights(edges, [c.name for c in chains.values() if c.is_base])
+    for base in (c.name for c in chains.values() if c.is_base):
+        if height.get(base, 0) < JUMP_STACK:
+            continue
+        run = [base]
+        while run[-1] in below and len(run) <= JUMP_STACK:
+            run.append(below[run[-1]])
+        more = " -> …" if run[-1] in below else ""
+        yield Problem("jump-depth", _where(table, base),
+                      f"{' -> '.join(run)}{more}: jumps and gotos nest {height[base]} deep below this base chain "
+                      f"(the kernel refuses more than {JUMP_STACK - 1})")
+
+
+def _heights(edges: dict[str, list[str]], roots: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """The longest run of jumps below each chain the roots reach, and the next chain on it.
+    Depth first with an explicit stack (a straight run of thousands of chains); a chain found on
+    the path it closes a loop with, and the path from it, end runs (height 0)."""
+    height: dict[str, int] = {}
+    below: dict[str, str] = {}
+    looped: set[str] = set()
+    for root in roots:
+        if root in height:
+            continue
+        path = [root]
+        stack = [iter(edges.get(root, ()))]
+        on_path = {root}
+        while stack:
+            child = next(stack[-1], None)
+            if child is not None:
+                if child in on_path:
+                    looped.update(path[path.index(child):])
+                elif child not in height:
+                    path.append(child)
+                    on_path.add(child)
+                    stack.append(iter(edges.get(child, ())))
+                continue
+            node = path.pop()
+            stack.pop()
+            on_path.discard(node)
+            best, nxt = 0, None
+            if node not in looped:
+                for c in edges.get(node, ()):
+                    h = height.get(c)
+                    if h is not None and c not in looped and h + 1 > best:
+                        best, nxt = h + 1, c
+                    elif h is not None and c in looped and best == 0:
+                        best, nxt = 1, c
+            height[node] = best
+            if nxt is not None:
+                below[node] = nxt
+    return height, below
 
 
 def _cycle(start: str, members: set[str], edges: dict[str, list[str]]) -> list[str]:
