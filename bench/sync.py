@@ -485,7 +485,8 @@ def main() -> int:
     ap.add_argument("--compare-tree", metavar="OLD",
                     help="only full syncs: this checkout against the one at OLD, --repeat rounds alternating")
     ap.add_argument("--nft-only", action="store_true",
-                    help="with --compare-tree: no iptables-legacy syncs (when other writers hold the xtables lock)")
+                    help="with --compare-tree: no iptables-legacy syncs (when other writers hold the xtables lock; "
+                         "--skip-iptables does the same)")
     ap.add_argument("--child-full", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--full-repeat", type=int, default=3, metavar="N",
                     help="full syncs of each backend, taking turns; the table shows medians (default 3)")
@@ -505,7 +506,7 @@ def main() -> int:
         backend, services, endpoints = args.child_full
         return _child_full(backend, int(services), int(endpoints))
     if args.compare_tree:
-        backends = ("nft",) if args.nft_only else ("nft", "iptables")
+        backends = ("nft",) if args.nft_only or args.skip_iptables else ("nft", "iptables")
         return compare_trees(args.compare_tree, args.services, args.endpoints, args.repeat, backends)
     if args.weights:
         return weights_main(args)
