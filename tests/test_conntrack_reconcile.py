@@ -189,6 +189,39 @@ def test_the_first_sync_after_a_start_deletes_entries_to_endpoints_gone_meanwhil
     deleted = daemon.metrics.conntrack_deleted
     assert deleted.labels("IPv4")._value.get() == 3 and deleted.labels("IPv6")._value.get() == 1
     assert not daemon._conntrack_unreconciled
+    for family in ("IPv4", "IPv6"):  # kube-proxy's duration of a reconciliation, once per family
+        assert reconciliations(daemon, family) == 1
+
+
+def reconciliations(daemon: Daemon, family: str) -> float | None:
+    return daemon.metrics.registry.get_sample_value(
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds_count", {"ip_family": family})
+
+
+@pytest.mark.kernel
+def test_a_failed_cleanup_is_made_good_by_the_next_sync_even_one_that_writes_nothing(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cleanup that fails leaves stale entries no later diff would name: the next sync
+    reconciles the whole table (kube-proxy reconciles on every sync), also when it writes no
+    rule, and stops once that worked."""
+    daemon = daemon_in(netns)
+    daemon.proxier.sync(NOW)  # reconciled at start
+    later = dataclasses.replace(NOW, endpoints={**NOW.endpoints, DNS.key: sort_endpoints([ep("10.244.0.8")])})
+    add_entry(netns, V4, (CLIENT, 40011, "10.96.0.53", 53), (NEW, 53, CLIENT, 40011))  # pinned to .6, replaced below
+
+    def unreadable(*_: object, **__: object) -> int:
+        raise OSError("conntrack table unreadable")
+
+    monkeypatch.setattr(kct, "delete_per_family", unreadable)
+    monkeypatch.setattr(kct, "delete_judged", unreadable)
+    assert daemon.proxier.sync(later).kind == "partial"
+    assert daemon._conntrack_unreconciled and ("10.96.0.53", 53, NEW, 53) in udp_entries(netns, V4)
+    monkeypatch.undo()
+    assert daemon.proxier.sync(later).kind == "noop"
+    assert ("10.96.0.53", 53, NEW, 53) not in udp_entries(netns, V4)
+    assert not daemon._conntrack_unreconciled and reconciliations(daemon, "IPv4") == 2
+    assert daemon.proxier.sync(later).kind == "noop" and reconciliations(daemon, "IPv4") == 2  # nothing owed
 
 
 @pytest.mark.kernel

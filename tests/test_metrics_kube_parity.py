@@ -38,6 +38,7 @@ EVERY_MODE = (
     "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
     "kubeproxy_proxy_healthz_total",
     "kubeproxy_conntrack_reconciler_deleted_entries_total",
+    "kubeproxy_conntrack_reconciler_sync_duration_seconds",
     "kubernetes_build_info",
 )
 
@@ -82,6 +83,20 @@ def test_conntrack_deletions_are_counted_under_kube_proxys_name_too() -> None:
     assert 'kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family="IPv6"} 2.0' in text
     # nfproxy's own name stays, with the same counts.
     assert 'nfproxy_conntrack_deleted_entries_total{ip_family="IPv4"} 5.0' in text
+
+
+def test_a_reconciliation_is_timed_under_kube_proxys_name() -> None:
+    m = daemon_metrics()
+    m.conntrack_reconciled(0.003, family=V4)
+    text = scrape(m)
+    name = "kubeproxy_conntrack_reconciler_sync_duration_seconds"
+    assert f"# TYPE {name} histogram" in text
+    assert f"# HELP {name} ReconcileConntrackFlowsLatency latency in seconds" in text
+    assert f'{name}_bucket{{ip_family="IPv4",le="0.002"}} 0.0' in text
+    assert f'{name}_bucket{{ip_family="IPv4",le="0.004"}} 1.0' in text
+    buckets = re.findall(rf'^{name}_bucket{{ip_family="IPv4",le="([^"]+)"}}', text, re.M)
+    assert buckets[0] == "0.001" and buckets[-2] == "16.384" and len(buckets) == 16  # ExponentialBuckets(0.001, 2, 15)
+    assert f'{name}_count{{ip_family="IPv6"}}' not in text
 
 
 def test_daemon_registry_exports_no_created_series() -> None:

@@ -238,10 +238,14 @@ class ProxyMetrics:
         self.livez_total = self._counter("proxy_livez", "Cumulative proxy livez HTTP status", ("code",))
 
     def _conntrack(self) -> None:
-        # kube-proxy v1.33 (kubernetes#130204); registered in every mode. Its companion
-        # kubeproxy_conntrack_reconciler_sync_duration_seconds is not exported (see docs).
+        # kube-proxy v1.33 (kubernetes#130204, #130200); registered in every mode. The duration
+        # is observed per reconciliation of the whole table (at start, and after a failed
+        # cleanup), not per sync: nfproxy cleans a sync's own changes by filters (docs/conntrack.md).
         self.conntrack_reconciler_deleted = self._counter(
             "conntrack_reconciler_deleted_entries", "Cumulative conntrack flows deleted by conntrack reconciler"
+        )
+        self.conntrack_reconciler_duration = self._histogram(
+            "conntrack_reconciler_sync_duration_seconds", "ReconcileConntrackFlowsLatency latency in seconds"
         )
 
     def _build_info(self) -> None:
@@ -422,6 +426,10 @@ class ProxyMetrics:
         f = family_label(family)
         self.conntrack_deleted.labels(f).inc(deleted)
         self.conntrack_reconciler_deleted.labels(f).inc(deleted)
+
+    def conntrack_reconciled(self, seconds: float, *, family: IPFamily) -> None:
+        """One reconciliation of a family's whole UDP conntrack table, as kube-proxy times it."""
+        self.conntrack_reconciler_duration.labels(family_label(family)).observe(seconds)
 
     def conntrack_failed(self, *, family: IPFamily) -> None:
         self.conntrack_failures.labels(family_label(family)).inc()

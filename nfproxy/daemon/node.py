@@ -177,7 +177,8 @@ class Daemon:
         self._latency = ProgrammingLatency(source, self.metrics)
         self._health_ports: dict[object, int] = {}
         # Changes made while the daemon was down have no previous state to diff: the first sync
-        # that writes reconciles the whole table instead (again after a failure to do so).
+        # that writes reconciles the whole table instead; so does the sync after a cleanup or a
+        # reconciliation that failed (its stale entries are found no other way).
         self._conntrack_unreconciled = True
 
     # ---- hooks
@@ -197,6 +198,8 @@ class Daemon:
         for family in result.families or getattr(self.proxier.backend, "families", tuple(IPFamily)):
             self.metrics.synced_at(family=family)
         if result.kind == "noop":
+            if self.config.conntrack and self._conntrack_unreconciled:
+                self._conntrack_unreconciled = not self._reconcile_conntrack(state)  # a failure to make good
             return
         changes = result.changes
         self._no_local.update(state, state.services if changes.node else changes.keys)
@@ -248,6 +251,7 @@ class Daemon:
             for family in IPFamily:
                 self.metrics.conntrack_failed(family=family)
             logs.warning(log, "Failed to delete stale conntrack entries", err=exc)
+            self._conntrack_unreconciled = True  # the next sync reconciles the whole table
             return
         for family, n in deleted.items():
             self.metrics.conntrack_cleaned(n, family=family)
@@ -258,8 +262,9 @@ class Daemon:
         """Delete the UDP entries sent to a frontend whose reply source is none of its serving
         endpoints (kube-proxy's CleanStaleEntries); False when the table could not be read.
 
-        Only at start, not every sync as kube-proxy: pyroute2 decodes about 2 500 entries a
-        second, and a sync's own changes are cleaned by `_clear_conntrack` for a fraction of it.
+        At start and after a failed cleanup, not every sync as kube-proxy: pyroute2 decodes
+        about 2 500 entries a second, and a sync's own changes are cleaned by `_clear_conntrack`
+        for a fraction of it.
         """
         from nfproxy.daemon.conntrack import served_frontends
         from nfproxy.kernel import conntrack as kernel_conntrack
@@ -276,9 +281,11 @@ class Daemon:
                 logs.warning(log, "Failed to reconcile conntrack entries", err=exc, ipFamily=f"IPv{family.value}")
                 done = False
                 continue
+            took = time.perf_counter() - started
             self.metrics.conntrack_cleaned(n, family=family)
+            self.metrics.conntrack_reconciled(took, family=family)
             logs.info(log, "Finished reconciling conntrack entries", level=2, ipFamily=f"IPv{family.value}",
-                      entriesDeleted=n, took=logs.Duration(time.perf_counter() - started))
+                      entriesDeleted=n, took=logs.Duration(took))
         return done
 
     def _failed(self, exc: BaseException) -> None:
