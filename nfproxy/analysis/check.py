@@ -293,8 +293,9 @@ def check(
     for table in ruleset.tables:
         survey = _survey(table)
         problems.extend(_missing_chains(table, survey))
-        problems.extend(_loops(table, survey))
-        problems.extend(_too_deep(table, survey))
+        graph = _JumpGraph.of(table, survey)
+        problems.extend(_loops(table, graph))
+        problems.extend(_too_deep(table, graph))
         problems.extend(_ungated(table))
         problems.extend(_undrawable_slots(table))
         reached: set[str] = set()
@@ -722,34 +723,47 @@ def _union(ranges: list[range]) -> tuple[list[int], list[int]]:
     return starts, stops
 
 
-def _loops(table: Table, survey: _Survey) -> Iterator[Problem]:
+@dataclass(frozen=True, slots=True)
+class _JumpGraph:
+    """Where each chain jumps or goes (verdict maps included), and the chains peeled off in
+    topological order: those no loop can pass through (nothing jumps to them, or only chains
+    already peeled). A sane table is a tree of jumps and peels whole."""
+
+    edges: dict[str, list[str]]
+    peeled: list[str]
+    cyclic: frozenset[str]  # what is left: loops and the chains below them
+
+    @staticmethod
+    def of(table: Table, survey: _Survey) -> _JumpGraph:
+        chains = table.chains
+        edges: dict[str, list[str]] = {}
+        for name, targets in survey.targets.items():
+            if targets:  # most chains of a big table end in a DNAT and jump nowhere
+                outs = [v.target for v in targets if v.target in chains and v.kind in ("jump", "goto")]
+                if outs:  # a target listed twice is harmless to the walks below
+                    edges[name] = outs
+        incoming = dict.fromkeys(edges, 0)
+        for outs in edges.values():
+            for target in outs:
+                incoming[target] = incoming.get(target, 0) + 1
+        peeled = [name for name, n in incoming.items() if not n]
+        for name in peeled:
+            for target in edges.get(name, ()):
+                incoming[target] -= 1
+                if not incoming[target]:
+                    peeled.append(target)
+        return _JumpGraph(edges, peeled, frozenset(name for name, n in incoming.items() if n))
+
+
+def _loops(table: Table, graph: _JumpGraph) -> Iterator[Problem]:
     """One problem per set of chains that jump or go to one another in a cycle (a strongly
     connected component of the jump graph, verdict maps included, or a chain that jumps to
     itself), naming one cycle through it. Tarjan's algorithm with an explicit stack: linear in
-    the jumps, and a straight run of thousands of chains is no deeper for it."""
-    chains = table.chains
-    edges: dict[str, list[str]] = {}
-    for name, targets in survey.targets.items():
-        if targets:  # most chains of a big table end in a DNAT and jump nowhere
-            outs = [v.target for v in targets if v.target in chains and v.kind in ("jump", "goto")]
-            if outs:  # a target listed twice is harmless to the walks below
-                edges[name] = outs
-    # Peel the chains no loop can pass through first (nothing jumps to them, or only chains
-    # already peeled): a sane table is a tree of jumps and goes whole, so Tarjan's walk, a
-    # second of Python at 10 000 services, runs only over what is left.
-    incoming = dict.fromkeys(edges, 0)
-    for outs in edges.values():
-        for target in outs:
-            incoming[target] = incoming.get(target, 0) + 1
-    peeled = [name for name, n in incoming.items() if not n]
-    for name in peeled:
-        for target in edges.get(name, ()):
-            incoming[target] -= 1
-            if not incoming[target]:
-                peeled.append(target)
-    if len(peeled) == len(incoming):
+    the jumps, and a straight run of thousands of chains is no deeper for it. It runs only over
+    what peeling left (a second of Python at 10 000 services, saved)."""
+    if not graph.cyclic:
         return
-    edges = {name: outs for name, outs in edges.items() if incoming[name]}
+    edges = {name: outs for name, outs in graph.edges.items() if name in graph.cyclic}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
@@ -798,18 +812,29 @@ def _loops(table: Table, survey: _Survey) -> Iterator[Problem]:
 JUMP_STACK = 16
 
 
-def _too_deep(table: Table, survey: _Survey) -> Iterator[Problem]:
+def _too_deep(table: Table, graph: _JumpGraph) -> Iterator[Problem]:
     """One problem per base chain of an nft table below which jumps and gotos nest JUMP_STACK
     deep or more, naming the deepest run (iptables has no such limit; chains no base chain
-    reaches are not counted, as the kernel does not). Chains on a loop count as the end of a
-    run: the loop is `jump-loop`'s to report."""
+    reaches are not counted, as the kernel does not). Heights in reverse topological order, one
+    pass; a loop, and what lies below it, ends a run: `jump-loop` reports it."""
     if table.dialect != "nft":
         return
-    chains = table.chains
-    edges = {name: [v.target for v in targets if v.target in chains and v.kind in ("jump", "goto")]
-             for name, targets in survey.targets.items() if targets}
-    height, below = _heights(edges, [c.name for c in chains.values() if c.is_base])
-    for base in (c.name for c in chains.values() if c.is_base):
+    edges = graph.edges
+    height: dict[str, int] = {}
+    below: dict[str, str] = {}
+    for node in reversed(graph.peeled):
+        outs = edges.get(node)
+        if outs is None:  # most chains (a DNAT each) jump nowhere: height 0
+            continue
+        best, nxt = 0, None
+        for child in outs:
+            h = height.get(child, 0) + 1
+            if h > best:
+                best, nxt = h, child
+        height[node] = best
+        if nxt is not None:
+            below[node] = nxt
+    for base in (c.name for c in table.chains.values() if c.is_base):
         if height.get(base, 0) < JUMP_STACK:
             continue
         run = [base]
@@ -819,46 +844,6 @@ def _too_deep(table: Table, survey: _Survey) -> Iterator[Problem]:
         yield Problem("jump-depth", _where(table, base),
                       f"{' -> '.join(run)}{more}: jumps and gotos nest {height[base]} deep below this base chain "
                       f"(the kernel refuses more than {JUMP_STACK - 1})")
-
-
-def _heights(edges: dict[str, list[str]], roots: list[str]) -> tuple[dict[str, int], dict[str, str]]:
-    """The longest run of jumps below each chain the roots reach, and the next chain on it.
-    Depth first with an explicit stack (a straight run of thousands of chains); a chain found on
-    the path it closes a loop with, and the path from it, end runs (height 0)."""
-    height: dict[str, int] = {}
-    below: dict[str, str] = {}
-    looped: set[str] = set()
-    for root in roots:
-        if root in height:
-            continue
-        path = [root]
-        stack = [iter(edges.get(root, ()))]
-        on_path = {root}
-        while stack:
-            child = next(stack[-1], None)
-            if child is not None:
-                if child in on_path:
-                    looped.update(path[path.index(child):])
-                elif child not in height:
-                    path.append(child)
-                    on_path.add(child)
-                    stack.append(iter(edges.get(child, ())))
-                continue
-            node = path.pop()
-            stack.pop()
-            on_path.discard(node)
-            best, nxt = 0, None
-            if node not in looped:
-                for c in edges.get(node, ()):
-                    h = height.get(c)
-                    if h is not None and c not in looped and h + 1 > best:
-                        best, nxt = h + 1, c
-                    elif h is not None and c in looped and best == 0:
-                        best, nxt = 1, c
-            height[node] = best
-            if nxt is not None:
-                below[node] = nxt
-    return height, below
 
 
 def _cycle(start: str, members: set[str], edges: dict[str, list[str]]) -> list[str]:
