@@ -198,8 +198,7 @@ class Daemon:
         for family in result.families or getattr(self.proxier.backend, "families", tuple(IPFamily)):
             self.metrics.synced_at(family=family)
         if result.kind == "noop":
-            if self.config.conntrack and self._conntrack_unreconciled:
-                self._conntrack_unreconciled = not self._reconcile_conntrack(state)  # a failure to make good
+            self._reconcile_if_owed(state)  # a failed cleanup to make good, rules or not
             return
         changes = result.changes
         self._no_local.update(state, state.services if changes.node else changes.keys)
@@ -217,6 +216,9 @@ class Daemon:
             self.health_checks.sync_endpoints(sh.local_endpoints)
         if self.config.conntrack and previous is not None:
             self._clear_conntrack(previous, state, changes.keys)
+        self._reconcile_if_owed(state)
+
+    def _reconcile_if_owed(self, state: ClusterState) -> None:
         if self.config.conntrack and self._conntrack_unreconciled:
             self._conntrack_unreconciled = not self._reconcile_conntrack(state)
 

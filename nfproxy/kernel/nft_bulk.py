@@ -227,11 +227,10 @@ class Declarations:
         return True
 
     def _learn_each(self, family: str, objs: list[Declaration]) -> None:
-        kinds = {_GETCHAIN if type(o) is Chain else _GETOBJ if type(o) is Counter else _GETSET for o in objs}
-        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in objs], kinds)
+        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in objs],
+                              {_dump_kind(o) for o in objs})
         for o in objs:
-            kind = _GETCHAIN if type(o) is Chain else _GETOBJ if type(o) is Counter else _GETSET
-            self._known[(family, o)] = self._found(found, kind, o.name, o)
+            self._known[(family, o)] = self._found(found, _dump_kind(o), o.name, o)
 
     def rule(self, family: str, rule: Rule) -> Declared | None:
         return self._known.get((family, rule))  # type: ignore[call-overload]
@@ -293,6 +292,11 @@ def _renamed(known: Declared, old: str, new: str) -> Declared | None:
         return None
     st = None if known.set_type is None else dataclasses.replace(known.set_type, name=new)
     return Declared(known.msg_type, known.attrs.replace(before, strz(_SET_NAME, new)), st)
+
+
+def _dump_kind(obj: Declaration) -> int:
+    """The dump that lists `obj` back from the scratch table."""
+    return _GETCHAIN if type(obj) is Chain else _GETOBJ if type(obj) is Counter else _GETSET
 
 
 def _twin(name: str, taken: set[str]) -> str:
