@@ -484,26 +484,60 @@ def test_slices_are_merged():
     ]
 
 
-def test_duplicate_endpoint_first_slice_by_name_wins():
+def test_duplicate_endpoint_last_slice_by_name_wins():
+    """Upstream lets a later duplicate replace an earlier one (its slices come in map order);
+    walking slices by name makes the winner reproducible: the last by name."""
     a = endpoint_slice("web-a", endpoints=[endpoint("10.244.1.5", "node-b", zone="zone-b")])
     b = endpoint_slice("web-b", endpoints=[endpoint("10.244.1.5", "node-c", zone="zone-c")])
     for order in ([a, b], [b, a]):
         result = load_objects([service(), *order], NODE_A)
         (ep,) = result.state.endpoints[(spn(), V4)]
-        assert ep.node_name == "node-b"
+        assert ep.node_name == "node-c"
 
 
-def test_duplicate_endpoint_local_one_is_preferred():
-    remote = endpoint_slice("web-a", endpoints=[endpoint("10.244.1.5", "node-b")])
+GHOST = {"ready": False, "serving": False, "terminating": True}
+
+
+@pytest.mark.parametrize("ghost_slice", ["web-a", "web-b"])
+def test_reused_pod_ip_reaches_the_live_pod_not_the_terminating_ghost(ghost_slice):
+    """kubernetes#135266, fixed by #135593: the pod network reused a Terminating pod's IP for a
+    new pod; the slices hold both. The live pod wins wherever the ghost is, or the service
+    would have no usable endpoint and REJECT."""
+    live_slice = "web-b" if ghost_slice == "web-a" else "web-a"
+    ghost = endpoint_slice(ghost_slice, endpoints=[endpoint("10.244.1.5", "node-b", conditions=GHOST)])
+    live = endpoint_slice(live_slice, endpoints=[endpoint("10.244.1.5", "node-c")])
+    (ep,) = load_objects([service(), ghost, live], NODE_A).state.endpoints[(spn(), V4)]
+    assert (ep.node_name, ep.ready, ep.terminating) == ("node-c", True, False)
+
+
+@pytest.mark.parametrize("ghost_first", [True, False])
+def test_reused_pod_ip_in_one_slice(ghost_first):
+    ghost, live = endpoint("10.244.1.5", "node-b", conditions=GHOST), endpoint("10.244.1.5", "node-c")
+    sl = endpoint_slice("web-a", endpoints=[ghost, live] if ghost_first else [live, ghost])
+    (ep,) = load_objects([service(), sl], NODE_A).state.endpoints[(spn(), V4)]
+    assert (ep.node_name, ep.ready) == ("node-c", True)
+
+
+def test_duplicate_endpoint_local_one_is_not_preferred():
+    """Upstream dropped its "prefer the local duplicate" case in #135593 (it was wrong for an
+    endpoint moving between slices); a duplicate is decided by order and termination alone."""
+    remote = endpoint_slice("web-b", endpoints=[endpoint("10.244.1.5", "node-b")])
     local = endpoint_slice(
-        "web-b", endpoints=[endpoint("10.244.1.5", "node-a", conditions={"ready": False})]
+        "web-a", endpoints=[endpoint("10.244.1.5", "node-a", conditions={"ready": False})]
     )
     for order in ([remote, local], [local, remote]):
         (ep,) = load_objects([service(), *order], NODE_A).state.endpoints[(spn(), V4)]
-        assert (ep.node_name, ep.ready) == ("node-a", False)
-    # Without a node name nothing is local: the first slice by name wins.
-    (ep,) = load_objects([service(), local, remote]).state.endpoints[(spn(), V4)]
-    assert ep.node_name == "node-b"
+        assert (ep.node_name, ep.ready) == ("node-b", True)
+
+
+@pytest.mark.parametrize("name", ["1web", "123", "0-a"])
+def test_service_name_may_begin_with_a_digit(name):
+    """KEP-5311 (Kubernetes 1.36, GA 1.37): Service names are RFC 1123 labels."""
+    sl = endpoint_slice(f"{name}-abc", service_name=name, endpoints=[endpoint("10.244.0.5")])
+    result = load_objects([service(name), sl])
+    assert not result.errors
+    key = (spn(name), V4)
+    assert endpoints_of(result, key) == ["10.244.0.5:8080"]
 
 
 def test_only_first_address_is_used():
@@ -829,7 +863,8 @@ BAD_SERVICE_FIELDS = [
     # (path, value, message fragment[, field reported when not `path`])
     ("metadata.name", None, "required"),
     ("metadata.name", "Web", "not a valid Service name"),
-    ("metadata.name", "1web", "not a valid Service name"),
+    ("metadata.name", "-web", "not a valid Service name"),
+    ("metadata.name", "web.a", "not a valid Service name"),
     ("metadata.name", "w" * 64, "longer than 63"),
     ("metadata.namespace", "Prod", "not a valid DNS label"),
     ("metadata", "web", "expected a mapping"),

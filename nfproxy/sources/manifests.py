@@ -581,7 +581,7 @@ def _service(
     obj: dict[str, Any], r: _Report
 ) -> tuple[tuple[str, str], tuple[ServicePort, ...]] | None:
     """The service's ports in each family it has a cluster IP for; None if it is skipped."""
-    namespace, name, _ = _metadata(obj, r, v.dns1035_label, namespaced=True)
+    namespace, name, _ = _metadata(obj, r, v.service_name, namespaced=True)
     spec = r.get(obj, "spec", "spec", dict, required=True)
     if spec is None or r.count:
         return None
@@ -857,7 +857,7 @@ def _slice(obj: dict[str, Any], r: _Report) -> tuple[tuple[str, str], _Slice] | 
     if labels is not None and labels.get(SERVICE_NAME_LABEL) is None:
         r.add(label_path, "required label is missing: the slice belongs to no service")
     elif labels is not None:
-        service = r.check(label_path, v.dns1035_label, labels[SERVICE_NAME_LABEL])
+        service = r.check(label_path, v.service_name, labels[SERVICE_NAME_LABEL])
     address_type = None
     if obj.get("addressType") is None:
         r.add("addressType", "required field is missing")
@@ -1315,12 +1315,12 @@ def _pick_node(given: NodeConfig | None, nodes: dict[str, NodeInfo]) -> NodeInfo
 def _endpoints(
     collected: _Collected,
     services: dict[ServicePortKey, ServicePort],
-    node_name: str,
 ) -> dict[ServicePortKey, tuple[Endpoint, ...]]:
     """Merge every slice's endpoints per service port, as the EndpointSliceCache does.
 
-    Slices are matched by port name and protocol. A duplicate `ip:port` keeps the first seen,
-    except that a local one replaces it. Upstream walks slices in map (random) order; walking
+    Slices are matched by port name and protocol. A duplicate `ip:port` is replaced by a later
+    one unless the later one is terminating, as upstream since kubernetes#135593: a pod IP the
+    network reused while the old pod is still Terminating must reach the live pod, not the ghost. Upstream walks slices in map (random) order; walking
     them by name makes the winner reproducible. A duplicate whose slices give it different
     weights keeps weight 1, as for any bad weight, whichever slice wins: a weight must not
     depend on slice names (reported to `collected.errors`).
@@ -1337,8 +1337,7 @@ def _endpoints(
             bucket = merged.setdefault(key, {})
             for endpoint in endpoints:
                 weighed.see(key, endpoint, identity)
-                local = bool(node_name) and endpoint.node_name == node_name
-                if local or endpoint.address not in bucket:
+                if not endpoint.terminating or endpoint.address not in bucket:
                     bucket[endpoint.address] = endpoint
     for key, address in weighed.conflicting:
         merged[key][address] = replace(merged[key][address], weight=1)
@@ -1388,5 +1387,5 @@ def _assemble(entries: Iterable[_Parsed | ObjectError], given: NodeConfig | None
         found = (c for name in sorted(collected.service_cidrs) for c in collected.service_cidrs[name])
         node = replace(node, service_cidrs=tuple(dict.fromkeys(found)))
     services = {sp.key: sp for ports in collected.services.values() for sp in ports}
-    endpoints = _endpoints(collected, services, node.name)
+    endpoints = _endpoints(collected, services)
     return LoadResult(ClusterState(node, services, endpoints), tuple(collected.errors))

@@ -21,7 +21,6 @@ MIN_AFFINITY_TIMEOUT = 1
 MAX_AFFINITY_TIMEOUT = 86400
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 # Checked before `ipaddress` sees the text: it accepts IPv6 scope ids (`fe80::1%eth0`), and
@@ -111,9 +110,11 @@ def dns_label(value: object) -> str:
     return _matching(value, _DNS1123_LABEL, 63, "DNS label (RFC 1123)")
 
 
-def dns1035_label(value: object) -> str:
-    """RFC 1035 label: Service names, which become DNS names and must start with a letter."""
-    return _matching(value, _DNS1035_LABEL, 63, "Service name (RFC 1035 label)")
+def service_name(value: object) -> str:
+    """Service names: RFC 1123 labels, so a name may begin with a digit. Kubernetes 1.36 relaxed
+    them from RFC 1035 (KEP-5311, RelaxedServiceNameValidation, on by default; GA in 1.37), and
+    kube-proxy never checked them at all: a name the API server stored is one to proxy."""
+    return _matching(value, _DNS1123_LABEL, 63, "Service name (RFC 1123 label)")
 
 
 def dns_subdomain(value: object) -> str:
