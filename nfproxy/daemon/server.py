@@ -330,6 +330,59 @@ class _AcceptFailures:
         self._last, self._held = now, 0
 
 
+@functools.cache
+def _half_close_server() -> type:
+    """aiohttp's `web.Server`, made to answer a client that half-closes after its request.
+
+    aiohttp's protocol ignores the end of the client's stream, so asyncio closes the whole
+    connection and cancels the request being handled: an empty reply (issue R.5). Go's
+    net/http, and so kube-proxy, answers every request read before that end, then closes. Here
+    the connection stays open for writing while anything read is unanswered; the last answer
+    carries `Connection: close`. Built on first use: only the daemon pays aiohttp's import.
+    Leans on aiohttp's private `_waiter`, `_messages` and `_close` (pinned in constraints.txt;
+    tests/test_half_close.py fails if they change meaning).
+    """
+    from aiohttp import web
+    from aiohttp.web_protocol import RequestHandler
+
+    class HalfClosing(RequestHandler):  # type: ignore[misc]
+        __slots__ = ("peer_done",)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.peer_done = False
+
+        def eof_received(self) -> bool | None:
+            if self._waiter is not None and not self._waiter.done():
+                return None  # idle, nothing read is unanswered: close as before
+            self.peer_done = True
+            if not self._messages:
+                self._close = True  # the request in hand is the last one
+            return True  # keep the write side open for the answers
+
+        def last_request(self) -> bool:
+            return self.peer_done and not self._messages
+
+    class Server(web.Server):  # type: ignore[misc]
+        def __call__(self) -> RequestHandler:
+            return HalfClosing(self, loop=self._loop, **self._kwargs)
+
+    return Server
+
+
+def _closing_after_last(handler: Handler) -> Handler:
+    """`handler`, whose answer to a half-closed client's last request says the connection ends."""
+
+    async def answer(request: web.BaseRequest) -> web.StreamResponse:
+        response = await handler(request)
+        last = getattr(request.protocol, "last_request", None)
+        if last is not None and last():
+            response.force_close()
+        return response
+
+    return answer
+
+
 class HttpLoop:
     """An asyncio loop on a thread of its own, serving the listeners given to `add`.
 
@@ -344,8 +397,8 @@ class HttpLoop:
         self.loop.set_exception_handler(_AcceptFailures())
         self._thread = threading.Thread(target=self._main, name=f"nfproxy-{name}", daemon=True)
         self._thread.start()
-        server = web.Server(
-            handler, access_log=None, keepalive_timeout=idle_timeout, loop=self.loop, logger=_HTTP_LOG,
+        server = _half_close_server()(
+            _closing_after_last(handler), access_log=None, keepalive_timeout=idle_timeout, loop=self.loop, logger=_HTTP_LOG,
         )
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT)
         self.run(self._runner.setup())
