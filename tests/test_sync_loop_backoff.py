@@ -61,7 +61,8 @@ def test_the_first_idle_sync_is_the_periodic_one_and_a_success_resets_the_backof
     schedule = SyncSchedule(0.2, 3.0, 60.0, last_full=0.0)
     assert schedule.delay(0.0, woken=False) == pytest.approx(3.0)
     assert schedule.delay(0.0, woken=True) == 0.0
-    assert schedule.full_due(3.0) and not schedule.full_due(2.9)
+    assert schedule.periodic_due(3.0) and not schedule.periodic_due(2.9)
+    assert not schedule.full_due(3.0) and schedule.full_due(3600.0)  # hourly, as kube-proxy
     schedule.started(3.0)
     assert schedule.failed(3.1) == pytest.approx(0.2)
     assert schedule.failed(3.4) == pytest.approx(0.4)

@@ -34,7 +34,9 @@ class DaemonConfig:
     backend: str
     netns: str | None = None
     min_sync_period: float = 1.0
-    # kube-proxy's default: a full resync every 30 s, so /healthz reports a stuck proxy after 60 s.
+    # kube-proxy's default: every 30 s the kernel is checked (a full sync only when someone else
+    # wrote to it; otherwise hourly: proxier.FULL_SYNC_PERIOD), so /healthz reports a stuck
+    # proxy after 60 s.
     sync_period: float = 30.0
     healthz_bind_address: str = "0.0.0.0:10256"
     metrics_bind_address: str = "127.0.0.1:10249"

@@ -8,9 +8,16 @@ as atomic transactions and only then remembers the new state. A failed apply the
 the kernel with the previous rules (the transaction was refused as a whole) and the proxier
 with the previous state, and it forces the next sync to be full, as kube-proxy does.
 
+Between its own writes the proxier trusts the kernel as long as the kernel's generation
+(`Kernel.generation`: nf_tables' ruleset generation, or each legacy x_tables table's entry count
+and size) is the one read after its last write. A sync asked to `check` (the loop's periodic
+one) that finds it moved, or found it moved at any sync since, is full: it repairs what
+someone else deleted, as kube-proxy's canary chain makes its next sync full.
+
 `SyncLoop` is the imperative shell around it: it listens to a source, coalesces changes into
-syncs no more often than `min_sync_period`, runs a full resync every `sync_period`, and retries
-failures with exponential backoff, which neither changes nor the periodic resync cut short.
+syncs no more often than `min_sync_period`, checks the kernel every `sync_period`, forces a
+full resync every `FULL_SYNC_PERIOD`, and retries failures with exponential backoff, which
+neither changes nor the periodic syncs cut short.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -40,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("nfproxy.proxier")
 
 SyncKind = Literal["full", "partial", "noop"]
+
+# kube-proxy's proxyutil.FullSyncPeriod: a constant there too (no flag sets it). Every
+# --sync-period only checks that the kernel holds what was written; this often it rewrites all.
+FULL_SYNC_PERIOD = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +183,10 @@ class Proxier:
         self._tracker = ChangeTracker()
         self._needs_full = True
         self._synced: set[IPFamily] = set()  # families the backend holds a belief for
+        # Each kernel's generation read after our last write, and whether one was seen to move
+        # since (sticky until a full sync: a partial one in between must not hide it).
+        self._seen: dict[IPFamily, Hashable] = {}
+        self._drifted = False
         self._lock = threading.Lock()
         self.last_result: SyncResult | None = None
 
@@ -209,24 +224,30 @@ class Proxier:
         self.close()
 
     def sync(
-        self, state: ClusterState, *, full: bool = False, touched: Touched | None = None
+        self, state: ClusterState, *, full: bool = False, touched: Touched | None = None,
+        check: bool = False,
     ) -> SyncResult:
         """One sync; raises (KernelError, ValueError) when the kernel refused the transaction.
 
         `touched` is what the source says may differ from the snapshot it handed over before
-        (`Source.snapshot_changes`); without it the whole state is diffed.
+        (`Source.snapshot_changes`); without it the whole state is diffed. `check`: full if
+        someone else wrote to the kernel since our last write (the periodic sync); without it
+        such a write is only noted, so that a change's sync stays partial.
         """
         with self._lock:
             start = time.perf_counter()
             self._tracker.add(state, touched)
-            if full or self._needs_full:
+            if not (full or self._needs_full):
+                self._note_drift()
+            drifted = check and self._drifted
+            if full or self._needs_full or drifted:
                 changes = diff(self._last, state)  # the fallback: full syncs never trust hints
             else:
                 changes = self._tracker.changes(self._last, state)
                 if changes.node and self._tracker.tracking:
                     changes = diff(self._last, state)  # a full sync: its hooks see every key
-            do_full = full or self._needs_full or changes.node
-            reason = "requested" if full else ("after failure or start" if self._needs_full else "node changed" if changes.node else "")
+            do_full = full or self._needs_full or drifted or changes.node
+            reason = _reason(full=full, start=self._needs_full, drifted=drifted, node=changes.node)
             if not do_full and changes.empty and not self.backend.pending():
                 # Equal in all the rules read: the new snapshot stands for the old from now on
                 # (touched keys then count from it, and the old one can be freed).
@@ -254,6 +275,7 @@ class Proxier:
             self._tracker.synced(state)
             self._needs_full = False
             kind = _overall_kind(families.values())
+            self._written(families, full=do_full)
             result = SyncResult(
                 kind,
                 changes,
@@ -272,6 +294,33 @@ class Proxier:
                 # and a collection walks the whole model (0.16 s of a 5 s cold start).
                 heap.release(collect=False)
             return result
+
+    def _note_drift(self) -> None:
+        """Whether a kernel's generation moved since our last write: someone else wrote. One
+        netlink round trip or getsockopt per family; a kernel that cannot say counts as moved."""
+        if self._drifted:
+            return
+        for family in self.families:
+            now = _generation(self.kernels[family])
+            if now is None or now != self._seen.get(family):
+                self._drifted = True
+                logs.info(log, "Rules changed outside nfproxy; the next periodic sync is full", level=2,
+                          ipFamily=f"IPv{family.value}")
+                return
+
+    def _written(self, families: Mapping[IPFamily, FamilySync], *, full: bool) -> None:
+        """Remember the generations our writes left. Read after every family's write, not each
+        after its own: nf_tables has one generation for both families. A sync that wrote
+        nothing leaves them: reading them again would take someone else's write for ours."""
+        if full:
+            self._drifted = False
+        elif all(f.operations == 0 for f in families.values()):
+            return
+        self._seen = {}
+        for family in self.families:
+            now = _generation(self.kernels[family])
+            if now is not None:
+                self._seen[family] = now
 
     def _apply(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
         done: dict[IPFamily, FamilySync] = {}
@@ -315,6 +364,29 @@ class Proxier:
         if fallback.operations:
             kernel.apply(fallback.payload)
         return fallback, True
+
+
+def _generation(kernel: Kernel) -> Hashable | None:
+    """The kernel's generation, or None when it cannot be read (then nothing is trusted)."""
+    read = getattr(kernel, "generation", None)
+    if read is None:
+        return None
+    try:
+        return read()  # type: ignore[no-any-return]
+    except Exception as exc:  # noqa: BLE001 - an unreadable generation only costs a full sync
+        logs.warning(log, "Cannot read the ruleset generation", err=exc)
+        return None
+
+
+def _reason(*, full: bool, start: bool, drifted: bool, node: bool) -> str:
+    """Why a sync is full, as its sync line says (empty: it is not)."""
+    if full:
+        return "requested"
+    if start:
+        return "after failure or start"
+    if drifted:
+        return "rules changed outside nfproxy"
+    return "node changed" if node else ""
 
 
 def _payload_text(payload: object) -> str:
@@ -368,10 +440,11 @@ def _overall_kind(families: Iterable[FamilySync]) -> SyncKind:
 
 @dataclass(slots=True)
 class SyncSchedule:
-    """When the loop may start its next sync, and whether that one is the periodic full sync.
+    """When the loop may start its next sync, whether that one is the periodic check (every
+    sync_period) and whether it is the forced full sync (every full_period).
 
     Apart from the loop's thread and events so it can be driven by a fake clock. After a failure
-    nothing starts a sync before the retry time, neither the periodic full sync nor a change:
+    nothing starts a sync before the retry time, neither a periodic sync nor a change:
     a failing full sync of 10 000 services is seconds of rendering, and once the failures had
     outlasted sync_period the periodic one used to run every min_sync_period, while the log
     announced a backoff doubling to max_backoff.
@@ -383,25 +456,31 @@ class SyncSchedule:
     last_full: float = 0.0  # the last successful full sync (or the loop's start)
     last_start: float = float("-inf")
     retry_at: float | None = None  # set while the last sync failed
+    full_period: float = FULL_SYNC_PERIOD
+    last_check: float = field(init=False)  # the last successful periodic or full sync
     backoff: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.backoff = self._first_backoff()
+        self.last_check = self.last_full
 
     def _first_backoff(self) -> float:
         return max(self.min_sync_period, 0.1)
 
+    def periodic_due(self, now: float) -> bool:
+        return now - self.last_check >= self.sync_period
+
     def full_due(self, now: float) -> bool:
-        return now - self.last_full >= self.sync_period
+        return now - self.last_full >= self.full_period
 
     def delay(self, now: float, *, woken: bool) -> float:
         """Seconds until a sync may start (0: now); `woken` says a change is waiting."""
         earliest = self.last_start + self.min_sync_period
         if self.retry_at is not None:
             return max(self.retry_at, earliest) - now
-        if woken or self.full_due(now):
+        if woken or self.periodic_due(now):
             return max(earliest - now, 0.0)
-        return self.last_full + self.sync_period - now
+        return self.last_check + self.sync_period - now
 
     def started(self, now: float) -> None:
         self.last_start = now
@@ -413,20 +492,24 @@ class SyncSchedule:
         self.backoff = min(self.backoff * 2, self.max_backoff)
         return retry_in
 
-    def succeeded(self, now: float, *, full: bool) -> None:
+    def succeeded(self, now: float, *, full: bool, periodic: bool = False) -> None:
+        """A full sync restarts both clocks (it checked everything); a periodic one the check's."""
         self.retry_at = None
         self.backoff = self._first_backoff()
         if full:
             self.last_full = now
+        if full or periodic:
+            self.last_check = now
 
 
 class SyncLoop:
     """Bounded-frequency sync runner around a Source and a Proxier.
 
     Changes are coalesced: however many arrive, syncs start at least `min_sync_period` apart.
-    A full resync runs every `sync_period` to repair rules someone else changed. After a
-    failure the sync is retried after `min_sync_period`, doubling up to `max_backoff`; until
-    then nothing else starts one (`SyncSchedule`).
+    Every `sync_period` a sync checks the kernel's generation and is full only when someone
+    else wrote (to repair what they changed); every `full_period` one is full regardless, as
+    kube-proxy's hourly resync. After a failure the sync is retried after `min_sync_period`,
+    doubling up to `max_backoff`; until then nothing else starts one (`SyncSchedule`).
     """
 
     def __init__(
@@ -438,9 +521,11 @@ class SyncLoop:
         sync_period: float = 3600.0,
         max_backoff: float = 60.0,
         empty_grace: float = 0.0,
+        full_period: float = FULL_SYNC_PERIOD,
     ) -> None:
-        if min_sync_period < 0 or sync_period <= 0:
+        if min_sync_period < 0 or sync_period <= 0 or full_period <= 0:
             raise ValueError("sync periods must be positive")
+        self.full_period = full_period
         # The first sync of an empty state waits while the kernel serves services (empty_start.py).
         self.empty_start = EmptyStartHold(empty_grace)
         self.on_empty_held: list[Callable[[], None]] = []
@@ -508,7 +593,8 @@ class SyncLoop:
 
     def _run(self) -> None:
         schedule = SyncSchedule(
-            self.min_sync_period, self.sync_period, self.max_backoff, last_full=time.monotonic()
+            self.min_sync_period, self.sync_period, self.max_backoff, last_full=time.monotonic(),
+            full_period=self.full_period,
         )
         while not self._stop.is_set():
             delay = schedule.delay(time.monotonic(), woken=self._wake.is_set())
@@ -530,17 +616,18 @@ class SyncLoop:
             self._wake.clear()
             with self._cond:
                 generation = self._generation
-            full = schedule.full_due(time.monotonic())
-            schedule.started(time.monotonic())
+            now = time.monotonic()
+            full, periodic = schedule.full_due(now), schedule.periodic_due(now)
+            schedule.started(now)
             try:
                 snap, touched = _take(self.source)
-                result = self.proxier.sync(snap.state, full=full, touched=touched)
+                result = self.proxier.sync(snap.state, full=full, touched=touched, check=periodic)
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
                 retry_in = schedule.failed(time.monotonic())
                 logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(retry_in))
                 continue
-            schedule.succeeded(time.monotonic(), full=full or result.kind == "full")
+            schedule.succeeded(time.monotonic(), full=full or result.kind == "full", periodic=periodic)
             self.empty_start.done = True
             if _cleanup_due(self.proxier, result):
                 self._wake.set()  # stale objects wait: the next sync (min_sync_period on) deletes them

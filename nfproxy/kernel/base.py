@@ -6,7 +6,7 @@ proxier and the verification tools never know which one they talk to.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from nfproxy.core.model import IPFamily
@@ -19,6 +19,12 @@ class Kernel(Protocol):
 
     def apply(self, payload: object) -> None:
         """Atomic: all or nothing. Raises KernelError; on failure the kernel keeps what it had."""
+
+    def generation(self) -> Hashable:
+        """A value that moves whenever the rules may have changed, anyone's write included, read
+        without reading the rules: the periodic check compares it with the value read after
+        nfproxy's own last write (daemon/proxier.py). nft and iptables-nft: nf_tables' ruleset
+        generation; iptables-legacy: each table's entry count and size (kernel/xtables_info.py)."""
 
     def dump(self) -> str:
         """Canonical text: nft: sorted `nft list table` style; iptables: iptables-save of nat

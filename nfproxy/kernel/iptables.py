@@ -11,8 +11,8 @@ import enum
 import fcntl
 import os
 import shlex
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from nfproxy.core.model import IPFamily
 from nfproxy.core.owned import Owned
@@ -231,6 +231,22 @@ class IptablesKernel:
         self.runner = IptablesRunner(family, netns, flavour)
         self.family = family
         self._listed: set[tuple[str, str]] | None = None  # built-in-chain rules owned() saw
+        self._info: Any = None  # what generation() asks: an ElementReader or an XtablesInfo
+
+    def generation(self) -> Hashable:
+        """iptables-nft: nf_tables' generation; legacy: each table's entry count, size and hook
+        offsets. Never a listing: `iptables-save` of a large nat table costs a second."""
+        if self.runner.flavour is Flavour.NFT:
+            if self._info is None:
+                from nfproxy.kernel.nft_elements import ElementReader
+
+                self._info = ElementReader(self.runner.netns)
+            return self._info.generation()
+        if self._info is None:
+            from nfproxy.kernel.xtables_info import XtablesInfo
+
+            self._info = XtablesInfo(self.family, self.runner.netns)
+        return tuple(self._info.table(t) for t in TABLES)
 
     def owned(self) -> Owned:
         """Every non-built-in chain of nat and filter: the backend picks the ones it owns.
@@ -284,7 +300,10 @@ class IptablesKernel:
         return canonical_save(self.runner.save("filter") + self.runner.save("nat"))
 
     def close(self) -> None:
-        """Nothing held open: every call runs a tool."""
+        """Every call runs a tool; only generation()'s socket is held open."""
+        info, self._info = self._info, None
+        if info is not None:
+            info.close()
 
     def counted_dump(self) -> str:
         """The nat table with every rule's packet and byte counters (`iptables-save -c`): the

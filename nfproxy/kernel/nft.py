@@ -187,6 +187,17 @@ class NftKernel:
         # None sends everything through libnftables.
         self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
         self._declared: Any = None  # nft_bulk.Declarations, made on the first full sync
+        self._reader: Any = None  # nft_elements.ElementReader, for the generation
+
+    def generation(self) -> int:
+        """nf_tables' generation (NFT_MSG_GETGEN): one round trip on a socket kept open, since
+        the periodic check reads it every --sync-period. It counts every commit in the namespace,
+        both families' and other users', so it proves only that nobody wrote."""
+        if self._reader is None:
+            from nfproxy.kernel.nft_elements import ElementReader
+
+            self._reader = ElementReader(self.session.netns)
+        return self._reader.generation()
 
     def owned(self) -> Owned:
         fast = self.fast
@@ -295,6 +306,9 @@ class NftKernel:
     def close(self) -> None:
         if self.fast is not None:
             self.fast.close()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         self.session.release()
 
 

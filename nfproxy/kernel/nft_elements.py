@@ -133,6 +133,9 @@ class ElementReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None

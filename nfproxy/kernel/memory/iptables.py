@@ -82,6 +82,7 @@ class MemoryIptablesKernel:
         self.tables = {t: _Table.fresh(t) for t in TABLES}
         self.last: RestorePayloadLike | None = None
         self.applied = 0  # payloads accepted
+        self.commits = 0  # tables committed and rules inserted, by anyone: the generation
 
     # -- the Kernel interface
 
@@ -95,6 +96,10 @@ class MemoryIptablesKernel:
         for jump in payload.jumps:
             self.ensure_rule(jump.table, jump.chain, jump.spec)
         self.applied += 1
+
+    def generation(self) -> int:
+        """Every commit moves it, as every write moves a real table's entry count or size."""
+        return self.commits
 
     def dump(self) -> str:
         return canonical_save(self.save())
@@ -139,6 +144,7 @@ class MemoryIptablesKernel:
         work = t.copy()
         work.add(chain, 0, _split(spec))
         self.tables[table] = work
+        self.commits += 1
         return True
 
     # -- one restore line
@@ -155,6 +161,7 @@ class MemoryIptablesKernel:
             raise KernelError(f"{line!r} outside a *table ... COMMIT block")
         if line == "COMMIT":
             self.tables[work.name] = work
+            self.commits += 1
             return None
         if line.startswith(":"):
             _declare(work, line[1:].split())

@@ -86,6 +86,10 @@ class MemoryNft:
         return self.tables.get(self.table_name)
 
     # -- Kernel --------------------------------------------------------------------------------
+    def generation(self) -> int:
+        """The transactions committed: as nf_tables' generation, it moves with every write."""
+        return self.applied
+
     def owned(self) -> Owned:
         main = _owned(self.table) or Owned()
         off = _owned(self.tables.get(OFF_TABLE))
