@@ -90,6 +90,15 @@ _OTHER_TARGETS = {
     "SECMARK", "CONNSECMARK", "SYNPROXY", "HMARK", "CLUSTERIP", "ECN",
 }
 _CT_STATES = {"new", "established", "related", "invalid", "untracked", "snat", "dnat"}
+# What xtables reads into fixed-size fields: XT_EXTENSION_MAXNAMELEN (29, NUL included) for a
+# chain's name, XT_MAX_COMMENT_LEN (256) for a comment, 16 bits for a port, 32 for a mark.
+CHAIN_NAME_MAX = 28
+COMMENT_MAX = 255
+PORT_MAX = 0xFFFF
+MARK_MAX = 0xFFFFFFFF
+# A number longer than this is out of every range above; it is refused before int() reads it
+# (Python's own limit, 4 300 digits, would raise a ValueError in its own words).
+_DIGITS_MAX = 24
 
 
 class ParseError(ValueError):
@@ -117,8 +126,18 @@ class _TableBuilder:
         self.policies: dict[str, str] = {c: "accept" for c in builtins}
         self.rules: dict[str, list[Rule]] = {c: [] for c in builtins}
         self.recent: dict[str, int] = {}
+        self.declared: dict[str, int] = {}  # user chain -> the line that declared it
 
-    def declare(self, chain: str, policy: str) -> None:
+    def declare(self, chain: str, policy: str, number: int = 0) -> None:
+        """iptables-restore creates a user chain once ("error creating chain: File exists");
+        a built-in one's policy may be set again, the last one holding."""
+        if len(chain) > CHAIN_NAME_MAX:
+            raise ParseError(f"chain name {chain[:40]!r} too long ({CHAIN_NAME_MAX} chars max)", number)
+        if chain not in BUILTIN.get(self.name, {}):
+            first = self.declared.setdefault(chain, number)
+            if first != number:
+                raise ParseError(f"chain {chain} declared again (first at line {first}): iptables-restore "
+                                 "refuses it (File exists)", number)
         self.rules.setdefault(chain, [])
         if policy != "-":
             self.policies[chain] = policy.lower()
@@ -200,7 +219,7 @@ _SADDR, _L4PROTO = Field("saddr"), Field("l4proto")
 _COMMENT = re.compile(r' -m comment --comment (?:"([^"\\]*)"|([^\s"]+))')
 
 
-def _common(current: _TableBuilder, line: str, number: int) -> bool:
+def _common(current: _TableBuilder, line: str, number: int, fam: str = "ip") -> bool:
     """Read `line` if it is one of the common shapes (with or without one comment, which adds
     no statement wherever it stands); False to read it the general way."""
     comment, shape = "", line
@@ -216,6 +235,8 @@ def _common(current: _TableBuilder, line: str, number: int) -> bool:
     chain, source, proto, probability, target, dest = m.groups()
     if dest is not None and target != "DNAT":
         return False  # options after a target that takes none: the general reader says what they are
+    if fam != "ip" and (source or dest) or len(comment) > COMMENT_MAX:
+        return False  # an IPv4 address in an IPv6 save, a long comment: the general reader refuses them
     try:
         matches: list[Statement] = []
         if source is not None:
@@ -239,13 +260,13 @@ def _common(current: _TableBuilder, line: str, number: int) -> bool:
 
 def _line(current: _TableBuilder, line: str, number: int, fam: str) -> None:
     """One line inside a table: a chain declaration or a command."""
-    if line.startswith("-A ") and _common(current, line, number):
+    if line.startswith("-A ") and _common(current, line, number, fam):
         return
     if line.startswith(":"):
         parts = line[1:].split()
         if len(parts) < 2:
             raise ParseError(f"bad chain declaration {line[:200]!r}", number)
-        current.declare(parts[0], parts[1])
+        current.declare(parts[0], parts[1], number)
         return
     tokens = _split(line, number)
     if tokens and tokens[0].startswith("[") and tokens[0].endswith("]"):
@@ -259,13 +280,14 @@ def _line(current: _TableBuilder, line: str, number: int, fam: str) -> None:
     if op in ("-X", "--delete-chain"):
         for chain in tokens[1:2]:
             current.rules.pop(chain, None)
+            current.declared.pop(chain, None)
         return
     if op in ("-F", "--flush"):
         for chain in tokens[1:2] or list(current.rules):
             current.rules[chain] = []
         return
     if op in ("-N", "--new-chain"):
-        current.declare(tokens[1], "-")
+        current.declare(tokens[1], "-", number)
         return
     if op in ("-A", "--append", "-I", "--insert") and len(tokens) >= 2:
         chain = tokens[1]
@@ -274,7 +296,7 @@ def _line(current: _TableBuilder, line: str, number: int, fam: str) -> None:
         if op in ("-I", "--insert"):
             position = 0
             if rest and rest[0].isascii() and rest[0].isdigit():
-                position = int(rest[0]) - 1
+                position = int(rest[0]) - 1 if len(rest[0]) <= _DIGITS_MAX else 1 << 64
                 rest = rest[1:]
         rule = _rule(rest, line, current, fam, number)
         rules = current.rules.setdefault(chain, [])
@@ -309,7 +331,7 @@ def _split(line: str, number: int) -> list[str]:
     return tokens
 
 
-def _networks(text: str) -> tuple[Prefix, ...]:
+def _networks(text: str, family: str = "ip") -> tuple[Prefix, ...]:
     # Cached: a service's addresses recur in its rules (the cluster IP in KUBE-SERVICES and its
     # KUBE-SVC chain, an endpoint in its KUBE-SEP chain's match and DNAT).
     found = _NETWORKS.get(text)
@@ -317,7 +339,21 @@ def _networks(text: str) -> tuple[Prefix, ...]:
         if len(_NETWORKS) >= 1 << 16:
             _NETWORKS.clear()
         found = _NETWORKS[text] = tuple(Prefix(_network(part)) for part in text.split(","))
+    version = 6 if family == "ip6" else 4
+    for prefix in found:
+        if prefix.network.version != version:
+            _check_version(prefix.network, family)
     return found
+
+
+def _check_version(value: ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv4Network
+                   | ipaddress.IPv6Network, family: str) -> None:
+    """iptables-restore reads IPv4 addresses only, ip6tables-restore IPv6 ones ("host/network
+    not found", "Bad IP address"): one of the other family was not saved by either."""
+    version = 6 if family == "ip6" else 4
+    if value.version != version:
+        tool = "ip6tables-restore" if version == 6 else "iptables-restore"
+        raise ValueError(f"{value} is an IPv{value.version} address in an IPv{version} save ({tool} refuses it)")
 
 
 def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
@@ -340,13 +376,18 @@ _NETWORKS: dict[str, tuple[Prefix, ...]] = {}
 
 
 def _ports(text: str) -> tuple[Const | Range, ...]:
+    """Ports and ranges (`80`, `1000:2000`, `:1023`), each 16 bits, as iptables reads them
+    ("invalid port/service", "invalid portrange (min > max)")."""
     out: list[Const | Range] = []
     for part in text.split(","):
         if ":" in part:
             lo, hi = part.split(":", 1)
-            out.append(Range(int(lo or 0), int(hi or 65535)))
+            low, high = _unsigned(lo or "0", PORT_MAX, "port"), _unsigned(hi or str(PORT_MAX), PORT_MAX, "port")
+            if low > high:
+                raise ValueError(f"port range {part} has its minimum above its maximum")
+            out.append(Range(low, high))
         else:
-            out.append(Const(int(part)))
+            out.append(Const(_unsigned(part, PORT_MAX, "port")))
     return tuple(out)
 
 
@@ -358,7 +399,17 @@ def _operand(items: tuple) -> Const | Prefix | Range | AnonSet:
 
 def _mark(text: str) -> tuple[int, int]:
     value, _, mask = text.partition("/")
-    return int(value, 0), int(mask, 0) if mask else 0xFFFFFFFF
+    return _unsigned(value, MARK_MAX, "mark", 0), _unsigned(mask, MARK_MAX, "mark mask", 0) if mask else MARK_MAX
+
+
+def _unsigned(text: str, limit: int, what: str, base: int = 10) -> int:
+    """A number as xtables_strtoui reads it (base 0: 0x… hex too), from 0 to `limit`."""
+    if len(text) > _DIGITS_MAX:
+        raise ValueError(f"{what} of {len(text)} characters, out of range (0-{limit})")
+    value = int(text, base)
+    if not 0 <= value <= limit:
+        raise ValueError(f"{what} {text} out of range (0-{limit})")
+    return value
 
 
 class _Tokens:
@@ -421,6 +472,8 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
                 recent = {}
         elif tok == "--comment" and module == "comment":
             comment = ts.next()
+            if len(comment) > COMMENT_MAX:
+                raise ValueError(f"comment of {len(comment)} characters: iptables keeps at most {COMMENT_MAX}")
         elif tok in ("-p", "--protocol"):
             value = canonical(ts.next(), "proto")
             proto = str(value)
@@ -428,12 +481,12 @@ def _rule_unchecked(tokens: list[str], line: str, table: _TableBuilder, family: 
                 cmp(Field("l4proto"), Const(value))
         elif tok in ("-s", "--source", "--src", "-d", "--destination", "--dst"):
             name = "saddr" if tok in ("-s", "--source", "--src") else "daddr"
-            cmp(Field(name), _operand(_networks(ts.next())))
+            cmp(Field(name), _operand(_networks(ts.next(), family)))
         elif tok in ("-i", "--in-interface", "-o", "--out-interface"):
             name = "iifname" if tok.startswith(("-i", "--in")) else "oifname"
             cmp(Field(name), Const(ts.next()))
         elif tok in ("-j", "--jump", "-g", "--goto"):
-            tail.extend(_target(tok, ts, line))
+            tail.extend(_target(tok, ts, line, family))
         elif tok in ("--dport", "--destination-port", "--sport", "--source-port") and module in (
             "tcp", "udp", "sctp", "dccp", "udplite"
         ):
@@ -514,12 +567,12 @@ class _RecentPlaceholder:
         if self.options.get("action") == "set":
             table.recent.setdefault(set_name, 0)
             return SetUpdate(set_name, Field("saddr"))
-        seconds = int(self.options.get("seconds", "0"))
+        seconds = _unsigned(self.options.get("seconds", "0"), 0xFFFFFFFF, "--seconds")
         table.recent[set_name] = max(table.recent.get(set_name, 0), seconds)
         return Match(Field("saddr"), "!=" if self.negate else "==", SetRef(set_name))
 
 
-def _target(tok: str, ts: _Tokens, line: str) -> list[Statement]:
+def _target(tok: str, ts: _Tokens, line: str, family: str = "ip") -> list[Statement]:
     target = ts.next()
     if tok in ("-g", "--goto"):
         return [Verdict("goto", target)]
@@ -534,7 +587,7 @@ def _target(tok: str, ts: _Tokens, line: str) -> list[Statement]:
         return [Verdict("reject")]
     if target == "DNAT":
         dest = opts.get("--to-destination", "")
-        return [_dnat(dest)]
+        return [_dnat(dest, family)]
     if target == "MASQUERADE":
         if "--to-ports" in opts:
             return [Unknown(f"-j MASQUERADE --to-ports {opts['--to-ports']}")]
@@ -550,7 +603,7 @@ def _target(tok: str, ts: _Tokens, line: str) -> list[Statement]:
     return [Verdict("jump", target)]
 
 
-def _dnat(dest: str) -> Statement:
+def _dnat(dest: str, family: str = "ip") -> Statement:
     """`--to-destination ip[:port]`, IPv6 as `[ip]:port`; ranges are not modelled."""
     if dest.startswith("["):
         ip, _, port = dest[1:].partition("]")
@@ -562,7 +615,8 @@ def _dnat(dest: str) -> Statement:
     if "-" in ip or "-" in port:
         return Unknown(f"-j DNAT --to-destination {dest}")
     addr = Const(address(ip))
-    if port and not (port.isdigit() and int(port) <= 65_535):
+    _check_version(addr.value, family)
+    if port and not (port.isdigit() and len(port) <= 5 and int(port) <= 65_535):
         raise ValueError(f"Port `{port}' not valid")  # as iptables-restore says it
     return Dnat(addr, Const(int(port)) if port else None)
 
@@ -577,11 +631,11 @@ def _mark_target(opts: dict[str, str]) -> Statement:
         value, mask = _mark(opts["--set-mark"])
         mask |= value  # "clear the mask's bits, then OR value in" is xmark value/(mask|value)
     elif "--or-mark" in opts:
-        value = mask = int(opts["--or-mark"], 0)
+        value = mask = _unsigned(opts["--or-mark"], MARK_MAX, "mark", 0)
     elif "--xor-mark" in opts:
-        value, mask = int(opts["--xor-mark"], 0), 0
+        value, mask = _unsigned(opts["--xor-mark"], MARK_MAX, "mark", 0), 0
     elif "--and-mark" in opts:
-        value, mask = 0, ~int(opts["--and-mark"], 0) & full
+        value, mask = 0, ~_unsigned(opts["--and-mark"], MARK_MAX, "mark", 0) & full
     else:
         return Unknown(f"-j MARK {opts}")
     kept = Bitwise("&", mark, ~mask & full)

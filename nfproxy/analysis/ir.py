@@ -336,18 +336,33 @@ def address(text: object) -> Address:
         return ipaddress.ip_address(text)
 
 
+class OutOfRange(ValueError):
+    """A value past what the kernel's field holds: a dump holding one was not read from a
+    kernel, so a reader refuses it rather than keep the statement as one it cannot model."""
+
+
 def canonical(value: object, kind: Kind) -> int | str | Address:
     """Read one printed value as `kind`; raises ValueError when it cannot be."""
     if kind == "addr":
         return address(str(value))
     if kind == "proto":
         if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
-            n = int(value)
+            n = int(_bounded(value, 3))
+            if not 0 <= n <= 255:
+                raise OutOfRange(f"protocol {n} out of range (0-255)")
             return PROTOCOL_NAMES.get(n, str(n))
         text = str(value).lower()
         return "ipv6-icmp" if text == "icmpv6" else text
     if kind == "int":
         if isinstance(value, int):
             return value
-        return int(str(value), 0)
+        return int(_bounded(str(value), 24), 0)
     return str(value).lower()
+
+
+def _bounded(value: object, digits: int) -> object:
+    """`value`, unless a text longer than any number the kernel's fields hold: refused before
+    int() reads it, whose own limit (4 300 digits) would say so in Python's words."""
+    if isinstance(value, str) and len(value) > digits:
+        raise OutOfRange(f"{value[:20]!r}... ({len(value)} characters) is no number the kernel holds")
+    return value

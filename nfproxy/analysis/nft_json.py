@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,7 @@ from nfproxy.analysis.ir import (
     Match,
     MarkSet,
     Numgen,
+    OutOfRange,
     Prefix,
     Range,
     Rule,
@@ -74,6 +77,72 @@ class ParseError(ValueError):
     index in the "nftables" list, its kind and name)."""
 
 
+class NumberError(ParseError):
+    """A number nft's JSON reader (jansson) refuses, at `line` of the text: there is no object
+    to name yet, so the line is the place."""
+
+    def __init__(self, reason: str, line: int) -> None:
+        super().__init__(f"line {line}: {reason}")
+        self.reason = reason
+        self.line = line
+
+
+# jansson holds an integer in 64 bits ("too big integer") and a real in a double ("real number
+# overflow"); NaN and Infinity are no JSON at all. Checking the digits before `int()` also keeps
+# Python's int-string limit (4 300 digits, a ValueError) out of reach.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT64_DIGITS = 19
+
+
+class _Refused(ValueError):
+    def __init__(self, literal: str, reason: str) -> None:
+        super().__init__(reason)
+        self.literal = literal
+
+
+def _json_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > _INT64_DIGITS:
+        raise _Refused(text, f"an integer of {digits} digits: nft reads 64-bit integers")
+    value = int(text)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise _Refused(text, f"integer {text} does not fit in 64-bit (nft: too big integer)")
+    return value
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Refused(text, f"{_shortened(text)} is past the largest double (nft: real number overflow)")
+    return value
+
+
+def _json_constant(text: str) -> float:
+    raise _Refused(text, f"{text} is not JSON: nft refuses it")
+
+
+def _shortened(text: str) -> str:
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
+
+
+def loads(text: str) -> Any:
+    """`json.loads` bounded as nft's reader is; a number it refuses is a NumberError with its
+    line. Other syntax errors stay json.JSONDecodeError, which has its own line."""
+    try:
+        return json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+    except _Refused as exc:
+        raise NumberError(str(exc), _line_of_literal(text, exc.literal)) from None
+
+
+def _line_of_literal(text: str, literal: str) -> int:
+    """The line of the first `literal` outside a string (only on the error path)."""
+    pattern = re.compile(r'"(?:[^"\\]|\\.)*"|(?<![\w.+-])(' + re.escape(literal) + r")(?![\w.])")
+    for m in pattern.finditer(text):
+        if m.group(1) is not None:
+            return text.count("\n", 0, m.start()) + 1
+    return 1
+
+
 # What a malformed document makes the readers below raise: a wrong type, a missing key, a
 # nesting too deep. Each is turned into a ParseError naming the item.
 _MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, RecursionError, OverflowError)
@@ -89,7 +158,9 @@ ElementSource = Callable[[str, str, str, tuple[Kind, ...], tuple[Kind, ...], dic
 def parse(doc: dict[str, Any] | str, elements: ElementSource | None = None) -> Ruleset:
     if isinstance(doc, str):
         try:
-            doc = json.loads(doc)
+            doc = loads(doc)
+        except NumberError:
+            raise
         except (ValueError, RecursionError) as exc:
             raise ParseError(f"not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("nftables"), list):
@@ -98,21 +169,30 @@ def parse(doc: dict[str, Any] | str, elements: ElementSource | None = None) -> R
     items = doc["nftables"]
     memo: _Memo = {}  # one for the document: a hairpin set repeats the endpoint maps' addresses
     # Sets first: rules are read against their declared types.
+    declared: dict[tuple[str, ...], int] = {}  # each table, set and chain: where first
     for number, item in enumerate(items):
         with _Item(number, item) as (kind, obj):
             if kind == "table":
+                _check_fields(kind, obj)
                 _table_of(tables, obj)
+                _declare(declared, number, "table", _name(obj, "family"), _name(obj, "name"))
             elif kind in ("set", "map"):
-                _table_of(tables, obj)["sets"][_name(obj, "name")] = _set(kind, obj, memo, elements)
+                _check_fields(kind, obj)
+                t = _table_of(tables, obj)
+                _declare(declared, number, "set", obj["family"], obj["table"], _name(obj, "name"))
+                t["sets"][obj["name"]] = _set(kind, obj, memo, elements)
     for number, item in enumerate(items):
         with _Item(number, item) as (kind, obj):
             if kind == "chain":
+                _check_fields(kind, obj)
                 t = _table_of(tables, obj)
-                t["chains"][_name(obj, "name")] = obj
+                _declare(declared, number, "chain", obj["family"], obj["table"], _name(obj, "name"))
+                t["chains"][obj["name"]] = obj
                 t["rules"].setdefault(obj["name"], [])
             elif kind == "rule":
+                _check_fields(kind, obj)
                 t = _table_of(tables, obj)
-                rule = _rule(obj, t["sets"])
+                rule = _rule(obj, t["sets"], obj["family"])
                 t["rules"].setdefault(_name(obj, "chain"), []).append(rule)
     out: list[Table] = []
     for (family, name), t in tables.items():
@@ -161,6 +241,89 @@ class _Item:
         return False
 
 
+# What `nft -j list` prints under each key of a top-level object, as (test, what it must be).
+# A key not listed is left alone (nft adds keys); a listed one of another type was not printed
+# by nft, and nft's own reader would refuse or drop it.
+Check = tuple[Callable[[Any], bool], str]
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+U32_MAX = (1 << 32) - 1
+# nf_msecs_to_jiffies64 refuses a timeout of U64_MAX / NSEC_PER_MSEC milliseconds or more (ERANGE).
+TIMEOUT_MS_LIMIT = ((1 << 64) - 1) // 1_000_000
+NAME_BYTES = 255  # NFT_NAME_MAXLEN, its NUL left out
+COMMENT_BYTES = 253  # NFT_USERDATA_MAXLEN (256) less the attribute's type, length and NUL
+
+
+def _is_u64(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= INT64_MAX
+
+
+def _is_u32(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= U32_MAX
+
+
+def _is_str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _is_strs(v: Any) -> bool:
+    return type(v) is str or type(v) is list and all(type(x) is str for x in v)
+
+
+def _is_list(v: Any) -> bool:
+    return type(v) is list
+
+
+def _is_comment(v: Any) -> bool:
+    return type(v) is str and (len(v) <= COMMENT_BYTES // 4 or len(v.encode()) <= COMMENT_BYTES)
+
+
+def _is_timeout(v: Any) -> bool:
+    return type(v) is int and 0 <= v and v * 1000 < TIMEOUT_MS_LIMIT
+
+
+def _is_priority(v: Any) -> bool:
+    return type(v) is int and INT32_MIN <= v <= INT32_MAX or type(v) is str or type(v) is dict
+
+
+_HANDLE: Check = (_is_u64, "a non-negative 64-bit integer")
+_STRING: Check = (_is_str, "a string")
+_STRINGS: Check = (_is_strs, "a string or a list of strings")
+_COMMENT: Check = (_is_comment, f"a string of at most {COMMENT_BYTES} bytes")
+_TIMEOUT: Check = (_is_timeout, f"a whole number of seconds from 0 to {TIMEOUT_MS_LIMIT // 1000 - 1}")
+_COMMON_FIELDS: dict[str, Check] = {"family": _STRING, "table": _STRING, "handle": _HANDLE, "comment": _COMMENT}
+_FIELDS: dict[str, dict[str, Check]] = {
+    "table": {"family": _STRING, "name": _STRING, "handle": _HANDLE, "comment": _COMMENT, "flags": _STRINGS},
+    "chain": {**_COMMON_FIELDS, "name": _STRING, "type": _STRING, "hook": _STRING, "policy": _STRING,
+              "prio": (_is_priority, "a 32-bit integer or a priority's name"), "dev": _STRINGS},
+    "set": {**_COMMON_FIELDS, "name": _STRING, "type": _STRINGS, "map": _STRINGS, "flags": _STRINGS,
+            "timeout": _TIMEOUT, "gc-interval": (_is_u32, "a 32-bit unsigned integer"),
+            "size": (_is_u32, "a 32-bit unsigned integer"), "policy": _STRING, "elem": (_is_list, "a list"),
+            "stmt": (_is_list, "a list")},
+    "rule": {**_COMMON_FIELDS, "chain": _STRING, "expr": (_is_list, "a list"),
+             "index": (_is_u32, "a 32-bit unsigned integer"), "position": _HANDLE},
+}
+_FIELDS["map"] = _FIELDS["set"]
+
+
+def _check_fields(kind: str, obj: dict[str, Any]) -> None:
+    """Each key `nft -j list` prints has the type it prints it with (bounded like the kernel)."""
+    fields = _FIELDS.get(kind)
+    if fields is None:
+        return
+    for key, value in obj.items():
+        check = fields.get(key)
+        if check is not None and not check[0](value):
+            raise NotFromAKernel(f"{key} must be {check[1]}, not {_short(value)}")
+
+
+def _declare(declared: dict[tuple[str, ...], int], number: int, *key: str) -> None:
+    """`nft -j list` lists each table, set and chain once: a second declaration is a dump
+    pieced together, whose two halves may disagree (the reader kept the last one)."""
+    first = declared.setdefault(key, number)
+    if first != number:
+        raise NotFromAKernel(f"declared again (first at nftables[{first}]): `nft -j list` lists each {key[0]} once")
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         return f"missing key {exc.args[0]!r}" if exc.args else "missing key"
@@ -178,6 +341,8 @@ def _name(obj: dict[str, Any], key: str) -> str:
     value = obj[key]
     if not isinstance(value, str):
         raise ValueError(f"{key} must be a string, not {_short(value)}")
+    if len(value) > NAME_BYTES // 4 and len(value.encode()) > NAME_BYTES:
+        raise NotFromAKernel(f"{key} of {len(value.encode())} bytes: the kernel's names have at most {NAME_BYTES}")
     return value
 
 
@@ -248,23 +413,54 @@ def check_port(value: object) -> None:
         raise NotFromAKernel(f"port {value} out of range (0-{PORT_MAX})")
 
 
-def _check_ports(data_types: list[Any], elements: tuple[Element, ...]) -> None:
-    """The inet_service parts of a map's data (an endpoint map's `ip . port`) in range."""
-    at = [i for i, name in enumerate(data_types) if name == "inet_service"]
-    if not at:
+_ADDRESS_TYPES = {"ipv4_addr": 4, "ipv6_addr": 6}
+
+
+def check_version(value: object, version: int, what: str) -> None:
+    """An address (or prefix, or range of them) of `version`: nft refuses `ip daddr fd00::1`
+    and an IPv6 element in an ipv4_addr set, so a dump holding one was not listed by a kernel."""
+    low = value.low if isinstance(value, Range) else value.network if isinstance(value, Prefix) else \
+        value.value if isinstance(value, Const) else value
+    if isinstance(low, (ipaddress.IPv4Address, ipaddress.IPv6Address, ipaddress.IPv4Network, ipaddress.IPv6Network)) \
+            and low.version != version:
+        raise NotFromAKernel(f"{low} is an IPv{low.version} address where {what} holds IPv{version} ones")
+
+
+def _element_text(el: Element) -> str:
+    key = " . ".join(f"{k.low}-{k.high}" if isinstance(k, Range) else str(getattr(k, "value", k)) for k in el.key)
+    return key[:80]
+
+
+def _check_elements(key_types: list[Any], data_types: list[Any], elements: tuple[Element, ...]) -> None:
+    """Each element as its declared types bound it: addresses of the type's family, the
+    inet_service parts of a map's data (an endpoint map's `ip . port`) in range. A plain
+    address of the right family is let through inline: an endpoint map has 100 000 of them."""
+    keys = [(i, _ADDRESS_TYPES[t]) for i, t in enumerate(key_types) if t in _ADDRESS_TYPES]
+    data = [(i, _ADDRESS_TYPES.get(t, 0)) for i, t in enumerate(data_types) if t in _ADDRESS_TYPES or t == "inet_service"]
+    if not keys and not data:
         return
     single = len(data_types) == 1
     for el in elements:
-        if el.data is None or not isinstance(el.data, Const):
-            continue
-        values = (el.data.value,) if single else el.data.value
-        for i in at:
-            try:
-                check_port(values[i])  # type: ignore[index]
-            except ValueError as exc:
-                key = " . ".join(f"{k.low}-{k.high}" if isinstance(k, Range) else str(getattr(k, "value", k))
-                                 for k in el.key)
-                raise ValueError(f"element {key[:80]}: {exc}") from None
+        try:
+            for i, version in keys:
+                key = el.key[i]
+                if type(key) is not Const or type(key.value) is not _ADDRESS_CLASSES[version]:
+                    check_version(key, version, f"the set's type {key_types[i]}")
+            if not data or type(el.data) is not Const:
+                continue
+            values = (el.data.value,) if single else el.data.value
+            for i, version in data:
+                value = values[i]  # type: ignore[index]
+                if not version:
+                    if type(value) is not int or not 0 <= value <= PORT_MAX:
+                        check_port(value)
+                elif type(value) is not _ADDRESS_CLASSES[version]:
+                    check_version(value, version, f"the map's type {data_types[i]}")
+        except ValueError as exc:
+            raise NotFromAKernel(f"element {_element_text(el)}: {exc}") from None
+
+
+_ADDRESS_CLASSES = {4: ipaddress.IPv4Address, 6: ipaddress.IPv6Address}
 
 
 def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: ElementSource | None = None) -> SetDef:
@@ -277,8 +473,7 @@ def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: Elem
         elements = source(obj.get("family"), obj.get("table"), obj["name"], key_kinds, data_kinds, memo)  # type: ignore[arg-type]
     if elements is None:
         elements = _elements(obj.get("elem", []), key_kinds, data_kinds, memo)
-    if kind == "map":
-        _check_ports(_type_names(obj.get("map")), elements)
+    _check_elements(_type_names(obj.get("type")), _type_names(obj.get("map")) if kind == "map" else [], elements)
     flags = obj.get("flags", [])
     flags = frozenset([flags] if isinstance(flags, str) else flags)
     return SetDef(obj["name"], kind, key_kinds, data_kinds, elements, flags, int(obj.get("timeout", 0)))  # type: ignore[arg-type]
@@ -495,27 +690,30 @@ def _verdict(raw: Any) -> Verdict:
 # Rules.
 
 
-def _rule(obj: dict[str, Any], sets: dict[str, SetDef]) -> Rule:
+def _rule(obj: dict[str, Any], sets: dict[str, SetDef], family: str = "inet") -> Rule:
     statements: list[Statement] = []
     exprs = obj.get("expr", [])
     if not isinstance(exprs, list):
         raise ValueError(f"expr must be a list, not {_short(exprs)}")
     for raw in exprs:
-        st = _statement(raw, sets)
+        st = _statement(raw, sets, family)
         if st is not None:
             statements.append(st)
     comment = obj.get("comment", "")
     return Rule(tuple(statements), comment if isinstance(comment, str) else str(comment), json.dumps(exprs))
 
 
-def _statement(raw: Any, sets: dict[str, SetDef]) -> Statement | None:
+def _statement(raw: Any, sets: dict[str, SetDef], family: str = "inet") -> Statement | None:
     if not isinstance(raw, dict) or len(raw) != 1:
         return Unknown(json.dumps(raw))
     ((kind, body),) = raw.items()
     try:
         if kind == "match":
             return _match(body, sets)
-        if kind in ("counter", "log", "comment", "notrack_ignored"):
+        if kind == "counter":
+            _check_counter(body)
+            return None
+        if kind in ("log", "comment", "notrack_ignored"):
             return None
         if kind in _VERDICTS:
             return _verdict(raw)
@@ -535,16 +733,28 @@ def _statement(raw: Any, sets: dict[str, SetDef]) -> Statement | None:
                 elem = elem["elem"]["val"]
             return SetUpdate(body["set"].lstrip("@"), _expr(elem))
         if kind == "dnat":
-            return _dnat(body, sets)
+            return _dnat(body, sets, family)
         if kind == "masquerade":
             if isinstance(body, dict) and "port" in body:
                 return Unknown(json.dumps(raw))
             return Masquerade()
-    except NotFromAKernel:
+    except (NotFromAKernel, OutOfRange):
         raise
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return Unknown(f"{json.dumps(raw)} ({exc})")
     return Unknown(json.dumps(raw))
+
+
+def _check_counter(body: Any) -> None:
+    """`counter` as nft lists it: null (anonymous, fresh), a named counter's name, or its
+    packets and bytes, each a 64-bit count."""
+    if body is None or isinstance(body, str):
+        return
+    if not isinstance(body, dict):
+        raise NotFromAKernel(f"counter must be an object, not {_short(body)}")
+    for key in ("packets", "bytes"):
+        if key in body and not _is_u64(body[key]):
+            raise NotFromAKernel(f"counter {key} must be {_HANDLE[1]}, not {_short(body[key])}")
 
 
 def _expr(raw: Any) -> Expr:
@@ -567,6 +777,9 @@ def _expr(raw: Any) -> Expr:
             return Ct(body["key"])
         if kind == "numgen" and body.get("mode") == "random":
             mod, offset = body["mod"], body.get("offset", 0)
+            for key, value in (("mod", mod), ("offset", offset)):
+                if type(value) is not int:
+                    raise NotFromAKernel(f"numgen {key} must be an integer, not {_short(value)}")
             if type(offset) is int and -(1 << 31) <= offset < 0:
                 offset += 1 << 32  # nft 1.0.6 prints the u32 offset as a signed 32-bit number
             if type(mod) is not int or type(offset) is not int or mod <= 0 or offset < 0:
@@ -643,6 +856,25 @@ def _generic_const(raw: Any) -> Const:
 
 
 def _match(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
+    match = _match_unchecked(body, sets)
+    version = _payload_version(body["left"])
+    if version and isinstance(match, Match):
+        right = match.right
+        for value in (el.key[0] for el in right.elements) if isinstance(right, AnonSet) else (right,):
+            check_version(value, version, _short(body["left"]))
+    return match
+
+
+def _payload_version(left: Any) -> int:
+    """4 for `ip saddr`/`ip daddr`, 6 for their ip6 twins, else 0."""
+    if type(left) is dict and len(left) == 1 and type(left.get("payload")) is dict:
+        payload = left["payload"]
+        if payload.get("field") in ("saddr", "daddr"):
+            return {"ip": 4, "ip6": 6}.get(payload.get("protocol"), 0)  # type: ignore[arg-type]
+    return 0
+
+
+def _match_unchecked(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
     left = _expr(body["left"])
     op = body.get("op", "==")
     right = body["right"]
@@ -666,12 +898,15 @@ def _match(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
     return Match(left, op, value)
 
 
-def _dnat(body: dict[str, Any], sets: dict[str, SetDef]) -> Statement:
+def _dnat(body: dict[str, Any], sets: dict[str, SetDef], family: str = "inet") -> Statement:
     if not isinstance(body, dict) or "addr" not in body:
         return Unknown(json.dumps({"dnat": body}))
     addr_raw = body["addr"]
     if isinstance(addr_raw, str):
         addr: Expr = Const(address(addr_raw))
+        version = {"ip": 4, "ip6": 6}.get(body.get("family", family), 0)
+        if version:
+            check_version(addr, version, f"`dnat {body.get('family', family)}`")
     else:
         addr = _expr(addr_raw)
     port: Expr | None = None
