@@ -23,9 +23,19 @@ a port no service uses and drops traffic to an unallocated address of the servic
 iptables mode leaves both alone. Such a probe passes when each backend does exactly its own
 upstream thing (docs/semantics.md lists the differences).
 
-Public API: `compare(state) -> Comparison`; `probes(state, family)` (verify.probe's `Probe`);
-`Agreement`, one probe's four exact distributions. It is not verify.probe's `ProbeResult`: no
-traffic is sent, so there is nothing measured, only two rule sets' promises side by side.
+Bounded work: the interpreter finds a probe's rule in iptables' KUBE-SERVICES through an index
+on the destination address (analysis/index.py), so the rules of the other service ports at that
+same address are evaluated one by one. Probes at an address grow with its ports, so one Service
+of N ports costs N^2 rule evaluations (20 000 ports: hours, where `render` takes 8 s). `compare`
+estimates that work from the model before rendering anything and refuses a state over
+`WORK_LIMIT` (`TooMuchWork`, naming the address, the figures and the limit), as `check` and
+`trace` stop a walk over their budget instead of running for ever (docs/semantics.md,
+"Bounded work").
+
+Public API: `compare(state, work_limit=WORK_LIMIT) -> Comparison`; `estimate(state) -> Work`;
+`probes(state, family)` (verify.probe's `Probe`); `Agreement`, one probe's four exact
+distributions. It is not verify.probe's `ProbeResult`: no traffic is sent, so there is nothing
+measured, only two rule sets' promises side by side.
 """
 
 from __future__ import annotations
@@ -340,8 +350,81 @@ def families(state: ClusterState) -> list[IPFamily]:
     return sorted({k[1] for k in state.services}, key=lambda f: f.value)
 
 
+# --------------------------------------------------------------------------------------------
+# Bounded work (see the module docstring).
+
+# Rule evaluations allowed by the estimate below: ~9 us each here, so at most ~40 s of
+# evaluations past those one rule each (one Service of about 1 400 ports, 2 probes per port;
+# 10 000 Services of one port each, 5 probes per port, estimate 50 000).
+WORK_LIMIT = 4_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """The estimated rule evaluations of a compare, and the address that costs the most."""
+
+    evaluations: int
+    family: IPFamily | None = None
+    address: str = ""
+    ports: int = 0  # service ports whose rules demand `address`
+    probes: int = 0  # probes sent to `address`
+
+
+class TooMuchWork(ValueError):
+    """The estimate is over the limit: refused before anything is rendered."""
+
+
+def _destinations(svc: ServicePort, family: IPFamily) -> set[str]:
+    """Addresses whose KUBE-SERVICES rules name this service port (node ports have a chain
+    indexed by port, so they crowd nothing)."""
+    return {svc.cluster_ip, *of_family(svc.external_ips, family), *of_family(svc.load_balancer_ips, family)}
+
+
+def _family_work(state: ClusterState, family: IPFamily) -> Work:
+    """Each probe to an address may evaluate every rule of that address: the sum over addresses
+    of probes x service ports there, an upper bound of the scans the index leaves."""
+    ports: dict[str, int] = {}
+    for svc, _ in state.service_ports(family):
+        for address in _destinations(svc, family):
+            ports[address] = ports.get(address, 0) + 1
+    sent: dict[str, int] = {}
+    for probe in (*probes(state, family), *documented_probes(state, family)):
+        if probe.dst in ports:
+            sent[probe.dst] = sent.get(probe.dst, 0) + 1
+    total = sum(n * ports[address] for address, n in sent.items())
+    worst = max(sent, key=lambda a: sent[a] * ports[a], default="")
+    return Work(total, family, worst, ports.get(worst, 0), sent.get(worst, 0))
+
+
+def estimate(state: ClusterState) -> Work:
+    """The whole compare's estimate; the family and address reported are the costliest."""
+    works = [_family_work(state, family) for family in families(state)]
+    if not works:
+        return Work(0)
+    worst = max(works, key=lambda w: w.ports * w.probes)
+    return Work(sum(w.evaluations for w in works), worst.family, worst.address, worst.ports, worst.probes)
+
+
+def bounded(state: ClusterState, work_limit: int = WORK_LIMIT) -> Work:
+    """The estimate, or TooMuchWork when it is over `work_limit` (0: no limit)."""
+    work = estimate(state)
+    if work_limit and work.evaluations > work_limit:
+        assert work.family is not None
+        raise TooMuchWork(
+            f"about {work.evaluations} rule evaluations, over the limit of {work_limit} "
+            f"(--work-limit): {work.ports} service ports share the address {work.address} "
+            f"(IPv{work.family.value}), and each of its {work.probes} probes may evaluate the "
+            f"rules of all of them, so the work grows with the square of the ports "
+            f"(docs/semantics.md, \"Bounded work\")"
+        )
+    return work
+
+
 @gc_paused()  # both rule sets read back and every probe walked
-def compare(state: ClusterState) -> Comparison:
+def compare(state: ClusterState, work_limit: int = WORK_LIMIT) -> Comparison:
+    """Both renderings walked for every probe; TooMuchWork, at once, when the estimate of the
+    work is over `work_limit` (0: no limit)."""
+    bounded(state, work_limit)
     results: list[Agreement] = []
     for family in families(state):
         # nft first: its JSON document, the largest transient, is gone before iptables is read.

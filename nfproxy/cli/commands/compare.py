@@ -20,9 +20,16 @@ def _dist(d: dict) -> dict[str, str]:
     return {str(k): exact_text(v, JSON_EXACT_DIGITS) for k, v in d.items()}
 
 
+def _work_limit(text: str) -> int:
+    """A count of rule evaluations: a bad one is the flag's error (exit 2), not a traceback."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 10^18 (0: no limit)")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
     from nfproxy.analysis.interpret import InterpretError
-    from nfproxy.verify.compare import compare
+    from nfproxy.verify.compare import WORK_LIMIT, TooMuchWork, compare
 
     try:
         state = load_manifests(args, nothing_to="compare")
@@ -30,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"nfproxy: error: {exc}", file=sys.stderr)
         return 2
     try:
-        result = compare(state)
+        result = compare(state, WORK_LIMIT if args.work_limit is None else args.work_limit)
+    except TooMuchWork as exc:  # refused before rendering: a run that would not end in time
+        print(f"nfproxy: error: {args.manifests}: nothing compared: {exc}", file=sys.stderr)
+        return 2
     except InterpretError as exc:  # a rendering the interpreter cannot read: name the rule
         print(f"nfproxy: error: {args.manifests}: rendered rules: {exc}", file=sys.stderr)
         return 2
@@ -98,5 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="interpret both backends' renderings exactly and compare them")
     add_node_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--work-limit", type=_work_limit, default=None, metavar="N",
+                   help="refuse manifests whose estimated rule evaluations exceed N (default "
+                        "4000000; 0: no limit; docs/semantics.md, \"Bounded work\")")
     p.add_argument("manifests", metavar="MANIFESTS", help="a YAML file or a directory of them")
     p.set_defaults(func=run)

@@ -10,8 +10,16 @@ from nfproxy.cli.commands import BACKENDS, load_manifests
 from nfproxy.cli.config import FlagError, add_node_flags
 
 
+def _rule_limit(text: str) -> int:
+    """A count of rules: a bad one is the flag's error (exit 2), not a traceback."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 10^18 (0: no limit)")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
-    from nfproxy.verify.validate import validate
+    from nfproxy.kernel.iptables import Flavour
+    from nfproxy.verify.validate import IPTABLES_NFT_RULE_LIMIT, TooManyRules, validate
 
     if os.geteuid() != 0:
         print("nfproxy validate: needs root (it creates network namespaces)", file=sys.stderr)
@@ -24,7 +32,14 @@ def run(args: argparse.Namespace) -> int:
     n_services = len(state.services)
     n_endpoints = sum(len(e) for e in state.endpoints.values())
     print(f"{n_services} service ports, {n_endpoints} endpoints, node {state.node.name or '(unnamed)'}")
-    for r in validate(state, backends):
+    limit = IPTABLES_NFT_RULE_LIMIT if args.iptables_nft_rule_limit is None else args.iptables_nft_rule_limit
+    flavour = Flavour(args.iptables_flavour) if args.iptables_flavour else None
+    try:
+        applied = validate(state, backends, flavour=flavour, iptables_nft_rule_limit=limit)
+    except TooManyRules as exc:  # refused before anything is applied: a restore that would not end
+        print(f"nfproxy: error: {args.manifests}: nothing applied: {exc}", file=sys.stderr)
+        return 2
+    for r in applied:
         print(
             f"  {r.backend:8} IPv{r.family.value}: applied in {r.seconds * 1000:7.1f} ms "
             f"({r.detail}); kernel holds {r.inventory.summary()}"
@@ -40,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--backends", default=",".join(BACKENDS), metavar="LIST",
                    help="comma-separated backends to validate (default: iptables,nft)")
+    p.add_argument("--iptables-flavour", choices=("legacy", "nft"), default=None,
+                   help="the iptables to validate with (default: as the daemon picks it: the "
+                        "host's `iptables`, in a fresh namespace)")
+    p.add_argument("--iptables-nft-rule-limit", type=_rule_limit, default=None, metavar="N",
+                   help="refuse an iptables-nft restore of more than N rules per family "
+                        "(default 25000; 0: no limit): its time grows faster than N^2")
     add_node_flags(p)
     p.add_argument("manifests", metavar="MANIFESTS", help="a YAML file or a directory of them")
     p.set_defaults(func=run)
