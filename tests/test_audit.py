@@ -394,7 +394,7 @@ NOWHERE = ("--netns", "does-not-exist-xyz")
     (("--interval", "0s"), "--interval '0s': must be positive"),
     (("--interval", "5s", "--once"), "not allowed with argument"),
     (("--service", "justaname", "--once"), "--service 'justaname': expected NAMESPACE/NAME"),
-    (("--backend", "pf", "--once"), "argument --backend: invalid choice"),
+    (("--backend", "pf", "--once"), "argument --backend/--proxy-mode: invalid choice"),
     (("--node-ip", "bogus", "--once"), "audit: --node-ip 'bogus': not an IP address"),
     (("--backend", "iptables", "--netns", "does-not-exist-xyz", "--once"),
      "audit: --netns: no network namespace named 'does-not-exist-xyz'"),

@@ -259,4 +259,6 @@ def test_separate_service_pod_and_node_ranges_are_accepted(tmp_path: Path, caplo
         written(tmp_path, "--service-cluster-ip-range", "10.96.0.0/12,fd00:10:96::/112",
                 "--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56", "--node-ip", "192.168.1.10",
                 "--node-ip", "fd00:1::10")
-    assert not caplog.records
+    from nfproxy.cli.commands.run import DEFAULT_MODE_WARNING
+
+    assert [r.getMessage() for r in caplog.records] == [DEFAULT_MODE_WARNING]  # no mode given (KEP-5343)

@@ -55,11 +55,17 @@ def settings_from_args(args: argparse.Namespace) -> ConntrackSettings:
     )
 
 
+# kube-proxy 1.36 (kubernetes#137002): the per-core product stops here. 32 768 per core made a
+# 128-core node's table 4 Mi entries (hash buckets and memory it never uses); an explicit
+# --conntrack-min above it is still honoured (it is a floor the user asked for).
+SCALED_MAX = 1_048_576
+
+
 def conntrack_max(settings: ConntrackSettings, cpus: int) -> int:
     """kube-proxy's getConntrackMax: 0 (leave it) unless a per-core limit is given."""
     if settings.max_per_core <= 0:
         return 0
-    return max(settings.max_per_core * cpus, settings.min)
+    return max(min(settings.max_per_core * cpus, SCALED_MAX), settings.min)
 
 
 def planned(settings: ConntrackSettings) -> tuple[tuple[str, int], ...]:

@@ -176,17 +176,19 @@ def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]
     run_parser = _subparser(parser, "run")
     assert run_parser is not None
     options = _options_given(argv, run_parser) if given.get("command") == "run" else []
-    if given.get("config"):
-        _apply_config(parser, run_parser, given, options)
+    file_mode = _apply_config(parser, run_parser, given, options) if given.get("config") else False
     args = parser.parse_args(argv)
     if args.command == "run":
+        # Neither a flag nor the file chose: kube-proxy 1.37 warns (KEP-5343; run.py says it).
+        args.mode_defaulted = "backend" not in given and not file_mode
         _complete_run(args, options)
     return parser, args
 
 
 def _apply_config(parser: argparse.ArgumentParser, run_parser: argparse.ArgumentParser,
-                  given: dict[str, object], options: list[str]) -> None:
-    """Set the file's values as the parsers' defaults: a flag given wins over the file.
+                  given: dict[str, object], options: list[str]) -> bool:
+    """Set the file's values as the parsers' defaults: a flag given wins over the file. True
+    when the file names the proxy mode (a blank `mode:` does not).
 
     kube-proxy drops what its own flags set once a file is given (Options.Complete); nfproxy
     keeps them, as KEP-2157 asks and as its DaemonSet relies on (`--proxy-mode=nftables` over
@@ -206,6 +208,7 @@ def _apply_config(parser: argparse.ArgumentParser, run_parser: argparse.Argument
                      "kube-proxy would ignore them with --config",)
     parser.set_defaults(**{d: v for d, v in values.items() if d in top_dests})
     run_parser.set_defaults(config_warnings=warnings, **{d: v for d, v in values.items() if d not in top_dests})
+    return "backend" in loaded.defaults
 
 
 def _complete_run(args: argparse.Namespace, options: list[str]) -> None:

@@ -17,6 +17,18 @@ from nfproxy.core.model import ClusterState
 BACKENDS = backend_names()
 
 
+def backend_name(text: str) -> str:
+    """kube-proxy's mode name as nfproxy's backend name: `nftables` is the nft backend."""
+    return "nft" if text == "nftables" else text
+
+
+def add_backend_flag(p: argparse.ArgumentParser, *, choices: tuple[str, ...] = tuple(BACKENDS), **kw: object) -> None:
+    """`--backend`, also spelled `--proxy-mode` with kube-proxy's mode names, as the daemon
+    takes it: one vocabulary across commands (`render --proxy-mode nftables`)."""
+    p.add_argument("--backend", "--proxy-mode", dest="backend", type=backend_name, choices=choices,
+                   metavar="{" + ",".join(dict.fromkeys([*choices, "nftables"])) + "}", **kw)  # type: ignore[arg-type]
+
+
 class NothingToShow(ValueError):
     """The manifests hold no object at all; printed as it is, exit 2."""
 

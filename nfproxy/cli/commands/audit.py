@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli.commands import add_backend_flag
 from nfproxy.cli.commands.trace import SourceError, check_netns, check_node_ips, fail
 
 DEFAULT_INTERVAL = "30s"
@@ -268,7 +268,7 @@ def _write_metrics(path: str, report: Any) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("audit", help="test the new connections per endpoint against the shares the rules promise")
-    p.add_argument("--backend", choices=BACKENDS, help="which rules and counters to read (default nft)")
+    add_backend_flag(p, help="which rules and counters to read (default nft)")
     p.add_argument("--netns", metavar="NAME", help="audit this network namespace")
     when = p.add_mutually_exclusive_group()
     when.add_argument("--interval", metavar="DURATION", help=f"time between the two readings (default {DEFAULT_INTERVAL})")

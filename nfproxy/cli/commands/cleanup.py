@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nfproxy.cli.commands import add_backend_flag
+
 
 def run(args: argparse.Namespace) -> int:
     from nfproxy.daemon.cleanup import cleanup_iptables, cleanup_nft
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cleanup", help="remove every rule nfproxy owns, in both backends")
     p.add_argument("--netns", metavar="NAME", help="clean this named network namespace instead of the current one")
-    p.add_argument("--backend", choices=("nft", "iptables", "all"), default="all",
-                   help="only this backend's rules (default: all). The iptables backend's chains are "
-                        "kube-proxy's names: cleaning them also removes a running kube-proxy's rules")
+    add_backend_flag(p, choices=("nft", "iptables", "all"), default="all",
+                     help="only this backend's rules (default: all). The iptables backend's chains are "
+                          "kube-proxy's names: cleaning them also removes a running kube-proxy's rules")
     p.set_defaults(func=run)

@@ -124,9 +124,20 @@ def _cleanup(args: argparse.Namespace) -> int:
     return cleanup.run(argparse.Namespace(netns=args.netns, backend="all"))
 
 
+# kube-proxy 1.37's warning when it defaults the mode (kubernetes#139957, KEP-5343), in our
+# words: the wording of upstream's log line was not at hand, its release note's sense is kept.
+DEFAULT_MODE_WARNING = (
+    'No proxy mode was specified: using "iptables", the fallback default on Linux. "nftables" '
+    'will become the default in a future release; set --proxy-mode (or the configuration\'s '
+    '`mode`) to "iptables" to keep this mode'
+)
+
+
 def run(args: argparse.Namespace) -> int:
     from nfproxy.kernel import netns as netns_mod
 
+    if getattr(args, "mode_defaulted", False):
+        log.warning(DEFAULT_MODE_WARNING)
     args.backend = backend_of(args.backend)
     _bind_address_as_node_ip(args)
     _check_bind_addresses(args)
