@@ -319,3 +319,10 @@ def test_a_save_past_xtables_bounds_is_an_error(tmp_path: Path, capsys: pytest.C
     assert old in SAVE
     text = SAVE.replace(old, new, 1)
     refused(capsys, tmp_path / "save.txt", text, f":{line_of(text, new)}", message)
+
+
+def test_a_table_iptables_does_not_have_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """iptables-restore: "can't initialize iptables table `nat2': Table does not exist"; the
+    reader took *nat2 as a table of user chains and reported it clean."""
+    text = SAVE.replace("*nat", "*nat2", 1)
+    refused(capsys, tmp_path / "save.txt", text, f":{line_of(text, '*nat2')}", "*nat2: no such table")

@@ -178,6 +178,8 @@ def parse(text: str | Iterable[str], family: object = IPFamily.V4) -> Ruleset:
             name = line[1:].strip()
             if not name:
                 raise ParseError("a table line names no table", number)
+            if name not in BUILTIN:
+                raise ParseError(f"*{name[:40]}: no such table (iptables has {', '.join(BUILTIN)})", number)
             current = tables.setdefault(name, _TableBuilder(name))
             opened = number
             continue
