@@ -155,3 +155,18 @@ def pytest_configure(config: pytest.Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, interrupt)
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[object]:
+    """The real etcd + kube-apiserver (`scripts/kube up`), one for the session, always taken
+    down. A fixed directory, so a run killed before its teardown is cleaned by the next."""
+    import tempfile
+
+    from tests.realkube import ControlPlane
+
+    plane = ControlPlane(os.path.join(tempfile.gettempdir(), "nfproxy-kube-tests"))
+    try:
+        yield plane
+    finally:
+        plane.close()
