@@ -51,6 +51,10 @@ SyncKind = Literal["full", "partial", "noop"]
 # kube-proxy's proxyutil.FullSyncPeriod: a constant there too (no flag sets it). Every
 # --sync-period only checks that the kernel holds what was written; this often it rewrites all.
 FULL_SYNC_PERIOD = 3600.0
+# The check (a generation read per family, microseconds) runs this many times per sync_period,
+# so that an outside deletion is found and repaired within one sync_period, its full sync's
+# seconds included, not up to a period plus a full sync later.
+CHECKS_PER_PERIOD = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,8 +510,8 @@ class SyncLoop:
     """Bounded-frequency sync runner around a Source and a Proxier.
 
     Changes are coalesced: however many arrive, syncs start at least `min_sync_period` apart.
-    Every `sync_period` a sync checks the kernel's generation and is full only when someone
-    else wrote (to repair what they changed); every `full_period` one is full regardless, as
+    Twice every `sync_period` a sync checks the kernel's generation and is full only when
+    someone else wrote (to repair what they changed); every `full_period` one is full regardless, as
     kube-proxy's hourly resync. After a failure the sync is retried after `min_sync_period`,
     doubling up to `max_backoff`; until then nothing else starts one (`SyncSchedule`).
     """
@@ -593,8 +597,8 @@ class SyncLoop:
 
     def _run(self) -> None:
         schedule = SyncSchedule(
-            self.min_sync_period, self.sync_period, self.max_backoff, last_full=time.monotonic(),
-            full_period=self.full_period,
+            self.min_sync_period, self.sync_period / CHECKS_PER_PERIOD, self.max_backoff,
+            last_full=time.monotonic(), full_period=self.full_period,
         )
         while not self._stop.is_set():
             delay = schedule.delay(time.monotonic(), woken=self._wake.is_set())
