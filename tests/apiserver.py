@@ -1,7 +1,10 @@
 """A small Kubernetes API server for tests: list and watch, faithful enough for the real client.
 
-No kube-apiserver can run on the test machines, and a mock of the `kubernetes` package would test
-nothing but the mock. This server speaks the wire protocol the official client (and so
+The real kube-apiserver runs in the tests too (`scripts/kube`, tests/test_real_apiserver.py,
+which also holds this server to it: the same stored objects give the same model). This one stays
+for the faults the real server cannot be made to show on demand: a watch cut mid-stream, a
+paused or slow watch cache, chosen error statuses, a resource not served, a relist that comes
+back empty, pagination tokens that expire. It speaks the wire protocol the official client (and so
 `nfproxy.sources.kube`) talks, for Services, EndpointSlices (discovery.k8s.io/v1), Nodes and
 ServiceCIDRs (networking.k8s.io/v1, cluster-scoped):
 

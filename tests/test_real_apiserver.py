@@ -542,3 +542,27 @@ def test_the_server_down_for_a_minute_loses_no_service(control_plane, sandbox):
         control_plane.apply(endpoint_slice("web-a", "web", ns, endpoints([SANDBOX_EPS[1]])))
         wait_for(lambda: checked_services(sandbox.node_ns, "nft").get(key) == [ep[1]], SETTLE, "the change after")
         assert reach(sandbox, 6) == {ep[1]: 6}
+
+
+def test_bookmarks_from_the_real_server_keep_a_quiet_watch_current(control_plane):
+    """Nothing changes among the Services while EndpointSlices churn: the real server's BOOKMARK
+    (sent before a watch's timeout) moves the services watch's resourceVersion on without any
+    event and without a relist, so a reconnect resumes from a version etcd still has."""
+    ns = namespace(control_plane, "bookmarks")
+    control_plane.apply(service("web", ns, "10.96.10.10"))
+    settings = WatchSettings(watch_timeout=8, backoff_initial=0.1, backoff_max=1.0)
+    with source_on(control_plane, settings=settings) as src:
+        services = next(r for r in src.reflectors if r.kind.plural == "services")
+        quiet = int(services.version)
+        before, lists = dict(src.snapshot().state.services), services.lists
+        for i in range(5):
+            control_plane.apply(endpoint_slice("web-a", "web", ns, endpoints([f"10.244.10.{i + 1}"])))
+        churned = control_plane.etcd_revision()
+        # A consistent list served from the watch cache makes kube-apiserver ask etcd for watch
+        # progress: the quiet services cache learns the current revision, and its next bookmark
+        # carries it (etcd sends no progress of its own for ten minutes).
+        control_plane.kubectl("get", "services", "-A")
+        wait_for(lambda: int(services.version) >= churned, SETTLE,
+                 f"a bookmark moving the services watch from {quiet} to {churned}")
+        assert services.lists == lists, "the services watch relisted"
+        assert dict(src.snapshot().state.services) == before
