@@ -326,3 +326,24 @@ def test_a_table_iptables_does_not_have_is_an_error(tmp_path: Path, capsys: pyte
     reader took *nat2 as a table of user chains and reported it clean."""
     text = SAVE.replace("*nat", "*nat2", 1)
     refused(capsys, tmp_path / "save.txt", text, f":{line_of(text, '*nat2')}", "*nat2: no such table")
+
+
+def _anonymous_map(d: dict[str, Any]) -> None:
+    dnat = body(d, RULE_SVC)["expr"][0]["dnat"]
+    dnat["addr"]["map"]["data"] = {"set": [[0, "not-an-address"], [1, "10.0.0.2"]]}
+
+
+@pytest.mark.parametrize("command", ["check", "trace"])
+@pytest.mark.parametrize("change, message", [
+    (lambda d: body(d, MAP).__setitem__("map", ["-1", "inet_service"]), "(rule 'svc'): dnat to map @eps, whose data"),
+    (lambda d: body(d, MAP).update({"map": "inet_service", "elem": [[0, 80], [1, 81]]}),
+     "(rule 'svc'): dnat to map @eps, whose data (int) is not an address"),
+    (_anonymous_map, "(rule 'svc'): dnat to a map whose data"),
+])
+def test_a_dnat_through_a_map_of_no_addresses_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Callable[[dict[str, Any]], object], message: str,
+    command: str,
+) -> None:
+    """nft refuses it (datatype mismatch); the walk took the map's data for an address and
+    ended in an AttributeError traceback (found by fuzzing the base document's leaves)."""
+    refused(capsys, tmp_path / "dump.json", text_of(edited(change)), "", message, command)

@@ -909,6 +909,7 @@ def _dnat(body: dict[str, Any], sets: dict[str, SetDef], family: str = "inet") -
             check_version(addr, version, f"`dnat {body.get('family', family)}`")
     else:
         addr = _expr(addr_raw)
+        _check_dnat_map(addr, sets)
     port: Expr | None = None
     if "port" in body:
         p = body["port"]
@@ -916,3 +917,24 @@ def _dnat(body: dict[str, Any], sets: dict[str, SetDef], family: str = "inet") -
         if isinstance(port, Const):
             check_port(port.value)
     return Dnat(addr, port)
+
+
+def _check_dnat_map(addr: Expr, sets: dict[str, SetDef]) -> None:
+    """nft refuses `dnat to … map M` unless M's data is an address, or an address and a port
+    (datatype mismatch): the walk would otherwise take whatever M holds for an address."""
+    if not isinstance(addr, MapLookup):
+        return
+    if isinstance(addr.map, SetRef):
+        sdef = sets.get(addr.map.name)
+        if sdef is not None and sdef.data_kinds not in (("addr",), ("addr", "int")):
+            kinds = " . ".join(sdef.data_kinds) or "no data"
+            raise NotFromAKernel(f"dnat to map @{addr.map.name[:60]}, whose data ({kinds}) is not an address")
+        return
+    for el in addr.map.elements:
+        value = el.data.value if isinstance(el.data, Const) else el.data
+        if not (isinstance(value, _ADDRESSES) or isinstance(value, tuple) and len(value) == 2
+                and isinstance(value[0], _ADDRESSES) and type(value[1]) is int):
+            raise NotFromAKernel(f"dnat to a map whose data {_short(str(value))} is not an address")
+
+
+_ADDRESSES = (ipaddress.IPv4Address, ipaddress.IPv6Address)
