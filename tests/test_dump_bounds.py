@@ -347,3 +347,18 @@ def test_a_dnat_through_a_map_of_no_addresses_is_an_error(
     """nft refuses it (datatype mismatch); the walk took the map's data for an address and
     ended in an AttributeError traceback (found by fuzzing the base document's leaves)."""
     refused(capsys, tmp_path / "dump.json", text_of(edited(change)), "", message, command)
+
+
+@pytest.mark.parametrize("command", ["check", "trace"])
+@pytest.mark.parametrize("script, line", [
+    ("add rule ip nfproxy c numgen random mod {huge} vmap {{ 0 : drop }}\n", 3),
+    ("add rule ip nfproxy c tcp dport {huge} drop\n", 3),
+])
+def test_a_huge_number_in_an_nft_script_is_said_in_the_dumps_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], script: str, line: int, command: str
+) -> None:
+    """`nfproxy render --backend nft` text: the error named the line but in Python's words
+    ("use sys.set_int_max_str_digits() to increase the limit")."""
+    head = "add table ip nfproxy\nadd chain ip nfproxy c { type nat hook prerouting priority -100 ; }\n"
+    refused(capsys, tmp_path / "rules.nft", head + script.format(huge=HUGE), f":{line}",
+            "a number of 5000 digits: no field of the kernel's holds it", command)

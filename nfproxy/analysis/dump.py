@@ -242,7 +242,10 @@ def read_text(text: str, name: str = "input") -> Source:
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise DumpError(f"{name}:{line}: a NUL byte: binary data, not a dump")
     if _is_nft_script(text):
-        return read_nft_script(text, name)
+        try:
+            return read_nft_script(text, name)
+        except DumpError as exc:
+            raise DumpError(_plain(str(exc))) from None
     if text.lstrip().startswith(("{", "[")):
         return _read_json(text, name)
     if not text.strip():
@@ -260,6 +263,17 @@ def read_text(text: str, name: str = "input") -> Source:
     if not tables:
         raise DumpError(f"{name}: no *table ... COMMIT block: not iptables-save or iptables-restore text")
     return Source(Ruleset(tuple(tables)), "iptables", f"iptables text ({' and '.join(families)}) from {name}")
+
+
+_INT_LIMIT = re.compile(r"Exceeds the limit \(\d+ digits\) for integer string conversion(?:: value has (\d+) digits)?"
+                        r"[^;]*; use sys\.set_int_max_str_digits\(\) to increase the limit")
+
+
+def _plain(message: str) -> str:
+    """The script reader's words for a number too long for Python's int(), in the dump's:
+    nft would refuse it as no field of the kernel's holds it."""
+    return _INT_LIMIT.sub(lambda m: f"a number of {m.group(1) or 'thousands of'} digits: no field of the kernel's holds it",
+                          message)
 
 
 def _read_json(text: str, name: str) -> Source:
