@@ -8,7 +8,9 @@ They differ only in spelling: iptables-save reorders options (`-s`/`-d`/`-p` fir
 quotes every comment and prints statistic probabilities with 11 digits; kube-proxy writes
 `-m comment` first and 10 digits. Options are therefore read by meaning, never by position.
 A restore text may omit built-in chains (they always exist) and may delete chains (`-X`);
-several tables may follow each other.
+several tables may follow each other. What iptables-restore would refuse is a ParseError with
+its line: an address of the other family, a port past 16 bits, a mark past 32, a user chain
+declared twice, a table iptables does not have, names and comments past xtables' lengths.
 """
 
 from __future__ import annotations

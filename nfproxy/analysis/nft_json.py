@@ -1,7 +1,14 @@
 """`nft -j list ruleset` / `nft -j list table` output, read into the rule IR.
 
 Public API: `parse(doc: dict) -> Ruleset` (one JSON document; it may hold several tables, of any
-family, nfproxy's `nfproxy` and upstream kube-proxy's `kube-proxy` alike), and `ParseError`.
+family, nfproxy's `nfproxy` and upstream kube-proxy's `kube-proxy` alike), `loads(text)` (JSON
+read with nft's own bounds: 64-bit integers, finite reals, no NaN), `ParseError` and its
+`NumberError` (a number `loads` refuses, with its line).
+
+A document is held to what `nft -j list` prints and `nft -j -f` would load: each listed key of
+the type nft prints it with, numbers within the kernel's fields, addresses of the family their
+type or payload names, each table, set and chain declared once. Anything else is a ParseError
+naming the object (`NotFromAKernel`), so `check` never calls clean a dump no kernel could hold.
 
 Expressions are translated generically, one JSON node kind at a time, so a change of layout
 (e.g. a numgen-computed slot looked up in a shared map instead of an anonymous vmap) reads into
