@@ -2,13 +2,21 @@
 
 Polling a signature per file is what works everywhere — bind-mounted ConfigMaps replace files
 through symlink swaps that inotify watchers miss — and costs microseconds per poll for the
-handful of files a node is given.
+handful of files a node is given. The watcher also listens to inotify (inotify_simple) on the
+directories it reads, because polling alone cannot keep up with a file that keeps changing: a
+file rewritten every 0.2 s never holds still for a 1 s poll (issue R.4: gaps of 11-24 s between
+syncs, and none at all for a faster writer).
 
 A node proxy must never drop live services because a file was half-written, truncated by a
 config-management tool or replaced by garbage, so the source distrusts every *loss*:
 
-- a changed file is read only once its signature has held still for one poll (and again if it
-  changes while being read), so a file written in place is not taken for its first part;
+- a file is read when it is known whole: at once when inotify says a writer closed it
+  (IN_CLOSE_WRITE) or it was moved into place (IN_MOVED_TO, also a ConfigMap's `..data`
+  swap), unless a write came after that; otherwise once its signature has held still for one
+  poll and inotify does not say a writer is at it (written, not closed since), so a file
+  written in place is not taken for its first part; and a file that keeps changing for
+  MAX_WAIT seconds is read at a moment it held still for SETTLE seconds. Every read is
+  dropped when the file changed while it was read (signature, or any inotify event);
 
 - per file: a file that is empty (no object at all), unreadable, unparsable, not a regular file,
   a symlink loop or over the size cap keeps the objects it last held, with a WARNING naming it
@@ -38,8 +46,10 @@ and no others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +73,12 @@ from nfproxy.sources.manifests import (
 log = logging.getLogger("nfproxy.sources.files")
 
 SOURCE_NAME = "manifests"
+
+# A file still changing after this long is read at a moment it holds still for SETTLE (a full
+# look happens every poll, so the wait is MAX_WAIT plus at most one poll).
+MAX_WAIT = 2.0
+SETTLE = 0.05
+SETTLE_TRIES = 10
 
 # (st_dev, st_ino, st_size, st_mtime_ns, st_mode) through symlinks; None when stat fails.
 FileSignature = tuple[int, int, int, int, int] | None
@@ -120,6 +136,130 @@ def _keys_by_service(state: ClusterState) -> dict[ServiceName, list[ServicePortK
     return out
 
 
+class _Events:
+    """inotify on the directories the source reads: which files a writer closed or moved into
+    place (whole, unless written again since), and a count of events per file, so a read that
+    a write overlapped is known even when the signature cannot tell (same size, same tick).
+
+    Used by the watcher thread only; `wake` (from `stop`) is the one call from another thread.
+    """
+
+    def __init__(self, inotify: Any, flags: Any) -> None:
+        self._inotify = inotify
+        self._flags = flags
+        self._mask = (flags.CLOSE_WRITE | flags.MOVED_TO | flags.MODIFY | flags.CREATE
+                      | flags.DELETE | flags.MOVED_FROM)
+        self._dirs: dict[int, Path] = {}
+        self._watched: set[Path] = set()
+        self._generation: dict[Path, int] = {}
+        self._closed: set[Path] = set()
+        self._moved: set[Path] = set()
+        self._writing: set[Path] = set()  # written, and not closed (nor moved, nor gone) since
+        self._wake_r, self._wake_w = os.pipe()
+        self._failed = False
+
+    @classmethod
+    def open(cls, path: Path) -> _Events | None:
+        """None where inotify cannot be had (the watcher then polls only, as before)."""
+        try:
+            from inotify_simple import INotify, flags
+
+            return cls(INotify(), flags)
+        except (ImportError, OSError) as exc:
+            log.warning("%s: inotify unavailable (%s): changes are found by polling only", path, exc)
+            return None
+
+    def watch(self, directories: set[Path]) -> None:
+        for directory in directories - self._watched:
+            try:
+                wd = self._inotify.add_watch(directory, self._mask)
+            except OSError as exc:  # gone meanwhile, or out of watches: the poll still sees it
+                if not self._failed:
+                    self._failed = True
+                    log.warning("%s: cannot watch with inotify (%s): changes below it are found by polling", directory, exc)
+                continue
+            self._dirs[wd] = directory
+            self._watched.add(directory)
+
+    def wait(self, timeout: float) -> Callable[[Path], bool] | None:
+        """Block until a file is known whole (its predicate), or for `timeout` (None)."""
+        deadline = time.monotonic() + timeout
+        poller = select.poll()  # not select(): the daemon may hold more than 1 024 descriptors
+        poller.register(self._inotify.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closed and not self._moved:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready = {fd for fd, _ in poller.poll(left * 1000)}
+            if self._wake_r in ready:
+                os.read(self._wake_r, 64)
+                return None
+            self._drain()
+        return self.take()
+
+    def take(self) -> Callable[[Path], bool] | None:
+        """The files known whole since the last take, as a predicate (None: none)."""
+        self._drain()
+        closed, moved, self._closed, self._moved = self._closed, self._moved, set(), set()
+        # Counts matter only within one read (see `generation`): forgetting them here keeps
+        # the editors' and tools' temporary names from piling up over the daemon's life.
+        self._generation.clear()
+        if not closed and not moved:
+            return None
+        swapped = [Path(os.path.realpath(m)) for m in moved]
+
+        def whole(path: Path) -> bool:
+            if path in closed or path in moved:
+                return True
+            real = Path(os.path.realpath(path))
+            return any(real.is_relative_to(m) for m in swapped)
+
+        return whole
+
+    def generation(self, path: Path) -> int:
+        """How many events `path` has had since the last `take` (read now): equal before and
+        after a read, nothing wrote to it meanwhile."""
+        self._drain()
+        return self._generation.get(path, 0)
+
+    def writing(self, path: Path) -> bool:
+        """Whether a writer is at `path` now: written to, and not closed since."""
+        self._drain()
+        return path in self._writing
+
+    def _drain(self) -> None:
+        for event in self._inotify.read(timeout=0):
+            directory = self._dirs.get(event.wd)
+            if event.mask & self._flags.IGNORED and directory is not None:
+                del self._dirs[event.wd]
+                self._watched.discard(directory)
+                continue
+            if directory is None:
+                continue  # overflow (the poll still looks) or an old watch
+            path = directory / event.name if event.name else directory
+            self._generation[path] = self._generation.get(path, 0) + 1
+            if event.mask & (self._flags.CLOSE_WRITE | self._flags.MOVED_TO):
+                self._closed.add(path)
+            else:
+                self._closed.discard(path)
+            if event.mask & self._flags.MODIFY:  # not CREATE: a symlink or FIFO is never closed
+                self._writing.add(path)
+            else:
+                self._writing.discard(path)
+            if event.mask & self._flags.MOVED_TO:
+                self._moved.add(path)
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # closed meanwhile: nothing left to wake
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        for close in (self._inotify.close, lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)):
+            with contextlib.suppress(OSError):
+                close()
+
+
 @dataclass(frozen=True, slots=True)
 class _Seen:
     """What the last read of one file gave: its contents, or why they could not be used."""
@@ -159,6 +299,8 @@ class ManifestSource:
         self._seen: dict[Path, _Seen] = {}
         self._good: dict[Path, ManifestFile] = {}  # last good contents per file
         self._settling: dict[Path, FileSignature] = {}  # changed files waiting to hold still
+        self._changing_since: dict[Path, float] = {}  # when a file not read yet first changed
+        self._events: _Events | None = None  # inotify, once the watcher runs
         self._missing: set[Path] = set()  # good files gone since the last poll
         self._problem_view: dict[str, str] = {}
         self._object_errors: tuple[ObjectError, ...] = ()
@@ -237,12 +379,23 @@ class ManifestSource:
             return _Seen(signature, None, ObjectError("", "", "", "", "holds no Kubernetes object", str(path)), True)
         return _Seen(signature, contents)
 
-    def _refresh(self, files: list[Path]) -> bool:
-        """Read the files whose signature changed; True when the set of good contents changed."""
+    def _refresh(self, files: list[Path], whole: Callable[[Path], bool] | None = None) -> bool:
+        """Read the files whose signature changed; True when the set of good contents changed.
+
+        `whole` (an inotify look): only the files it says a writer closed or moved into place
+        are read, at once; deletions and the files still settling wait for the next full look,
+        so looks made more often by events never shorten a poll."""
+        if whole is not None:
+            return any([self._consider(path, True) for path in files if whole(path)])
+        changed = self._forget_gone(files)
+        return any([self._consider(path, False) for path in files]) or changed
+
+    def _forget_gone(self, files: list[Path]) -> bool:
         changed = False
         listed = set(files)
         for path in [p for p in self._settling if p not in listed]:
             del self._settling[path]
+            self._changing_since.pop(path, None)
         for path in [p for p in self._seen if p not in listed]:
             if path in self._good and path not in self._missing:
                 # Gone since the last poll: `rm -rf` unlinks the files before the directory,
@@ -256,39 +409,73 @@ class ManifestSource:
                 self._note(path, None)
                 changed = True
         self._missing -= listed  # back again
-        for path in files:
-            signature = _file_signature(path)
-            previous = self._seen.get(path)
-            if previous is not None and previous.signature == signature:
-                continue
-            if self._result is not None and self._settling.get(path) != signature:
-                # Changed since the last poll: read it once it has held still for one poll, so
-                # a file being written in place is not taken for its first half.
-                self._settling[path] = signature
-                continue
-            self._settling.pop(path, None)
-            seen = self._read(path, signature)
-            if _file_signature(path) != signature:
-                continue  # written while we read: look again at the next poll
-            seen = self._distrusted(path, seen)
-            self._seen[path] = seen
-            if seen.contents is not None:
-                if previous is not None and previous.problem is not None:
-                    log.info("%s can be used again", path)
-                if self._good.get(path) != seen.contents:
-                    self._good[path] = seen.contents
-                    self._note(path, seen.contents)
-                    changed = True
-                continue
-            assert seen.problem is not None
-            kept = self._good.get(path)
-            if kept is not None:
-                self._error("%s; keeping its last good %d objects", seen.problem, kept.objects)
-            elif seen.empty:
-                log.info("%s", seen.problem)
-            else:
-                self._error("%s", seen.problem)
         return changed
+
+    def _consider(self, path: Path, whole: bool) -> bool:
+        """Read `path` if it changed and is known whole (see the module docstring)."""
+        signature = _file_signature(path)
+        previous = self._seen.get(path)
+        if previous is not None and previous.signature == signature:
+            self._changing_since.pop(path, None)
+            return False
+        forced = False
+        if not whole and self._result is not None and self._settling.get(path) != signature:
+            forced, signature = self._held_still_after_wait(path, signature)
+            if not forced:
+                return False
+        self._settling.pop(path, None)
+        return self._take(path, signature, previous, forced)
+
+    def _held_still_after_wait(self, path: Path, signature: FileSignature) -> tuple[bool, FileSignature]:
+        """Changed since the last poll: wait for it to hold still one poll (False), unless it
+        has been changing for MAX_WAIT: then True and its signature once it holds still for
+        SETTLE (looked for during up to SETTLE_TRIES x SETTLE, then again at the next poll)."""
+        now = self._clock()
+        since = self._changing_since.setdefault(path, now)
+        self._settling[path] = signature
+        if now - since < MAX_WAIT:
+            return False, signature
+        for _ in range(SETTLE_TRIES):
+            time.sleep(SETTLE)
+            current = _file_signature(path)
+            if current == signature:
+                log.info("%s has been changing for %.1fs: read while it held still", path, now - since)
+                return True, signature
+            signature = current
+        return False, signature
+
+    def _take(self, path: Path, signature: FileSignature, previous: _Seen | None, forced: bool = False) -> bool:
+        """Read and use (or keep out) `path`; a read the file changed under is dropped, and so
+        is one of a file inotify says a writer is at (written, not closed since), unless it
+        has been changing for MAX_WAIT (`forced`)."""
+        if self._events is not None and not forced and self._events.writing(path):
+            return False  # its close brings it, or MAX_WAIT does
+        generation = self._events.generation(path) if self._events is not None else 0
+        seen = self._read(path, signature)
+        if _file_signature(path) != signature:
+            return False  # written while we read: look again at the next poll
+        if self._events is not None and self._events.generation(path) != generation:
+            return False  # written while we read, within the signature's resolution
+        self._changing_since.pop(path, None)
+        seen = self._distrusted(path, seen)
+        self._seen[path] = seen
+        if seen.contents is not None:
+            if previous is not None and previous.problem is not None:
+                log.info("%s can be used again", path)
+            if self._good.get(path) != seen.contents:
+                self._good[path] = seen.contents
+                self._note(path, seen.contents)
+                return True
+            return False
+        assert seen.problem is not None
+        kept = self._good.get(path)
+        if kept is not None:
+            self._error("%s; keeping its last good %d objects", seen.problem, kept.objects)
+        elif seen.empty:
+            log.info("%s", seen.problem)
+        else:
+            self._error("%s", seen.problem)
+        return False
 
     def _distrusted(self, path: Path, seen: _Seen) -> _Seen:
         """`seen` as a problem when the file has new invalid objects and loses or changes some
@@ -368,12 +555,19 @@ class ManifestSource:
     def rescan(self) -> bool:
         """Look at the files once (the watcher does every `poll` seconds); True when the state
         to sync changed."""
+        return self._rescan(None)
+
+    def _rescan(self, whole: Callable[[Path], bool] | None) -> bool:
+        """A look; with `whole`, at once and only at the files inotify saw closed or moved into
+        place (see `_refresh`)."""
         files = self._listing()
         if files is None:
             with self._lock:
                 self._problem_view = {str(self.path): "vanished: the last good state is kept"}
             return False
-        changed = self._refresh(files)
+        if self._events is not None:
+            self._events.watch(self._directories(files))
+        changed = self._refresh(files, whole)
         problems = self._problems()
         with self._lock:
             self._problem_view = {e.source: e.message for e in problems}
@@ -421,35 +615,72 @@ class ManifestSource:
         self._empty_since = None
         return False
 
+    def _directories(self, files: list[Path]) -> set[Path]:
+        """Where inotify must listen: the path's directory (or the file's), and every
+        directory holding a file read."""
+        root = self.path if self.path.is_dir() else self.path.parent
+        return {root, *(f.parent for f in files)}
+
     # ---- the Source interface
 
     def start(self, notify: Callable[[], None]) -> None:
-        def watch() -> None:
-            failed: str | None = None
-            while not self._stop.wait(self.poll):
-                try:
-                    changed = self.rescan()
-                except Exception as exc:  # noqa: BLE001 - the watcher must outlive any one file
-                    # A bug reading some input must not end the polling: the last state stays
-                    # (nothing is applied from this look) and the next poll tries again.
-                    if repr(exc) != failed:
-                        failed = repr(exc)
-                        self._error("%s: reading the manifests failed (%s: %s); keeping the last good state",
-                                    self.path, type(exc).__name__, exc)
-                        log.debug("the failure", exc_info=True)
-                    changed = False
-                else:
-                    if failed is not None:
-                        log.info("%s can be read again", self.path)
-                    failed = None
-                if changed:
-                    notify()
-                with self._polled:
-                    self._polls += 1
-                    self._polled.notify_all()
-
-        self._thread = threading.Thread(target=watch, name="nfproxy-manifests", daemon=True)
+        self._events = _Events.open(self.path)
+        if self._events is not None:
+            self._events.watch(self._directories(list(self._seen)))
+        self._thread = threading.Thread(target=self._watch, args=(notify,), name="nfproxy-manifests", daemon=True)
         self._thread.start()
+
+    def _watch(self, notify: Callable[[], None]) -> None:
+        """A full look every `poll` seconds; between them, a look at once at the files inotify
+        saw closed or moved into place."""
+        failed: list[str | None] = [None]
+        due = time.monotonic() + self.poll
+        while not self._stop.is_set():
+            left = due - time.monotonic()
+            if left > 0:
+                whole = self._wait_events(left)
+                if whole is not None and not self._stop.is_set() and self._look(whole, failed):
+                    notify()
+                continue
+            due = time.monotonic() + self.poll
+            whole = self._wait_events(0)
+            changed = whole is not None and self._look(whole, failed)
+            if self._look(None, failed) or changed:
+                notify()
+            with self._polled:
+                self._polls += 1
+                self._polled.notify_all()
+
+    def _wait_events(self, timeout: float) -> Callable[[Path], bool] | None:
+        """The files inotify saw made whole, waiting up to `timeout`; without inotify (or once
+        it failed: the polling goes on without it) a plain wait."""
+        if self._events is not None:
+            try:
+                return self._events.wait(timeout) if timeout > 0 else self._events.take()
+            except Exception as exc:  # noqa: BLE001 - the watcher must outlive inotify
+                self._error("%s: inotify failed (%s: %s): changes are found by polling only",
+                            self.path, type(exc).__name__, exc)
+                events, self._events = self._events, None
+                events.close()
+        self._stop.wait(timeout)
+        return None
+
+    def _look(self, whole: Callable[[Path], bool] | None, failed: list[str | None]) -> bool:
+        """`rescan`, outliving any failure: a bug reading some input must not end the watcher;
+        the last state stays (nothing is applied from this look) and the next one tries again."""
+        try:
+            changed = self.rescan() if whole is None else self._rescan(whole)
+        except Exception as exc:  # noqa: BLE001 - the watcher must outlive any one file
+            if repr(exc) != failed[0]:
+                failed[0] = repr(exc)
+                self._error("%s: reading the manifests failed (%s: %s); keeping the last good state",
+                            self.path, type(exc).__name__, exc)
+                log.debug("the failure", exc_info=True)
+            return False
+        if failed[0] is not None:
+            log.info("%s can be read again", self.path)
+        failed[0] = None
+        return changed
 
     def wait_polled(self, timeout: float) -> bool:
         """Wait until every change made before this call has been judged: two polls started
@@ -486,5 +717,9 @@ class ManifestSource:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._events is not None:
+            self._events.wake()
         if self._thread is not None:
             self._thread.join(5)
+        if self._events is not None and (self._thread is None or not self._thread.is_alive()):
+            self._events.close()
