@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     n_endpoints = sum(len(e) for e in state.endpoints.values())
     print(f"{n_services} service ports, {n_endpoints} endpoints, node {state.node.name or '(unnamed)'}")
     limit = IPTABLES_NFT_RULE_LIMIT if args.iptables_nft_rule_limit is None else args.iptables_nft_rule_limit
-    flavour = Flavour(args.iptables_flavour) if args.iptables_flavour else None
+    flavour = None if args.iptables_flavour == "auto" else Flavour(args.iptables_flavour)
     try:
         applied = validate(state, backends, flavour=flavour, iptables_nft_rule_limit=limit)
     except TooManyRules as exc:  # refused before anything is applied: a restore that would not end
@@ -55,9 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--backends", default=",".join(BACKENDS), metavar="LIST",
                    help="comma-separated backends to validate (default: iptables,nft)")
-    p.add_argument("--iptables-flavour", choices=("legacy", "nft"), default=None,
-                   help="the iptables to validate with (default: as the daemon picks it: the "
-                        "host's `iptables`, in a fresh namespace)")
+    p.add_argument("--iptables-flavour", choices=("auto", "legacy", "nft"), default="auto",
+                   help="the iptables to validate with (auto, as the daemon's flag: in a fresh "
+                        "namespace, what the plain `iptables` command is)")
     p.add_argument("--iptables-nft-rule-limit", type=_rule_limit, default=None, metavar="N",
                    help="refuse an iptables-nft restore of more than N rules per family "
                         "(default 25000; 0: no limit): its time grows faster than N^2")
