@@ -89,7 +89,6 @@ def test_a_file_rewritten_every_fifth_of_a_second_is_synced_without_long_gaps(tm
     times = [start] + [t for t, _, _ in synced if start < t <= end] + [end]
     gaps = [round(b - a, 2) for a, b in zip(times, times[1:])]
     assert max(gaps) <= BOUND, f"gaps between syncs: {gaps}"
-    assert len(times) > 2 + CHURN / BOUND, gaps
     half_written = [(present, n) for _, present, n in synced if not present or n not in COUNTS]
     assert not half_written, f"a synced state held a half-written a.yaml: {half_written}"
 
