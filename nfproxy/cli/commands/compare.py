@@ -7,6 +7,7 @@ import json
 import sys
 from fractions import Fraction
 
+from nfproxy.cli import against as compare_against
 from nfproxy.cli.commands import NothingToShow, load_manifests
 from nfproxy.cli.config import add_node_flags
 from nfproxy.cli.exit import hold
@@ -28,6 +29,11 @@ def _work_limit(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.against_netns is not None or args.against_file:
+        return compare_against.run(args)
+    if args.manifests is None:
+        print("nfproxy: error: compare: MANIFESTS is required (or --against-* with --kubeconfig)", file=sys.stderr)
+        return 2
     from nfproxy.analysis.interpret import InterpretError
     from nfproxy.verify.compare import WORK_LIMIT, TooMuchWork, compare
 
@@ -111,5 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-limit", type=_work_limit, default=None, metavar="N",
                    help="refuse manifests whose estimated rule evaluations exceed N (default "
                         "4000000; 0: no limit; docs/semantics.md, \"Bounded work\")")
-    p.add_argument("manifests", metavar="MANIFESTS", help="a YAML file or a directory of them")
+    p.add_argument("manifests", metavar="MANIFESTS", nargs="?",
+                   help="a YAML file or a directory of them")
+    compare_against.add_flags(p)
     p.set_defaults(func=run)
