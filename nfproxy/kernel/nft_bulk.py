@@ -815,7 +815,14 @@ def compile_batch(tx: Transaction, declarations: Declarations, set_type: Callabl
     """The whole of `tx` as one batch's messages (BEGIN and END not included)."""
     if tx.family not in _NFPROTO:
         raise Unsupported(f"family {tx.family!r}")
-    return _Compiler(tx, declarations, set_type).compile()
+    compiler = _Compiler(tx, declarations, set_type)
+    try:
+        return compiler.compile()
+    finally:
+        # The templates hold the compiler's bound method: a cycle that kept the compiler, and
+        # through it the whole transaction (~35 MiB at 10 000 x 10), until a cyclic collection,
+        # which an idle daemon may never run (the proxier frees a sync by refcounts alone).
+        del compiler.templates
 
 
 # --------------------------------------------------------------------------------------------
