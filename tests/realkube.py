@@ -99,9 +99,14 @@ class ControlPlane:
         return stored.get("items", [stored])
 
     def apply_status(self, obj: dict[str, Any]) -> None:
-        """A status the create ignored (a Node's addresses), written through its subresource."""
-        self.kubectl("apply", "--server-side", "--force-conflicts", "--subresource=status",
-                     f"--field-manager={MANAGER}", "-f", "-", stdin=json.dumps(obj))
+        """A status apply leaves alone (a LoadBalancer's ingress, a Node's addresses), written
+        through the status subresource as a controller or the kubelet would. A merge patch:
+        server-side apply keys a Node's addresses by type, so a dual-stack node's two
+        InternalIPs cannot go through it."""
+        meta = obj["metadata"]
+        ns = ["-n", meta["namespace"]] if meta.get("namespace") else []
+        self.kubectl("patch", _PLURAL[obj["kind"]], meta["name"], *ns, "--subresource=status",
+                     "--type=merge", "-p", json.dumps({"status": obj["status"]}))
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
         ns = ["-n", namespace] if namespace else []

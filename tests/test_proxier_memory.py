@@ -100,7 +100,9 @@ def test_one_endpoint_more_is_a_small_partial_sync() -> None:
     proxier, kernels = memory_proxier()
     proxier.sync(state)
     key = sorted(k for k in state.services if k[1] is V4)[0]
-    grown = with_endpoints(state, key, [*state.endpoints[key], Endpoint(ip="10.250.0.1", port=8080)])
+    # On this node, so it is a hairpin candidate (kube-proxy's nftables mode hairpins local ones).
+    added = Endpoint(ip="10.250.0.1", port=8080, node_name=state.node.name)
+    grown = with_endpoints(state, key, [*state.endpoints[key], added])
     result = proxier.sync(grown)
     assert result.kind == "partial"
     last = kernels[V4].last

@@ -257,24 +257,36 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
         if outside:
             sources.append(("outside", outside, "outside"))
         routing = categorize(svc, endpoints, node)
-        if routing.reachable:
-            ep = routing.reachable[0].ip
-            sources.append(("hairpin endpoint", ep, "pod"))
+        # A hairpin starts from a pod on this node: traffic from a remote endpoint never meets
+        # this node's DNAT on its way to its own service (and upstream's modes differ there:
+        # iptables masquerades it, nftables does not; docs/semantics.md).
+        local = [e for e in routing.reachable if node.name and e.node_name == node.name]
+        if local:
+            sources.append(("hairpin endpoint", local[0].ip, "pod"))
 
-        def emit(traffic: str, dst: str, port: int, srcs: list[tuple[str, str, Origin]]) -> Iterator[Probe]:
+        # The node's own packet to an external or LB IP that no DNAT takes (nothing for the
+        # short-circuit to reach): kube-proxy's nftables mode rejects or drops it on output, its
+        # iptables mode lets it out (docs/semantics.md, "Documented differences").
+        unserved = routing.external_no_endpoints
+        node_external = unserved.value if unserved is not None and not routing.cluster else ""
+
+        def emit(traffic: str, dst: str, port: int, srcs: list[tuple[str, str, Origin]],
+                 external: bool = False) -> Iterator[Probe]:
             for label, src, origin in srcs:
-                yield Probe(src, dst, port, proto, origin, service=name, traffic=f"{traffic} from {label}")
+                documented = node_external if external and origin == "node" else ""
+                yield Probe(src, dst, port, proto, origin, service=name, traffic=f"{traffic} from {label}",
+                            nft_only=documented)
 
         yield from emit("cluster IP", svc.cluster_ip, svc.port, sources)
         if svc.node_port and node_ips:
             yield from emit("node port", node_ips[0], svc.node_port, sources)
         for ip in of_family(svc.external_ips, family):
-            yield from emit(f"external IP {ip}", ip, svc.port, sources)
+            yield from emit(f"external IP {ip}", ip, svc.port, sources, external=True)
         for ip in of_family(svc.load_balancer_ips, family):
             srcs = list(sources)
             if ranges:
                 srcs.append(("allowed range", _inside(ranges[0]), "outside"))
-            yield from emit(f"LB IP {ip}", ip, svc.port, srcs)
+            yield from emit(f"LB IP {ip}", ip, svc.port, srcs, external=True)
 
 
 UNUSED_PORT = "unused port of cluster IP"

@@ -490,6 +490,10 @@ _JUMPS = (
     (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output", "ct state new "),
+    # kube-proxy's nftables mode checks external and LB IPs on output too (its one
+    # service-endpoints-check runs from input, forward and output, after DNAT): the node's own packet to an
+    # external address no DNAT took is rejected or dropped there, not let out.
+    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
     (FIREWALL_CHECK_CHAIN, "filter-prerouting", "ct state new "),
     (FIREWALL_CHECK_CHAIN, "filter-output", "ct state new "),
     (SERVICES_CHAIN, "nat-output", ""),
@@ -589,9 +593,11 @@ def _static(
         CLUSTER_IPS_CHECK_CHAIN,
     ):
         chains[name] = []
-    # Hairpin: a pod that reaches its own service through a data-map DNAT must be masqueraded
-    # or it would answer itself directly. After DNAT to E the source equals E exactly then, so
-    # one rule and a set of E . E pairs do what kube-proxy's per-endpoint `ip saddr E` rules do.
+    # Hairpin: a pod that reaches its own service and is sent back to itself must be
+    # masqueraded or it would answer itself directly. After DNAT to E the source equals E
+    # exactly then, so one rule and a set of E . E pairs of this node's endpoints do it, for
+    # affinity ports too, as kube-proxy 1.37's nftables mode does with its hairpin-connections
+    # set (its iptables mode marks every endpoint, local or not, in its KUBE-SEP chain).
     chains["nat-postrouting"].append(
         f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN_SET} jump {MARK_MASQ_CHAIN}"
     )
@@ -766,13 +772,16 @@ def home(r: Routing, affinity: bool) -> str:
     return TABLE
 
 
-def _hairpin(reachable: tuple[Endpoint, ...]) -> tuple[str, ...]:
-    """The endpoint IPs a port without affinity puts in the shared hairpin set (a port with
-    affinity marks hairpin traffic in its endpoint chains)."""
+def _hairpin(reachable: tuple[Endpoint, ...], node_name: str) -> tuple[str, ...]:
+    """The endpoint IPs a port puts in the shared hairpin set: its endpoints on this node, as
+    kube-proxy's nftables mode fills its hairpin-connections set (only a pod on this node can
+    reach its own service through this node's DNAT and be sent back to itself)."""
     for ep in reachable:
         if not ep.ip or ep.ip.strip(_IP_CHARS):
             raise ValueError(f"not an endpoint address: {ep.ip!r}")
-    return tuple(dict.fromkeys(ep.ip for ep in reachable))
+    if not node_name:
+        return ()
+    return tuple(dict.fromkeys(ep.ip for ep in reachable if ep.node_name == node_name))
 
 
 def _render_service(
@@ -799,7 +808,7 @@ def _render_service(
     blocks: dict[str, tuple[int, int]] = {}
     shards: list[str] = []
     slot_elements: list[tuple[str, str, Element]] = []
-    hairpin = () if affinity else _hairpin(reachable)
+    hairpin = _hairpin(reachable, ctx.node.name)
 
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
         """One random value of the chain's lane, looked up in a shared interval data map
@@ -826,7 +835,6 @@ def _render_service(
     ep_chains: dict[str, tuple[str, ...]] = {}
     affinity_sets: dict[str, nft.Set] = {}
     svc_part = f"{spn.namespace}/{spn.name}/{proto}/{spn.port}__"
-    hairpin_tail = f" jump {MARK_MASQ_CHAIN}"
     dnat_head = f"meta l4proto {proto} {'counter ' if ctx.counters else ''}dnat to "
     update = f" {{ {ipx} saddr }}"
     addr_type, timeout = ctx.addr_type, svc.affinity_timeout
@@ -852,9 +860,9 @@ def _render_service(
             aset = AFFINITY_PREFIX + ep_base
             ep_set_names.append(aset)
             affinity_sets[aset] = nft.Set(aset, addr_type, flags=("dynamic", "timeout"), timeout=timeout)
-            ep_chains[chain] = (f"{ipx} saddr {ip}{hairpin_tail}", f"update @{aset}{update}", dnat_head + dest)
+            ep_chains[chain] = (f"update @{aset}{update}", dnat_head + dest)
         else:
-            ep_chains[chain] = (f"{ipx} saddr {ip}{hairpin_tail}", dnat_head + dest)
+            ep_chains[chain] = (dnat_head + dest,)
 
     if ctx.node.masquerade_all:
         masquerade = f"{ipx} daddr {cluster_ip} jump {MARK_MASQ_CHAIN}"
@@ -1193,8 +1201,7 @@ def update_table(
                 else:
                     away = routed[key]
                     assert away is not None
-                    affinity = away.service.affinity_timeout > 0
-                    rules = _stub(() if affinity else _hairpin(away.routing.reachable), _address(away.service.cluster_ip))
+                    rules = _stub(_hairpin(away.routing.reachable, ctx.node.name), _address(away.service.cluster_ip))
                 service_changes[key] = rules
                 added.extend(rules.elements)
                 for ip in rules.hairpin:

@@ -1,0 +1,155 @@
+"""Differential: random clusters through the real API server, the real kube-proxy and nfproxy.
+
+Each cluster comes from `nfproxy.testing.random_cluster` (every Service feature the model has:
+dual-stack, ClientIP affinity, topology hints, terminating fallback, eTP/iTP Local, LoadBalancer
+source ranges, NodePorts, externalIPs, no-endpoint services, UDP and SCTP), written to
+kube-apiserver as Services (cluster IPs allocated by the server), LoadBalancer status and
+EndpointSlices. kube-proxy follows it in its namespace; `nfproxy compare --against-netns
+--kubeconfig` reads the same API state and must find every probe equal. A cluster replaces the
+one before it, as a rollout would.
+
+`scripts/test` runs DIFFERENTIAL_CLUSTERS (default 3) clusters per mode; the documented longer
+run sets NFPROXY_DIFFERENTIAL_CLUSTERS (docs/compat.md has its last result).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from nfproxy.core.model import ClusterState, ServicePort, ServiceType
+from nfproxy.testing import NODE, manifest_objects, random_cluster
+from tests.realkube import KUBE, ROOT
+
+pytestmark = [pytest.mark.apiserver, pytest.mark.kernel]
+
+CLUSTERS = int(os.environ.get("NFPROXY_DIFFERENTIAL_CLUSTERS", "3"))
+NAMESPACES = [f"ns-{i}" for i in range(7)]  # random_cluster's
+CLUSTER_CIDRS = ",".join(NODE.cluster_cidrs)
+SETTLE = 90.0  # kube-proxy and the compare catching up with a new cluster: a bound
+
+
+def _service(state: ClusterState, ports: list[ServicePort], generated: dict[str, Any]) -> dict[str, Any]:
+    """The generated Service with everything manifest_objects leaves out, and no cluster IP: the
+    real server allocates it (random_cluster's are outside its service CIDRs)."""
+    first = ports[0]
+    spec = generated["spec"]
+    for key in ("clusterIP", "clusterIPs"):
+        spec.pop(key)
+    spec["ipFamilies"] = [f"IPv{first.family.value}"]
+    spec["ipFamilyPolicy"] = "SingleStack"
+    for port in spec["ports"]:
+        port["targetPort"] = port["port"]
+    if first.affinity_timeout:
+        spec["sessionAffinity"] = "ClientIP"
+        spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": first.affinity_timeout}}
+    if first.external_ips:
+        spec["externalIPs"] = list(first.external_ips)
+    if first.type is not ServiceType.CLUSTER_IP:
+        spec["externalTrafficPolicy"] = "Local" if first.external_policy_local else "Cluster"
+    spec["internalTrafficPolicy"] = "Local" if first.internal_policy_local else "Cluster"
+    if first.load_balancer_source_ranges:
+        spec["loadBalancerSourceRanges"] = list(first.load_balancer_source_ranges)
+    return generated
+
+
+def cluster_objects(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(objects, LoadBalancer statuses) of the random cluster of `seed`."""
+    state = random_cluster(random.Random(seed), 12, max_endpoints=6)
+    by_name: dict[tuple[str, str], list[ServicePort]] = {}
+    for sp in state.services.values():
+        by_name.setdefault((sp.name.namespace, sp.name.name), []).append(sp)
+    objects, statuses = [], []
+    for obj in manifest_objects(state):
+        meta = obj["metadata"]
+        if obj["kind"] == "Service":
+            ports = by_name[(meta["namespace"], meta["name"])]
+            obj = _service(state, ports, obj)
+            if ports[0].load_balancer_ips:
+                statuses.append({"apiVersion": "v1", "kind": "Service", "metadata": dict(meta),
+                                 "status": {"loadBalancer": {"ingress": [{"ip": ip} for ip in ports[0].load_balancer_ips]}}})
+        objects.append(obj)
+    return objects, statuses
+
+
+def replace_cluster(plane: Any, seed: int) -> int:
+    for ns in NAMESPACES:
+        plane.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        plane.kubectl("delete", "services,endpointslices", "--all", "-n", ns, "--wait=false")
+    objects, statuses = cluster_objects(seed)
+    plane.apply(*objects)
+    for status in statuses:
+        plane.apply_status(status)
+    return sum(1 for o in objects if o["kind"] == "Service")
+
+
+def node(plane: Any, netns: str) -> None:
+    """random_cluster's node: its IPs on an interface of the namespace and on the Node object
+    (kube-proxy reads both), its zone label."""
+    plane.apply({"apiVersion": "v1", "kind": "Node",
+                 "metadata": {"name": NODE.name, "labels": {"topology.kubernetes.io/zone": NODE.zone}}})
+    plane.apply_status({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE.name},
+                        "status": {"addresses": [{"type": "InternalIP", "address": ip} for ip in NODE.ips]}})
+    for cmd in (["link", "add", "node0", "type", "veth", "peer", "name", "node1"],
+                *(["addr", "add", ip, "dev", "node0"] for ip in NODE.ips),
+                ["link", "set", "node0", "up"], ["link", "set", "node1", "up"]):
+        subprocess.run(["ip", "-n", netns, *cmd], check=True)
+
+
+@pytest.fixture
+def kube_proxy_on_random_node(control_plane, netns) -> Iterator[Any]:
+    node(control_plane, netns)
+    started = []
+
+    def start(mode: str) -> str:
+        done = subprocess.run([str(KUBE), "proxy", "--dir", control_plane.dir, netns, "--proxy-mode", mode,
+                               "--hostname-override", NODE.name, "--cluster-cidr", CLUSTER_CIDRS],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        started.append(netns)
+        return netns
+
+    yield start
+    for ns in started:
+        subprocess.run([str(KUBE), "proxy-stop", "--dir", control_plane.dir, ns], check=False)
+    for ns in NAMESPACES:
+        control_plane.kubectl("delete", "services,endpointslices", "--all", "-n", ns, "--wait=false")
+
+
+def compare_live(plane: Any, netns: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "nfproxy", "compare", "--against-netns", netns, "--kubeconfig", plane.kubeconfig,
+         "--hostname-override", NODE.name, "--cluster-cidr", CLUSTER_CIDRS, "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode in (0, 1), done.stderr
+    return json.loads(done.stdout)
+
+
+def settled(plane: Any, netns: str) -> dict[str, Any]:
+    """The compare once kube-proxy has caught up: repeated while it is behind (a bound, not a
+    retry of a flaky check: a difference that stays is reported as the last compare saw it)."""
+    deadline = time.monotonic() + SETTLE
+    while True:
+        report = compare_live(plane, netns)
+        if report["equal"] or time.monotonic() > deadline:
+            return report
+        time.sleep(3)
+
+
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_random_clusters_equal_under_both_proxies(control_plane, kube_proxy_on_random_node, mode):
+    netns = kube_proxy_on_random_node(mode)
+    for seed in range(CLUSTERS):
+        services = replace_cluster(control_plane, seed)
+        report = settled(control_plane, netns)
+        shown = "\n".join(f"{d['service']} | {d['traffic']} | {d['why']}" for d in report["differences"][:40])
+        assert report["equal"], f"{mode}, cluster {seed} ({services} Services): {shown}"
+        assert report["probes"] > services
