@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""nfproxy against the real kube-proxy, both modes, one run, in turns (issue O).
+
+The real control plane and kube-proxy v1.37.2 come from `scripts/kube` (built from
+k8s.io/kubernetes). The cluster (nfproxy/testing.py's uniform shape: S IPv4 ClusterIP services x
+N endpoints on another node) is written once to kube-apiserver; then, for each mode and each
+round, kube-proxy and nfproxy take turns on a fresh network namespace, each measured alone:
+
+- cold start: from the process's start to its first complete sync (its
+  kubeproxy_sync_proxy_rules_last_timestamp_seconds set; the rules are all in the kernel then);
+- one Service added, one endpoint changed: 2 s after the sync before (past both proxies'
+  --min-sync-period of 1 s), from just before the API write to the end of the first sync after
+  it (the same metric, polled every 20 ms);
+- idle: CPU seconds (user + system, children included) over `--idle` seconds with nothing
+  changing, as a share of one core, and RSS at the end of the window and its peak (VmHWM).
+
+Ratios nfproxy / kube-proxy are printed per mode, from medians over the rounds. The machine has
+2 shared cores: absolute times drift; the ratios are taken in one run, in turns.
+
+Usage: sudo .venv/bin/python bench/kube_proxy.py [--services 1000] [--endpoints 10]
+       [--modes iptables,nftables] [--rounds 2] [--idle 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nfproxy.kernel import netns as netns_mod  # noqa: E402
+from nfproxy.testing import uniform_cluster  # noqa: E402
+
+KUBE = ROOT / "scripts" / "kube"
+NODE = "node-a"
+SYNCED = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
+# Both proxies' --min-sync-period is 1 s: a change waits this long after the sync before it, so
+# the figure is the reaction to the change, not the rate limit.
+QUIET = 2.0
+
+
+def sh(*args: str, stdin: str | None = None, timeout: float = 1800) -> str:
+    done = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(args[:4])}...: {done.stderr.strip()[-2000:]}")
+    return done.stdout
+
+
+class Plane:
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        sh(str(KUBE), "up", "--dir", directory, "--service-cidr", "172.16.0.0/12")
+        self.kubeconfig = f"{directory}/admin.kubeconfig"
+        self.kubectl_path = sh(str(KUBE), "path", "kubectl").strip()
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return sh(self.kubectl_path, "--kubeconfig", self.kubeconfig, *args, stdin=stdin)
+
+    def apply(self, objects: list[dict[str, Any]]) -> None:
+        for i in range(0, len(objects), 2000):
+            doc = {"apiVersion": "v1", "kind": "List", "items": objects[i:i + 2000]}
+            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=json.dumps(doc))
+
+    def create(self, obj: dict[str, Any]) -> None:
+        """One object through the API client: a write timed from just before the request."""
+        from kubernetes import client, config, utils
+
+        if not hasattr(self, "_api"):
+            self._api = config.new_client_from_config(self.kubeconfig)
+        utils.create_from_dict(self._api, obj)
+
+    def close(self) -> None:
+        sh(str(KUBE), "down", "--dir", self.dir)
+
+
+def cluster_objects(services: int, endpoints: int) -> list[dict[str, Any]]:
+    from nfproxy.testing import manifest_objects
+
+    objects = manifest_objects(uniform_cluster(services, endpoints))
+    namespaces = sorted({o["metadata"]["namespace"] for o in objects})
+    for obj in objects:
+        if obj["kind"] == "Service":  # cluster IPs allocated by the server
+            obj["spec"]["ports"][0]["targetPort"] = 8080
+            del obj["spec"]["clusterIP"], obj["spec"]["clusterIPs"]
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+            "status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.2"}]}}
+    return [node] + [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in namespaces] + objects
+
+
+def metric(url: str, ns: str | None) -> float:
+    """The newest sync timestamp of either family (0: none yet)."""
+    def read() -> str:
+        with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 - loopback
+            return answer.read().decode()
+    try:
+        if ns:
+            with netns_mod.entered(ns):
+                text = read()
+        else:
+            text = read()
+    except OSError:
+        return 0.0
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(SYNCED)]
+    return max(values, default=0.0)
+
+
+class Proxy:
+    """One proxy process on a fresh namespace: kube-proxy (through scripts/kube) or nfproxy."""
+
+    def __init__(self, who: str, mode: str, plane: Plane) -> None:
+        self.who, self.mode, self.plane = who, mode, plane
+        self.ns = f"nfp-kpb-{os.getpid()}-{who[:2]}"
+        sh("ip", "netns", "add", self.ns)
+        sh("ip", "-n", self.ns, "link", "set", "lo", "up")
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> float:
+        """Seconds from the start to the first complete sync."""
+        began = time.time()
+        if self.who == "kube-proxy":
+            sh(str(KUBE), "proxy", "--dir", self.plane.dir, self.ns, "--proxy-mode", self.mode,
+               "--hostname-override", NODE, "--cluster-cidr", "10.0.0.0/8", timeout=3600)
+            self.url, self.url_ns = "http://127.0.0.1:10249/metrics", self.ns
+            self.pid = int(Path(self.plane.dir, f"proxy-{self.ns}", "kube-proxy.pid").read_text())
+            self.pid = _child(self.pid, "kube-proxy")
+        else:
+            port = _free_port()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "nfproxy", "--proxy-mode", self.mode, "--kubeconfig", self.plane.kubeconfig,
+                 "--netns", self.ns, "--hostname-override", NODE, "--cluster-cidr", "10.0.0.0/8",
+                 "--metrics-bind-address", f"127.0.0.1:{port}", "--healthz-bind-address", ""],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            self.url, self.url_ns, self.pid = f"http://127.0.0.1:{port}/metrics", None, self.proc.pid
+        synced = _wait(lambda: metric(self.url, self.url_ns), 3600)
+        return synced - began
+
+    def change(self, write: Callable[[], None]) -> float:
+        """Seconds from the API write (just before the request) to the end of the first sync
+        after it."""
+        time.sleep(QUIET)
+        before = metric(self.url, self.url_ns)
+        written = time.time()
+        write()
+        done = _wait(lambda: (v := metric(self.url, self.url_ns)) > max(before, written) and v, 600)
+        return done - written
+
+    def idle(self, seconds: float) -> tuple[float, float, float]:
+        """(CPU share of one core, RSS MiB at the end, peak RSS MiB) over `seconds`."""
+        cpu0 = _cpu(self.pid)
+        time.sleep(seconds)
+        cpu = (_cpu(self.pid) - cpu0) / seconds
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        field = {ln.split(":")[0]: ln.split()[1] for ln in status.splitlines() if ln.startswith(("VmRSS", "VmHWM"))}
+        return cpu, int(field["VmRSS"]) / 1024, int(field["VmHWM"]) / 1024
+
+    def stop(self) -> None:
+        if self.who == "kube-proxy":
+            subprocess.run([str(KUBE), "proxy-stop", "--dir", self.plane.dir, self.ns], check=False)
+        elif self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        subprocess.run(["ip", "netns", "del", self.ns], check=False)
+
+
+def _child(pid: int, name: str) -> int:
+    """`ip netns exec` execs the program: the recorded pid is kube-proxy's own (checked)."""
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    if comm != name:
+        raise SystemExit(f"pid {pid} is {comm}, not {name}")
+    return pid
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(probe: Callable[[], float], timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise SystemExit(f"no sync within {timeout}s")
+
+
+def one_turn(who: str, mode: str, plane: Plane, round_: int, idle: float) -> dict[str, float]:
+    proxy = Proxy(who, mode, plane)
+    try:
+        out = {"cold start": proxy.start()}
+        name = f"bench-{who[:2]}-{mode[:2]}-{round_}"
+        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+               "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}}
+        out["one service added"] = proxy.change(lambda: plane.create(svc))
+        sl = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+              "metadata": {"name": f"{name}-a", "namespace": "default",
+                           "labels": {"kubernetes.io/service-name": name,
+                                      "endpointslice.kubernetes.io/managed-by": "bench"}},
+              "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+              "endpoints": [{"addresses": [f"10.255.{round_}.{len(who)}"], "conditions": {"ready": True}}]}
+        out["one endpoint changed"] = proxy.change(lambda: plane.create(sl))
+        out["idle CPU (share of a core)"], out["idle RSS MiB"], out["peak RSS MiB"] = proxy.idle(idle)
+        return out
+    finally:
+        proxy.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--services", type=int, default=1000)
+    p.add_argument("--endpoints", type=int, default=10)
+    p.add_argument("--modes", default="iptables,nftables")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--idle", type=float, default=60.0)
+    args = p.parse_args()
+    plane = Plane(tempfile.mkdtemp(prefix="nfproxy-kpbench-"))
+    try:
+        t = time.monotonic()
+        plane.apply(cluster_objects(args.services, args.endpoints))
+        print(f"cluster: {args.services} x {args.endpoints} written in {time.monotonic() - t:.1f}s", flush=True)
+        for mode in args.modes.split(","):
+            runs: dict[str, list[dict[str, float]]] = {"kube-proxy": [], "nfproxy": []}
+            for r in range(args.rounds):
+                for who in (("kube-proxy", "nfproxy") if r % 2 == 0 else ("nfproxy", "kube-proxy")):
+                    runs[who].append(one_turn(who, mode, plane, r, args.idle))
+                    print(f"  {mode} round {r} {who}: {json.dumps({k: round(v, 3) for k, v in runs[who][-1].items()})}",
+                          flush=True)
+            print(f"{mode}, {args.services} x {args.endpoints}, medians of {args.rounds} rounds:")
+            for key in runs["nfproxy"][0]:
+                ours = statistics.median(x[key] for x in runs["nfproxy"])
+                theirs = statistics.median(x[key] for x in runs["kube-proxy"])
+                ratio = f"{ours / theirs:.2f}x" if theirs else "-"
+                print(f"  {key:<28} nfproxy {ours:10.3f}   kube-proxy {theirs:10.3f}   nfproxy/kube-proxy {ratio}")
+    finally:
+        plane.close()
+
+
+if __name__ == "__main__":
+    main()
