@@ -75,7 +75,7 @@ class Plane:
 
     def create(self, obj: dict[str, Any]) -> None:
         """One object through the API client: a write timed from just before the request."""
-        from kubernetes import client, config, utils
+        from kubernetes import config, utils
 
         if not hasattr(self, "_api"):
             self._api = config.new_client_from_config(self.kubeconfig)

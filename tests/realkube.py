@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -132,6 +131,19 @@ class ControlPlane:
         return path
 
     # ---------------------------------------------------------------------------------------
+    # The real kube-proxy
+
+    def start_kube_proxy(self, netns: str, mode: str, *flags: str) -> None:
+        """kube-proxy in `netns` (`scripts/kube proxy`), back once it has synced."""
+        done = subprocess.run([str(KUBE), "proxy", "--dir", self.dir, netns, "--proxy-mode", mode, *flags],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise KubeError(f"scripts/kube proxy {netns} --proxy-mode {mode}: {done.stderr}")
+
+    def stop_kube_proxy(self, netns: str) -> None:
+        subprocess.run([str(KUBE), "proxy-stop", "--dir", self.dir, netns], check=False)
+
+    # ---------------------------------------------------------------------------------------
     # Faults only a real server has
 
     def stop_apiserver(self) -> None:
@@ -158,6 +170,15 @@ class ControlPlane:
         )
         with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310 - loopback etcd
             return json.loads(answer.read())
+
+
+def node_addresses(netns: str, *ips: str) -> None:
+    """The node's IPs on an interface of its namespace (a veth pair: no dummy module needed):
+    kube-proxy takes node-port addresses from the local interfaces ("primary")."""
+    for cmd in (["link", "add", "node0", "type", "veth", "peer", "name", "node1"],
+                *(["addr", "add", ip, "dev", "node0"] for ip in ips),
+                ["link", "set", "node0", "up"], ["link", "set", "node1", "up"]):
+        subprocess.run(["ip", "-n", netns, *cmd], check=True)
 
 
 def _b64(text: str) -> str:

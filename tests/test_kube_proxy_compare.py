@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.realkube import KUBE, ROOT
+from tests.realkube import ROOT, node_addresses
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel]
 
@@ -39,33 +39,21 @@ def example_cluster(plane: Any) -> None:
                                     "metadata": meta, "status": doc["status"]})
 
 
-def node_address(netns: str) -> None:
-    """The node IP on an interface of the namespace: kube-proxy's nftables mode takes node-port
-    addresses from the local interfaces ("primary" nodePortAddresses)."""
-    for cmd in (["link", "add", "node0", "type", "veth", "peer", "name", "node1"],
-                ["addr", "add", f"{NODE_IP}/24", "dev", "node0"],
-                ["link", "set", "node0", "up"], ["link", "set", "node1", "up"]):
-        subprocess.run(["ip", "-n", netns, *cmd], check=True)
-
-
 @pytest.fixture
 def kube_proxy(control_plane, netns) -> Iterator[Any]:
     """Start the real kube-proxy in `netns` in a mode; stopped (with its doors) afterwards."""
     example_cluster(control_plane)
-    node_address(netns)
+    node_addresses(netns, f"{NODE_IP}/24")
     started: list[str] = []
 
     def start(mode: str) -> str:
-        done = subprocess.run([str(KUBE), "proxy", "--dir", control_plane.dir, netns, "--proxy-mode", mode,
-                               "--hostname-override", NODE, "--cluster-cidr", CLUSTER_CIDR],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+        control_plane.start_kube_proxy(netns, mode, "--hostname-override", NODE, "--cluster-cidr", CLUSTER_CIDR)
         started.append(netns)
         return netns
 
     yield start
     for ns in started:
-        subprocess.run([str(KUBE), "proxy-stop", "--dir", control_plane.dir, ns], check=False)
+        control_plane.stop_kube_proxy(ns)
 
 
 def compare(*args: str) -> subprocess.CompletedProcess[str]:

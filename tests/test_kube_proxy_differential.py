@@ -27,7 +27,7 @@ import pytest
 
 from nfproxy.core.model import ClusterState, ServicePort, ServiceType
 from nfproxy.testing import NODE, manifest_objects, random_cluster
-from tests.realkube import KUBE, ROOT
+from tests.realkube import ROOT, node_addresses
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel]
 
@@ -98,10 +98,7 @@ def node(plane: Any, netns: str) -> None:
                  "metadata": {"name": NODE.name, "labels": {"topology.kubernetes.io/zone": NODE.zone}}})
     plane.apply_status({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE.name},
                         "status": {"addresses": [{"type": "InternalIP", "address": ip} for ip in NODE.ips]}})
-    for cmd in (["link", "add", "node0", "type", "veth", "peer", "name", "node1"],
-                *(["addr", "add", ip, "dev", "node0"] for ip in NODE.ips),
-                ["link", "set", "node0", "up"], ["link", "set", "node1", "up"]):
-        subprocess.run(["ip", "-n", netns, *cmd], check=True)
+    node_addresses(netns, *NODE.ips)
 
 
 @pytest.fixture
@@ -110,16 +107,13 @@ def kube_proxy_on_random_node(control_plane, netns) -> Iterator[Any]:
     started = []
 
     def start(mode: str) -> str:
-        done = subprocess.run([str(KUBE), "proxy", "--dir", control_plane.dir, netns, "--proxy-mode", mode,
-                               "--hostname-override", NODE.name, "--cluster-cidr", CLUSTER_CIDRS],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+        control_plane.start_kube_proxy(netns, mode, "--hostname-override", NODE.name, "--cluster-cidr", CLUSTER_CIDRS)
         started.append(netns)
         return netns
 
     yield start
     for ns in started:
-        subprocess.run([str(KUBE), "proxy-stop", "--dir", control_plane.dir, ns], check=False)
+        control_plane.stop_kube_proxy(ns)
     for ns in NAMESPACES:
         control_plane.kubectl("delete", "services,endpointslices", "--all", "-n", ns, "--wait=false")
 

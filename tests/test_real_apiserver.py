@@ -21,7 +21,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +29,7 @@ import yaml
 from nfproxy.core.model import IPFamily, NodeConfig, Protocol, ServicePortName
 from nfproxy.sources.kube import KubeSource, WatchSettings, api_client
 from tests import apiserver as fake
-from tests.realkube import ROOT, KubeError, wait_for
+from tests.realkube import ROOT, wait_for
 
 pytestmark = pytest.mark.apiserver
 
