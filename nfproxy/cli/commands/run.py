@@ -136,8 +136,6 @@ DEFAULT_MODE_WARNING = (
 def run(args: argparse.Namespace) -> int:
     from nfproxy.kernel import netns as netns_mod
 
-    if getattr(args, "mode_defaulted", False):
-        log.warning(DEFAULT_MODE_WARNING)
     args.backend = backend_of(args.backend)
     _bind_address_as_node_ip(args)
     _check_bind_addresses(args)
@@ -146,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     min_sync, sync_period = sync_periods(args)
     parse_feature_gates(args.feature_gates, log)
     settings = conntrack_sysctls.settings_from_args(args)
+    if getattr(args, "mode_defaulted", False):  # after the flags are checked, as kube-proxy
+        log.warning(DEFAULT_MODE_WARNING)
     if args.write_config_to:
         from nfproxy.cli import kubeproxy_config
 
