@@ -9,6 +9,8 @@ that the chain names in the goldens can be compared with upstream's expected dum
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 import re
@@ -532,6 +534,8 @@ EXPECTED_JUMPS = """\
 -A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES
 -A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
 -A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A INPUT -j KUBE-FIREWALL
+-A OUTPUT -j KUBE-FIREWALL
 -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
 -A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
 -A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING
@@ -540,7 +544,19 @@ EXPECTED_JUMPS = """\
 
 def test_jumps_are_kube_proxys_with_ct_state_gates() -> None:
     assert "".join(j.line + "\n" for j in JUMPS) == EXPECTED_JUMPS
-    assert [j.table for j in JUMPS] == ["filter"] * 9 + ["nat"] * 3
+    assert [j.table for j in JUMPS] == ["filter"] * 11 + ["nat"] * 3
+
+
+def test_the_localnet_guard_goes_with_localhost_node_ports() -> None:
+    """route_localnet=1 (localhost node ports) lets outside packets reach 127.0.0.0/8
+    (CVE-2020-8558): kube-proxy 1.37 drops them in KUBE-FIREWALL, IPv4 only, and so must we."""
+    st, family = _nodeport()
+    guard = render(st, family).filter["KUBE-FIREWALL"]
+    assert guard == ['-A KUBE-FIREWALL -m comment --comment "block incoming localnet connections"'
+                     ' -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP']
+    off = dataclasses.replace(st, node=dataclasses.replace(st.node, localhost_nodeports=False))
+    assert render(off, family).filter["KUBE-FIREWALL"] == []
+    assert render(st, V6).filter["KUBE-FIREWALL"] == []
 
 
 def test_restore_text_without_jumps_has_no_builtin_chain_rules() -> None:

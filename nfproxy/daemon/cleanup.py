@@ -41,7 +41,9 @@ def _fixed_chains(table: str) -> frozenset[str]:
 
 
 def _owned(table: str, chains: list[str]) -> list[str]:
-    fixed = _fixed_chains(table)
+    """nfproxy's chains but KUBE-FIREWALL: the localnet guard stays as long as route_localnet
+    may (kube-proxy's CleanupLeftovers leaves it to kubelet too)."""
+    fixed = _fixed_chains(table) - {iptables_backend.KUBE_FIREWALL}
     return [c for c in chains if c in fixed or c.startswith(iptables_backend.SERVICE_CHAIN_PREFIXES)]
 
 
@@ -58,6 +60,8 @@ def cleanup_iptables(netns: str | None) -> list[Removed]:
                 continue
             jumps = 0
             for jump in iptables_backend.JUMPS:
+                if jump.spec.endswith(iptables_backend.KUBE_FIREWALL):
+                    continue  # kept with its chain
                 if jump.chain in existing.get(jump.table, []) and runner.delete_rule(
                     jump.table, jump.chain, shlex.split(jump.spec)
                 ):

@@ -8,8 +8,9 @@ behaviour, and an `iptables-save` that people already know how to read. Delibera
   instead of being resolved to node IPs at sync time;
 - what kube-proxy decides from the host comes in through NodeConfig (`drop_invalid`: no
   conntrack-INVALID drop when nf_conntrack_tcp_be_liberal is set) or is fixed here:
-  `MASQUERADE --random-fully` is always used, and there is no KUBE-FIREWALL localnet rule or
-  KUBE-PROXY-CANARY chain (kubelet's and the flush monitor's business, not the model's);
+  `MASQUERADE --random-fully` is always used, and there is no KUBE-PROXY-CANARY chain (the
+  flush monitor's business, not the model's). KUBE-FIREWALL's localnet guard is written, as
+  kube-proxy 1.37 does, whenever localhost node ports are on (IPv4);
 - built-in-chain jumps are data (`JUMPS`), not `iptables -C/-I` calls: the kernel layer owns that.
 
 Pure: no I/O. Lines are built as f-strings straight into lists because a 10 000-service cluster is
@@ -56,6 +57,8 @@ KUBE_POSTROUTING = "KUBE-POSTROUTING"
 KUBE_MARK_MASQ = "KUBE-MARK-MASQ"
 KUBE_FORWARD = "KUBE-FORWARD"
 KUBE_PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
+# kubelet's chain, which kube-proxy duplicates (and never removes): the localnet guard.
+KUBE_FIREWALL = "KUBE-FIREWALL"
 
 # Prefixes of the chains that belong to one service port; anything else KUBE-* is top-level.
 SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
@@ -194,6 +197,9 @@ JUMPS: tuple[JumpRule, ...] = (
     _jump("filter", "FORWARD", KUBE_EXTERNAL_SERVICES, _EXTERNAL_PORTALS, True),
     _jump("filter", "OUTPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", True),
     _jump("filter", "OUTPUT", KUBE_SERVICES, "kubernetes service portals", True),
+    # kubelet's jumps, which kube-proxy makes too: no comment, after its own.
+    JumpRule("filter", "INPUT", f"-j {KUBE_FIREWALL}"),
+    JumpRule("filter", "OUTPUT", f"-j {KUBE_FIREWALL}"),
     _jump("nat", "PREROUTING", KUBE_SERVICES, "kubernetes service portals", False),
     _jump("nat", "OUTPUT", KUBE_SERVICES, "kubernetes service portals", False),
     _jump("nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules", False),
@@ -379,6 +385,7 @@ def _render(
         KUBE_FORWARD: _forward_rules(state.node.drop_invalid, ctx.mark),
         KUBE_NODEPORTS: top.f_nodeports,
         KUBE_PROXY_FIREWALL: top.f_firewall,
+        KUBE_FIREWALL: _localnet_guard(state.node.localhost_nodeports and family is IPFamily.V4),
     }
     nat_table = {
         KUBE_SERVICES: top.n_services,
@@ -776,6 +783,17 @@ def _nodeports_tail(localhost: bool, cidrs: tuple[str, ...], v6: bool) -> list[s
             f" -d {cidr} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
         )
     return out
+
+
+def _localnet_guard(on: bool) -> list[str]:
+    """Localhost node ports need route_localnet=1, which lets packets from outside reach
+    127.0.0.0/8 (kubernetes#90259, CVE-2020-8558): kube-proxy drops those unless they are
+    replies or DNATed, in kubelet's KUBE-FIREWALL, and so do we. Empty when localhost node
+    ports are off or for IPv6 (no route_localnet)."""
+    if not on:
+        return []
+    return ['-A KUBE-FIREWALL -m comment --comment "block incoming localnet connections" -d 127.0.0.0/8'
+            ' ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP']
 
 
 def _forward_rules(drop_invalid: bool, mark: str) -> list[str]:
