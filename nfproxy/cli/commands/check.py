@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli.commands import add_backend_flag
 from nfproxy.cli.exit import hold
 from nfproxy.cli.commands.trace import SourceError, add_source_flags, fail, load_source, load_weights
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="exact endpoint probabilities per service port, and rule problems")
-    p.add_argument("--backend", choices=BACKENDS, help="which rules to read live (default nft; a file says what it is)")
+    add_backend_flag(p, help="which rules to read live (default nft; a file says what it is)")
     add_source_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

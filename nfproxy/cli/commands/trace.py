@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from nfproxy.cli.commands import BACKENDS
+from nfproxy.cli.commands import add_backend_flag
 from nfproxy.cli.exit import hold
 
 
@@ -227,7 +227,7 @@ def _answer(
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="the chains first packets walk and the probability of each outcome")
-    p.add_argument("--backend", choices=BACKENDS, help="which rules to read live (default nft; a file says what it is)")
+    add_backend_flag(p, help="which rules to read live (default nft; a file says what it is)")
     add_source_flags(p)
     p.add_argument("--from", dest="origin", choices=("node", "pod", "outside"),
                    help="where the packet enters (default: node for a node IP, pod inside a pod CIDR the rules show, else outside)")
