@@ -81,11 +81,16 @@ class Routing:
 
     @property
     def uses_firewall(self) -> bool:
-        """Source ranges are enforced only while there are endpoints (kube-proxy's usesFWChain):
-        with none, every source gets the same REJECT, from both backends alike."""
-        return self.has_endpoints and bool(
-            self.service.load_balancer_ips and self.service.load_balancer_source_ranges
-        )
+        """Source ranges enforced while there are endpoints: kube-proxy's iptables mode
+        (usesFWChain); with none, every source gets the same REJECT there."""
+        return self.has_endpoints and self.fenced
+
+    @property
+    def fenced(self) -> bool:
+        """LB IPs with source ranges: kube-proxy's nftables mode writes their firewall whether
+        or not there are endpoints, so a source outside the ranges is dropped before the
+        no-endpoint REJECT (docs/semantics.md, "Documented differences")."""
+        return bool(self.service.load_balancer_ips and self.service.load_balancer_source_ranges)
 
 
 def _topology_mode(endpoints: tuple[Endpoint, ...], node: NodeConfig) -> Topology:

@@ -159,7 +159,7 @@ class Agreement:
         if not want:
             return False
         return all(
-            all(o.verdict == want for o in nft) and all(o.verdict == "accept" for o in ipt)
+            all(o.verdict == want for o in nft) and all(o.verdict == self.probe.iptables_documented for o in ipt)
             for nft, ipt in ((self.nft, self.iptables), (self.nft_ideal, self.iptables_ideal))
         )
 
@@ -269,13 +269,25 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
         # iptables mode lets it out (docs/semantics.md, "Documented differences").
         unserved = routing.external_no_endpoints
         node_external = unserved.value if unserved is not None and not routing.cluster else ""
+        # Source ranges without any endpoint: kube-proxy's nftables mode still drops a source
+        # outside them (its firewall runs before DNAT, for every LB IP with ranges), its
+        # iptables mode writes no firewall then and rejects every source alike.
+        fenced = [ipaddress.ip_network(c, strict=False) for c in ranges] if not routing.has_endpoints else []
+
+        def documented(lb: bool, external: bool, src: str, origin: Origin) -> tuple[str, str]:
+            if lb and fenced and not any(ipaddress.ip_address(src) in n for n in fenced):
+                # iptables: no firewall, so REJECT on input; the node's own packet is let out.
+                return "drop", "accept" if origin == "node" else "reject"
+            if external and origin == "node" and node_external:
+                return node_external, "accept"
+            return "", "accept"
 
         def emit(traffic: str, dst: str, port: int, srcs: list[tuple[str, str, Origin]],
-                 external: bool = False) -> Iterator[Probe]:
+                 external: bool = False, lb: bool = False) -> Iterator[Probe]:
             for label, src, origin in srcs:
-                documented = node_external if external and origin == "node" else ""
+                nft, ipt = documented(lb, external, src, origin)
                 yield Probe(src, dst, port, proto, origin, service=name, traffic=f"{traffic} from {label}",
-                            nft_only=documented)
+                            nft_only=nft, iptables_documented=ipt)
 
         yield from emit("cluster IP", svc.cluster_ip, svc.port, sources)
         if svc.node_port and node_ips:
@@ -286,7 +298,7 @@ def probes(state: ClusterState, family: IPFamily) -> Iterator[Probe]:
             srcs = list(sources)
             if ranges:
                 srcs.append(("allowed range", _inside(ranges[0]), "outside"))
-            yield from emit(f"LB IP {ip}", ip, svc.port, srcs, external=True)
+            yield from emit(f"LB IP {ip}", ip, svc.port, srcs, external=True, lb=True)
 
 
 UNUSED_PORT = "unused port of cluster IP"

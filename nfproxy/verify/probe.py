@@ -82,8 +82,11 @@ class Probe:
     """Where kube-proxy's iptables mode differs from its nftables mode (docs/semantics.md):
     what the iptables backend does instead of `expect`."""
     nft_only: str = ""
-    """compare: the nft verdict of a documented difference ("reject", "drop"), which the
-    iptables backend leaves alone; "" for every ordinary probe."""
+    """compare: the nft verdict of a documented difference ("reject", "drop"); "" for every
+    ordinary probe."""
+    iptables_documented: str = "accept"
+    """compare: the iptables verdict of that documented difference: "accept" where the
+    iptables backend leaves the packet alone, "reject" where it rejects what nft drops."""
 
     def expect_for(self, backend: str) -> Expect | None:
         if backend == "iptables" and self.expect_iptables is not None:

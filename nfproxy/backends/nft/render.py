@@ -906,7 +906,7 @@ def _render_service(
             ext.append(f"goto {local_chain if svc.external_policy_local else cluster_chain}")
         chains[external_chain] = tuple(ext)
 
-    if r.uses_firewall:
+    if r.fenced:  # with or without endpoints, as kube-proxy's nftables mode
         ranges = [_address(c) for c in firewall_sources(svc, ctx.node)]
         chains[firewall_chain] = (f"{ipx} saddr != {{ {', '.join(ranges)} }} drop",)
 
@@ -937,7 +937,7 @@ def _render_service(
         key = _address(ip) + suffix
         if r.has_endpoints:
             element(SERVICE_IPS_MAP, key, to_external)
-        if r.uses_firewall:
+        if r.fenced:
             element(FIREWALL_IPS_MAP, key, f"goto {firewall_chain}", comment)
         if no_external is not None:
             element(NO_ENDPOINT_EXTERNAL_MAP, key, no_external, comment)
