@@ -130,6 +130,7 @@ class Proxy:
         """Seconds from the start to the first complete sync."""
         began = time.time()
         if self.who == "kube-proxy":
+            os.environ["NFPROXY_KUBE_PROXY_WAIT"] = "3600"  # a cold start at scale takes minutes
             sh(str(KUBE), "proxy", "--dir", self.plane.dir, self.ns, "--proxy-mode", self.mode,
                "--hostname-override", NODE, "--cluster-cidr", "10.0.0.0/8", timeout=3600)
             self.url, self.url_ns = "http://127.0.0.1:10249/metrics", self.ns
