@@ -222,7 +222,8 @@ def one_turn(who: str, mode: str, plane: Plane, round_: int, idle: float) -> dic
               "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
               "endpoints": [{"addresses": [f"10.255.{round_}.{len(who)}"], "conditions": {"ready": True}}]}
         out["one endpoint changed"] = proxy.change(lambda: plane.create(sl))
-        out["idle CPU (share of a core)"], out["idle RSS MiB"], out["peak RSS MiB"] = proxy.idle(idle)
+        share, out["idle RSS MiB"], out["peak RSS MiB"] = proxy.idle(idle)
+        out["idle CPU % of a core"] = 100 * share
         return out
     finally:
         proxy.stop()
