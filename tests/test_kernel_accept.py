@@ -37,10 +37,12 @@ def expected_chains(state: ClusterState, family: IPFamily) -> dict[str, Counter[
             (("KUBE-SVC-", "service-"), bool(r.cluster)),
             (("KUBE-SVL-", "local-"), bool(r.local)),
             (("KUBE-EXT-", "external-"), r.uses_external_chain),
-            (("KUBE-FW-", "firewall-"), r.uses_firewall),
         ):
             ipt[kinds[0]] += present
             nft[kinds[1]] += present
+        # Source ranges: iptables mode only with endpoints, nftables mode always (upstream's own).
+        ipt["KUBE-FW-"] += r.uses_firewall
+        nft["firewall-"] += r.fenced
         ipt["KUBE-SEP-"] += len(r.reachable)
         # nft keeps per-endpoint chains only where affinity needs them (layout s elsewhere).
         nft["endpoint-"] += len(r.reachable) if svc.affinity_timeout else 0
@@ -63,18 +65,19 @@ def expected_elements(state: ClusterState, family: IPFamily) -> Counter[str]:
         if r.external_no_endpoints is not None:
             out["no-endpoint-external-ips"] += external
             out["no-endpoint-nodeports"] += bool(svc.node_port)
-        if r.uses_firewall:
+        if r.fenced:  # with or without endpoints, as kube-proxy's nftables mode
             out["firewall-ips"] += len(svc.load_balancer_ips)
         if svc.affinity_timeout:
             out["affinity-sets"] += len(r.reachable)
         else:
             # One slot per endpoint of each endpoint-selecting chain, in the shard maps.
             out["slots"] += len(r.cluster) + len(r.local)
+    # This node's endpoints, affinity ports' too, as kube-proxy's nftables mode hairpins them.
     hairpin = {
         ep.ip
         for svc, eps in state.service_ports(family)
-        if not svc.affinity_timeout
         for ep in categorize(svc, eps, state.node).reachable
+        if state.node.name and ep.node_name == state.node.name
     }
     out["hairpin"] = len(hairpin)
     return out

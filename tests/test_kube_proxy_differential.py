@@ -3,7 +3,7 @@
 Each cluster comes from `nfproxy.testing.random_cluster` (every Service feature the model has:
 dual-stack, ClientIP affinity, topology hints, terminating fallback, eTP/iTP Local, LoadBalancer
 source ranges, NodePorts, externalIPs, no-endpoint services, UDP and SCTP), written to
-kube-apiserver as Services (cluster IPs allocated by the server), LoadBalancer status and
+kube-apiserver as Services (cluster IPs in a block of each cluster's own), LoadBalancer status and
 EndpointSlices. kube-proxy follows it in its namespace; `nfproxy compare --against-netns
 --kubeconfig` reads the same API state and must find every probe equal. A cluster replaces the
 one before it, as a rollout would.
@@ -14,6 +14,7 @@ run sets NFPROXY_DIFFERENTIAL_CLUSTERS (docs/compat.md has its last result).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -37,13 +38,23 @@ CLUSTER_CIDRS = ",".join(NODE.cluster_cidrs)
 SETTLE = 90.0  # kube-proxy and the compare catching up with a new cluster: a bound
 
 
-def _service(state: ClusterState, ports: list[ServicePort], generated: dict[str, Any]) -> dict[str, Any]:
-    """The generated Service with everything manifest_objects leaves out, and no cluster IP: the
-    real server allocates it (random_cluster's are outside its service CIDRs)."""
+def _cluster_ip(first: ServicePort, seed: int, index: int) -> str:
+    """random_cluster's cluster IPs lie outside the server's service CIDRs. Each cluster gets a
+    block of its own (10.96.200+k.0/24, fd00:10:96::kkii), never one the server would allocate
+    at random nor one another test of the session's server fixes (examples/: 10.96.0-20.x)."""
+    k = seed % 50
+    if first.family.value == 4:
+        return f"10.96.{200 + k}.{index + 1}"
+    return canonical(f"fd00:10:96::{k:02x}{index + 1:02x}")
+
+
+def _service(state: ClusterState, ports: list[ServicePort], generated: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The generated Service with everything manifest_objects leaves out, and a cluster IP in
+    the server's service CIDRs (`_cluster_ip`)."""
     first = ports[0]
     spec = generated["spec"]
-    for key in ("clusterIP", "clusterIPs"):
-        spec.pop(key)
+    ip = _cluster_ip(first, seed, int(generated["metadata"]["name"].split("-")[-1]))
+    spec["clusterIP"], spec["clusterIPs"] = ip, [ip]
     spec["ipFamilies"] = [f"IPv{first.family.value}"]
     spec["ipFamilyPolicy"] = "SingleStack"
     for port in spec["ports"]:
@@ -61,6 +72,21 @@ def _service(state: ClusterState, ports: list[ServicePort], generated: dict[str,
     return generated
 
 
+def canonical(ip: str) -> str:
+    """random_cluster writes IPv6 as fd02::0:1; the real server takes RFC 5952 form only (strict
+    IP validation, KEP-4858), as a real cluster's objects are."""
+    return str(ipaddress.ip_address(ip))
+
+
+def _canonical_addresses(obj: dict[str, Any]) -> dict[str, Any]:
+    for ep in obj.get("endpoints", []):
+        ep["addresses"] = [canonical(a) for a in ep["addresses"]]
+    spec = obj.get("spec", {})
+    if "externalIPs" in spec:
+        spec["externalIPs"] = [canonical(a) for a in spec["externalIPs"]]
+    return obj
+
+
 def cluster_objects(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(objects, LoadBalancer statuses) of the random cluster of `seed`."""
     state = random_cluster(random.Random(seed), 12, max_endpoints=6)
@@ -72,11 +98,12 @@ def cluster_objects(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any
         meta = obj["metadata"]
         if obj["kind"] == "Service":
             ports = by_name[(meta["namespace"], meta["name"])]
-            obj = _service(state, ports, obj)
+            obj = _service(state, ports, obj, seed)
             if ports[0].load_balancer_ips:
+                ingress = [{"ip": canonical(ip)} for ip in ports[0].load_balancer_ips]
                 statuses.append({"apiVersion": "v1", "kind": "Service", "metadata": dict(meta),
-                                 "status": {"loadBalancer": {"ingress": [{"ip": ip} for ip in ports[0].load_balancer_ips]}}})
-        objects.append(obj)
+                                 "status": {"loadBalancer": {"ingress": ingress}}})
+        objects.append(_canonical_addresses(obj))
     return objects, statuses
 
 

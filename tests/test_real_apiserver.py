@@ -4,7 +4,8 @@ What the home-made server of tests/apiserver.py cannot show: the real authorizer
 deploy/rbac.yaml, the real admission and defaulting of deploy/, objects only the real server
 makes (its default ServiceCIDR, names it accepts, dual-stack allocation), and its real faults (a
 restart, etcd compaction). Each test works in a Kubernetes namespace of its own, with cluster
-IPs of its own, on the one control plane of the session.
+IPs and node ports of its own (none of examples/', which tests/test_kube_proxy_compare.py
+applies to the same server), on the one control plane of the session.
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def _scenario() -> list[dict[str, Any]]:
     return [
         service("web", ns, "10.96.7.10", sessionAffinity="ClientIP"),
         endpoint_slice("web-a", "web", ns, endpoints(["10.244.7.5", "10.244.7.6"], nodeName=NODE)),
-        _node_port(service("lb", ns, "10.96.7.11", type="LoadBalancer", externalTrafficPolicy="Local"), 30080),
+        _node_port(service("lb", ns, "10.96.7.11", type="LoadBalancer", externalTrafficPolicy="Local"), 30981),
         endpoint_slice("web-b", "web", ns, [{"addresses": ["10.244.7.7"],
                                              "conditions": {"ready": False, "serving": True, "terminating": True}}]),
         endpoint_slice("lb-a", "lb", ns, endpoints(["10.244.7.8"], nodeName=NODE)),
@@ -552,7 +553,7 @@ def test_bookmarks_from_the_real_server_keep_a_quiet_watch_current(control_plane
     (sent before a watch's timeout) moves the services watch's resourceVersion on without any
     event and without a relist, so a reconnect resumes from a version etcd still has."""
     ns = namespace(control_plane, "bookmarks")
-    control_plane.apply(service("web", ns, "10.96.10.10"))
+    control_plane.apply(service("web", ns, "10.96.11.10"))
     settings = WatchSettings(watch_timeout=8, backoff_initial=0.1, backoff_max=1.0)
     with source_on(control_plane, settings=settings) as src:
         services = next(r for r in src.reflectors if r.kind.plural == "services")
