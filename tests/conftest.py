@@ -160,12 +160,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[object]:
     """The real etcd + kube-apiserver (`scripts/kube up`), one for the session, always taken
-    down. A fixed directory, so a run killed before its teardown is cleaned by the next."""
+    down. A fixed directory, so a run killed before its teardown is cleaned by the next;
+    NFPROXY_KUBE_TEST_DIR names another, for a second run beside it (ports are free ones)."""
     import tempfile
 
     from tests.realkube import ControlPlane
 
-    plane = ControlPlane(os.path.join(tempfile.gettempdir(), "nfproxy-kube-tests"))
+    plane = ControlPlane(os.environ.get("NFPROXY_KUBE_TEST_DIR")
+                         or os.path.join(tempfile.gettempdir(), "nfproxy-kube-tests"))
     try:
         yield plane
     finally:

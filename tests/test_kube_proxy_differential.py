@@ -9,7 +9,9 @@ EndpointSlices. kube-proxy follows it in its namespace; `nfproxy compare --again
 one before it, as a rollout would.
 
 `scripts/test` runs DIFFERENTIAL_CLUSTERS (default 3) clusters per mode; the documented longer
-run sets NFPROXY_DIFFERENTIAL_CLUSTERS (docs/compat.md has its last result).
+run sets NFPROXY_DIFFERENTIAL_CLUSTERS (docs/compat.md has its last result) and may start at
+another seed (NFPROXY_DIFFERENTIAL_FIRST_SEED). Every cluster is compared; the test fails at the
+end naming each cluster that differed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from tests.realkube import ROOT, node_addresses
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel]
 
 CLUSTERS = int(os.environ.get("NFPROXY_DIFFERENTIAL_CLUSTERS", "3"))
+FIRST_SEED = int(os.environ.get("NFPROXY_DIFFERENTIAL_FIRST_SEED", "0"))
+LABEL = "nfproxy.test/differential"  # on every generated Service and slice: one delete for all
 NAMESPACES = [f"ns-{i}" for i in range(7)]  # random_cluster's
 CLUSTER_CIDRS = ",".join(NODE.cluster_cidrs)
 SETTLE = 90.0  # kube-proxy and the compare catching up with a new cluster: a bound
@@ -103,14 +107,14 @@ def cluster_objects(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any
                 ingress = [{"ip": canonical(ip)} for ip in ports[0].load_balancer_ips]
                 statuses.append({"apiVersion": "v1", "kind": "Service", "metadata": dict(meta),
                                  "status": {"loadBalancer": {"ingress": ingress}}})
+        obj.setdefault("metadata", {}).setdefault("labels", {})[LABEL] = "true"
         objects.append(_canonical_addresses(obj))
     return objects, statuses
 
 
 def replace_cluster(plane: Any, seed: int) -> int:
-    for ns in NAMESPACES:
-        plane.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-        plane.kubectl("delete", "services,endpointslices", "--all", "-n", ns, "--wait=false")
+    plane.apply(*({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in NAMESPACES))
+    plane.kubectl("delete", "services,endpointslices", "-A", "-l", LABEL, "--wait=false")
     objects, statuses = cluster_objects(seed)
     plane.apply(*objects)
     for status in statuses:
@@ -141,8 +145,7 @@ def kube_proxy_on_random_node(control_plane, netns) -> Iterator[Any]:
     yield start
     for ns in started:
         control_plane.stop_kube_proxy(ns)
-    for ns in NAMESPACES:
-        control_plane.kubectl("delete", "services,endpointslices", "--all", "-n", ns, "--wait=false")
+    control_plane.kubectl("delete", "services,endpointslices", "-A", "-l", LABEL, "--wait=false")
 
 
 def compare_live(plane: Any, netns: str) -> dict[str, Any]:
@@ -162,15 +165,19 @@ def settled(plane: Any, netns: str) -> dict[str, Any]:
         report = compare_live(plane, netns)
         if report["equal"] or time.monotonic() > deadline:
             return report
-        time.sleep(3)
+        time.sleep(1)
 
 
 @pytest.mark.parametrize("mode", ["iptables", "nftables"])
 def test_random_clusters_equal_under_both_proxies(control_plane, kube_proxy_on_random_node, mode):
     netns = kube_proxy_on_random_node(mode)
-    for seed in range(CLUSTERS):
+    failures = []
+    for seed in range(FIRST_SEED, FIRST_SEED + CLUSTERS):
         services = replace_cluster(control_plane, seed)
         report = settled(control_plane, netns)
         shown = "\n".join(f"{d['service']} | {d['traffic']} | {d['why']}" for d in report["differences"][:40])
-        assert report["equal"], f"{mode}, cluster {seed} ({services} Services): {shown}"
-        assert report["probes"] > services
+        equal = report["equal"] and report["probes"] > services
+        if not equal:
+            failures.append(f"cluster {seed} ({services} Services, {report['probes']} probes):\n{shown}")
+        print(f"{mode} cluster {seed}: {'EQUAL' if equal else 'DIFFERENT'}", file=sys.stderr, flush=True)
+    assert not failures, f"{mode}: {len(failures)} of {CLUSTERS} clusters differ\n" + "\n".join(failures)
