@@ -17,8 +17,16 @@ round, kube-proxy and nfproxy take turns on a fresh network namespace, each meas
 Ratios nfproxy / kube-proxy are printed per mode, from medians over the rounds. The machine has
 2 shared cores: absolute times drift; the ratios are taken in one run, in turns.
 
+Both proxies run the same iptables flavour: `--iptables legacy` puts a directory first in both
+processes' PATH whose `iptables*`/`ip6tables*` are the legacy commands (kube-proxy runs whatever
+`iptables` its PATH gives, nfproxy asks `iptables --version` in a fresh namespace, as
+kube-proxy's iptables-wrapper does); `nft` (the default) leaves the machine's alternatives.
+A kube-proxy turn that has not synced within `--kube-proxy-limit` seconds is stopped and shown
+as not finished; `--proxies nfproxy` measures nfproxy alone (sizes kube-proxy cannot reach).
+
 Usage: sudo .venv/bin/python bench/kube_proxy.py [--services 1000] [--endpoints 10]
-       [--modes iptables,nftables] [--rounds 2] [--idle 60]
+       [--modes iptables,nftables] [--rounds 2] [--idle 60] [--iptables nft|legacy]
+       [--proxies kube-proxy,nfproxy] [--kube-proxy-limit 1800]
 """
 
 from __future__ import annotations
@@ -49,6 +57,19 @@ SYNCED = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 # Both proxies' --min-sync-period is 1 s: a change waits this long after the sync before it, so
 # the figure is the reaction to the change, not the rate limit.
 QUIET = 2.0
+_LEGACY_COMMANDS = ("iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore")
+
+
+class NotSynced(Exception):
+    """A proxy made no first sync within its limit."""
+
+
+def legacy_path() -> str:
+    """A PATH whose iptables commands are the legacy ones (the machine's alternatives untouched)."""
+    d = Path(tempfile.mkdtemp(prefix="nfproxy-kpbench-legacy-"))
+    for name in _LEGACY_COMMANDS:  # the multi-call binary acts as the name it is run under
+        (d / name).symlink_to("/usr/sbin/xtables-legacy-multi")
+    return f"{d}:{os.environ.get('PATH', '')}"
 
 
 def sh(*args: str, stdin: str | None = None, timeout: float = 1800) -> str:
@@ -119,8 +140,8 @@ def metric(url: str, ns: str | None) -> float:
 class Proxy:
     """One proxy process on a fresh namespace: kube-proxy (through scripts/kube) or nfproxy."""
 
-    def __init__(self, who: str, mode: str, plane: Plane) -> None:
-        self.who, self.mode, self.plane = who, mode, plane
+    def __init__(self, who: str, mode: str, plane: Plane, env: dict[str, str], limit: float) -> None:
+        self.who, self.mode, self.plane, self.env, self.limit = who, mode, plane, env, limit
         self.ns = f"nfp-kpb-{os.getpid()}-{who[:2]}"
         sh("ip", "netns", "add", self.ns)
         sh("ip", "-n", self.ns, "link", "set", "lo", "up")
@@ -130,9 +151,13 @@ class Proxy:
         """Seconds from the start to the first complete sync."""
         began = time.time()
         if self.who == "kube-proxy":
-            os.environ["NFPROXY_KUBE_PROXY_WAIT"] = "3600"  # a cold start at scale takes minutes
-            sh(str(KUBE), "proxy", "--dir", self.plane.dir, self.ns, "--proxy-mode", self.mode,
-               "--hostname-override", NODE, "--cluster-cidr", "10.0.0.0/8", timeout=3600)
+            env = {**self.env, "NFPROXY_KUBE_PROXY_WAIT": str(int(self.limit))}
+            done = subprocess.run(
+                [str(KUBE), "proxy", "--dir", self.plane.dir, self.ns, "--proxy-mode", self.mode,
+                 "--hostname-override", NODE, "--cluster-cidr", "10.0.0.0/8"],
+                capture_output=True, text=True, env=env, timeout=self.limit + 120)
+            if done.returncode:
+                raise NotSynced(done.stderr.strip()[-300:])
             self.url, self.url_ns = "http://127.0.0.1:10249/metrics", self.ns
             self.pid = int(Path(self.plane.dir, f"proxy-{self.ns}", "kube-proxy.pid").read_text())
             self.pid = _child(self.pid, "kube-proxy")
@@ -142,9 +167,11 @@ class Proxy:
                 [sys.executable, "-m", "nfproxy", "--proxy-mode", self.mode, "--kubeconfig", self.plane.kubeconfig,
                  "--netns", self.ns, "--hostname-override", NODE, "--cluster-cidr", "10.0.0.0/8",
                  "--metrics-bind-address", f"127.0.0.1:{port}", "--healthz-bind-address", ""],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             self.url, self.url_ns, self.pid = f"http://127.0.0.1:{port}/metrics", None, self.proc.pid
         synced = _wait(lambda: metric(self.url, self.url_ns), 3600)
+        if self.mode == "iptables":
+            self.flavour = flavour_used(self.ns)
         return synced - began
 
     def change(self, write: Callable[[], None]) -> float:
@@ -173,6 +200,13 @@ class Proxy:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(60)
         subprocess.run(["ip", "netns", "del", self.ns], check=False)
+
+
+def flavour_used(ns: str) -> str:
+    """Which iptables flavour holds the proxy's KUBE-SERVICES chain: the bench checks, not trusts."""
+    held = [f for f in ("legacy", "nft")
+            if ":KUBE-SERVICES" in sh("ip", "netns", "exec", ns, f"iptables-{f}-save", "-t", "nat")]
+    return ",".join(held) or "none"
 
 
 def _child(pid: int, name: str) -> int:
@@ -207,10 +241,16 @@ def _wait(probe: Callable[[], float], timeout: float) -> float:
     raise SystemExit(f"no sync within {timeout}s")
 
 
-def one_turn(who: str, mode: str, plane: Plane, round_: int, idle: float) -> dict[str, float]:
-    proxy = Proxy(who, mode, plane)
+def one_turn(who: str, mode: str, plane: Plane, round_: int, args: argparse.Namespace,
+             env: dict[str, str]) -> dict[str, float]:
+    proxy = Proxy(who, mode, plane, env, args.kube_proxy_limit)
+    idle = args.idle
     try:
-        out = {"cold start": proxy.start()}
+        try:
+            out = {"cold start": proxy.start()}
+        except NotSynced as e:
+            print(f"  {mode} round {round_} {who}: no first sync within {args.kube_proxy_limit:.0f}s ({e})", flush=True)
+            return {}
         name = f"bench-{who[:2]}-{mode[:2]}-{round_}"
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
                "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}}
@@ -224,6 +264,8 @@ def one_turn(who: str, mode: str, plane: Plane, round_: int, idle: float) -> dic
         out["one endpoint changed"] = proxy.change(lambda: plane.create(sl))
         share, out["idle RSS MiB"], out["peak RSS MiB"] = proxy.idle(idle)
         out["idle CPU % of a core"] = 100 * share
+        if mode == "iptables":
+            print(f"  {mode} round {round_} {who}: rules in iptables-{proxy.flavour}", flush=True)
         return out
     finally:
         proxy.stop()
@@ -236,27 +278,41 @@ def main() -> None:
     p.add_argument("--modes", default="iptables,nftables")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--idle", type=float, default=60.0)
+    p.add_argument("--iptables", choices=("nft", "legacy"), default="nft")
+    p.add_argument("--proxies", default="kube-proxy,nfproxy")
+    p.add_argument("--kube-proxy-limit", type=float, default=1800.0)
     args = p.parse_args()
+    env = dict(os.environ)
+    if args.iptables == "legacy":
+        env["PATH"] = legacy_path()
+    proxies = tuple(args.proxies.split(","))
     plane = Plane(tempfile.mkdtemp(prefix="nfproxy-kpbench-"))
     try:
         t = time.monotonic()
         plane.apply(cluster_objects(args.services, args.endpoints))
         print(f"cluster: {args.services} x {args.endpoints} written in {time.monotonic() - t:.1f}s", flush=True)
         for mode in args.modes.split(","):
-            runs: dict[str, list[dict[str, float]]] = {"kube-proxy": [], "nfproxy": []}
+            runs: dict[str, list[dict[str, float]]] = {who: [] for who in proxies}
             for r in range(args.rounds):
-                for who in (("kube-proxy", "nfproxy") if r % 2 == 0 else ("nfproxy", "kube-proxy")):
-                    runs[who].append(one_turn(who, mode, plane, r, args.idle))
+                for who in (proxies if r % 2 == 0 else proxies[::-1]):
+                    runs[who].append(one_turn(who, mode, plane, r, args, env))
                     print(f"  {mode} round {r} {who}: {json.dumps({k: round(v, 3) for k, v in runs[who][-1].items()})}",
                           flush=True)
-            print(f"{mode}, {args.services} x {args.endpoints}, medians of {args.rounds} rounds:")
-            for key in runs["nfproxy"][0]:
-                ours = statistics.median(x[key] for x in runs["nfproxy"])
-                theirs = statistics.median(x[key] for x in runs["kube-proxy"])
-                ratio = f"{ours / theirs:.2f}x" if theirs else "-"
-                print(f"  {key:<28} nfproxy {ours:10.3f}   kube-proxy {theirs:10.3f}   nfproxy/kube-proxy {ratio}")
+            report(mode, args, runs)
     finally:
         plane.close()
+
+
+def report(mode: str, args: argparse.Namespace, runs: dict[str, list[dict[str, float]]]) -> None:
+    print(f"{mode} (iptables {args.iptables}), {args.services} x {args.endpoints}, medians of {args.rounds} rounds:")
+    keys = next((list(x) for xs in runs.values() for x in xs if x), [])
+    for key in keys:
+        med = {who: statistics.median(vs) if (vs := [x[key] for x in xs if key in x]) else None
+               for who, xs in runs.items()}
+        shown = "   ".join(f"{who} {v:10.3f}" if v is not None else f"{who} {'not done':>10}" for who, v in med.items())
+        ours, theirs = med.get("nfproxy"), med.get("kube-proxy")
+        ratio = f"   nfproxy/kube-proxy {ours / theirs:.2f}x" if ours is not None and theirs else ""
+        print(f"  {key:<28} {shown}{ratio}")
 
 
 if __name__ == "__main__":
