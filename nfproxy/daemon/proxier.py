@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from nfproxy.backends import registry as backend_registry
+from nfproxy.backends.iptables.render import LARGE_CLUSTER_ENDPOINTS
 from nfproxy.backends.base import Backend, Plan
 from nfproxy.core.changes import Changes, ChangeTracker, Touched, diff
 from nfproxy.core.model import ClusterState, IPFamily
@@ -49,7 +50,8 @@ log = logging.getLogger("nfproxy.proxier")
 SyncKind = Literal["full", "partial", "noop"]
 
 # kube-proxy's proxyutil.FullSyncPeriod: a constant there too (no flag sets it). Every
-# --sync-period only checks that the kernel holds what was written; this often it rewrites all.
+# --sync-period only checks that the kernel holds what was written; this often it rewrites all,
+# except an iptables family in large cluster mode (`Proxier.resync_skipped`).
 FULL_SYNC_PERIOD = 3600.0
 # The check (a generation read per family, microseconds) runs this many times per sync_period,
 # so that an outside deletion is found and repaired within one sync_period, its full sync's
@@ -84,6 +86,8 @@ class SyncResult:
     seconds: float
     reason: str = ""
     families: Mapping[IPFamily, FamilySync] = field(default_factory=dict)
+    # Families whose forced (hourly) full resync was asked for and not done (large clusters).
+    resync_skipped: tuple[IPFamily, ...] = ()
 
     @property
     def services_changed(self) -> int:
@@ -227,43 +231,55 @@ class Proxier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def resync_skipped(self) -> tuple[IPFamily, ...]:
+        """The families the forced hourly full resync leaves alone: kube-proxy 1.37's iptables
+        mode does no periodic full sync in large cluster mode (kubernetes#138571), judged, as
+        there, on the state of the last sync. Drift and failures still make a sync full."""
+        if self.backend_name != "iptables" or self._last is None:
+            return ()
+        return tuple(f for f in self.families if _large_cluster(self._last, f))
+
     def sync(
         self, state: ClusterState, *, full: bool = False, touched: Touched | None = None,
-        check: bool = False,
+        check: bool = False, resync: bool = False,
     ) -> SyncResult:
         """One sync; raises (KernelError, ValueError) when the kernel refused the transaction.
 
         `touched` is what the source says may differ from the snapshot it handed over before
         (`Source.snapshot_changes`); without it the whole state is diffed. `check`: full if
         someone else wrote to the kernel since our last write (the periodic sync); without it
-        such a write is only noted, so that a change's sync stays partial.
+        such a write is only noted, so that a change's sync stays partial. `resync`: the forced
+        full resync (hourly), full but for the families `resync_skipped` names.
         """
         with self._lock:
             start = time.perf_counter()
+            skipped = self.resync_skipped() if resync and not full else ()
+            full_families = frozenset(f for f in self.families if f not in skipped) if resync else frozenset()
+            full = full or (resync and len(full_families) == len(self.families))
             self._tracker.add(state, touched)
             if not (full or self._needs_full):
                 self._note_drift()
             drifted = check and self._drifted
-            if full or self._needs_full or drifted:
+            if full or self._needs_full or drifted or full_families:
                 changes = diff(self._last, state)  # the fallback: full syncs never trust hints
             else:
                 changes = self._tracker.changes(self._last, state)
                 if changes.node and self._tracker.tracking:
                     changes = diff(self._last, state)  # a full sync: its hooks see every key
             do_full = full or self._needs_full or drifted or changes.node
-            reason = _reason(full=full, start=self._needs_full, drifted=drifted, node=changes.node)
-            if not do_full and changes.empty and not self.backend.pending():
+            reason = _reason(full=full or bool(full_families), start=self._needs_full, drifted=drifted, node=changes.node)
+            if not (do_full or full_families) and changes.empty and not self.backend.pending():
                 # Equal in all the rules read: the new snapshot stands for the old from now on
                 # (touched keys then count from it, and the old one can be freed).
                 previous, self._last = self._last, state
                 self._tracker.synced(state)
-                result = SyncResult("noop", changes, 0, time.perf_counter() - start)
+                result = SyncResult("noop", changes, 0, time.perf_counter() - start, resync_skipped=skipped)
                 self.last_result = result
                 for hook in self.hooks.on_synced:
                     hook(previous, state, result)
                 return result
             try:
-                families = self._apply(state, changes, do_full)
+                families = self._apply(state, changes, do_full, full_families)
             except BaseException as exc:
                 # The transaction was atomic: the kernel still holds what it held. Our belief
                 # about it may not (a partial family may have gone through): start over.
@@ -287,6 +303,7 @@ class Proxier:
                 time.perf_counter() - start,
                 reason if kind == "full" else "",
                 families,
+                skipped,
             )
             self.last_result = result
             result.log(log, self.backend_name)
@@ -326,12 +343,14 @@ class Proxier:
             if now is not None:
                 self._seen[family] = now
 
-    def _apply(self, state: ClusterState, changes: Changes, full: bool) -> dict[IPFamily, FamilySync]:
+    def _apply(
+        self, state: ClusterState, changes: Changes, full: bool, full_families: frozenset[IPFamily] = frozenset()
+    ) -> dict[IPFamily, FamilySync]:
         done: dict[IPFamily, FamilySync] = {}
         for family in self.families:
             started = time.perf_counter()
             kernel = self.kernels[family]
-            family_full = full or family not in self._synced
+            family_full = full or family in full_families or family not in self._synced
             found = kernel.owned() if family_full else None
             plan = self.backend.plan(state, changes, family, full=family_full, found=found)
             if plan is None:
@@ -380,6 +399,14 @@ def _generation(kernel: Kernel) -> Hashable | None:
     except Exception as exc:  # noqa: BLE001 - an unreadable generation only costs a full sync
         logs.warning(log, "Cannot read the ruleset generation", err=exc)
         return None
+
+
+def _large_cluster(state: ClusterState, family: IPFamily) -> bool:
+    """kube-proxy's iptables largeClusterMode: more endpoints (any condition) than
+    LARGE_CLUSTER_ENDPOINTS over the family's service ports, the count its renderer uses."""
+    endpoints = state.endpoints
+    total = sum(len(endpoints.get(k, ())) for k in state.services if k[1] is family)
+    return total > LARGE_CLUSTER_ENDPOINTS
 
 
 def _reason(*, full: bool, start: bool, drifted: bool, node: bool) -> str:
@@ -625,13 +652,16 @@ class SyncLoop:
             schedule.started(now)
             try:
                 snap, touched = _take(self.source)
-                result = self.proxier.sync(snap.state, full=full, touched=touched, check=periodic)
+                result = self.proxier.sync(snap.state, resync=full, touched=touched, check=periodic)
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 self.failures += 1
                 retry_in = schedule.failed(time.monotonic())
                 logs.warning(log, "Sync failed, retrying", err=exc, retryIn=logs.Duration(retry_in))
                 continue
-            schedule.succeeded(time.monotonic(), full=full or result.kind == "full", periodic=periodic)
+            # A resync skipped in every family leaves the clock due: each next sync asks again, so
+            # the first one after the cluster leaves large cluster mode is full, as kube-proxy's.
+            resynced = full and len(result.resync_skipped) < len(self.proxier.families)
+            schedule.succeeded(time.monotonic(), full=resynced or result.kind == "full", periodic=periodic)
             self.empty_start.done = True
             if _cleanup_due(self.proxier, result):
                 self._wake.set()  # stale objects wait: the next sync (min_sync_period on) deletes them
