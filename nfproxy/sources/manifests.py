@@ -18,7 +18,11 @@ Validation granularity, chosen so a mistake never widens what the rules allow:
 
 Semantics follow upstream kube-proxy (pkg/proxy/endpointslicecache.go, serviceport.go and
 pkg/api/v1/service/util.go) rather than the API documentation where they differ; each such choice
-is noted where it is made.
+is noted where it is made. One of them: the address fields kube-proxy parses with netutils'
+sloppy parser (Service cluster IPs, external IPs, load-balancer ingress IPs and source ranges,
+EndpointSlice addresses, a Node's addresses and pod CIDRs) accept the leading zeros objects
+stored before strict validation may hold (KEP-4858), read as decimal (`validation.sloppy_ip`);
+ServiceCIDRs, validated strictly since they exist, and our own annotations stay strict.
 """
 
 from __future__ import annotations
@@ -596,13 +600,13 @@ def _service(
     external_ips = [
         ip
         for path, raw in r.items(spec, "externalIPs", "spec.externalIPs")
-        if (ip := r.check(path, v.endpoint_address, raw)) is not None
+        if (ip := r.check(path, v.sloppy_endpoint_address, raw)) is not None
     ]
     source_ranges = [
         c
         for path, raw in r.items(spec, "loadBalancerSourceRanges", "spec.loadBalancerSourceRanges")
         # Upstream trims whitespace here because API validation once let padding through.
-        if (c := r.check(path, v.cidr, raw.strip() if isinstance(raw, str) else raw)) is not None
+        if (c := r.check(path, v.sloppy_cidr, raw.strip() if isinstance(raw, str) else raw)) is not None
     ]
     affinity_timeout = _affinity(spec, r)
     etp = r.check(
@@ -688,9 +692,9 @@ def _cluster_ips(spec: dict[str, Any], r: _Report) -> dict[IPFamily, str] | None
         raw = [("spec.clusterIP", single)]
     else:
         raw = []
-    ips = [(path, r.check(path, v.ip_address, ip)) for path, ip in raw]
+    ips = [(path, r.check(path, v.sloppy_ip, ip)) for path, ip in raw]
     if listed and single not in (None, ""):
-        first = r.check("spec.clusterIP", v.ip_address, single)
+        first = r.check("spec.clusterIP", v.sloppy_ip, single)
         if first is not None and ips[0][1] is not None and first != ips[0][1]:
             r.add("spec.clusterIP", f"{show(single)} differs from spec.clusterIPs[0] {ips[0][1]}")
     if len(ips) > 2:
@@ -761,7 +765,7 @@ def _load_balancer_ips(obj: dict[str, Any], r: _Report) -> list[str]:
         )
         if ingress.get("ip") in (None, ""):
             continue  # hostname-only ingress: nothing for a proxy to match
-        ip = r.check(f"{path}.ip", v.ip_address, ingress["ip"])
+        ip = r.check(f"{path}.ip", v.sloppy_ip, ingress["ip"])
         if ip is not None and mode == "VIP":
             ips.append(ip)
     return ips
@@ -999,7 +1003,7 @@ def _endpoint(entry: dict[str, Any], path: str, family: IPFamily, r: _Report) ->
     for address_path, raw in r.items(entry, "addresses", f"{path}.addresses", required=True):
         # Another family's address: upstream ignores it silently; we skip it too, but say so,
         # since the API server would have refused the slice.
-        addresses.append(r.check(address_path, v.endpoint_address, raw, family))
+        addresses.append(r.check(address_path, v.sloppy_endpoint_address, raw, family))
     if isinstance(entry.get("addresses"), list):
         if not entry["addresses"]:
             r.add(f"{path}.addresses", "at least one address is required")
@@ -1067,13 +1071,13 @@ def _node(obj: dict[str, Any], r: _Report) -> tuple[str, NodeInfo] | None:
     for path, address in r.mappings(status, "addresses", "status.addresses"):
         kind = r.check(f"{path}.type", v.string, address.get("type"))
         if kind in by_type:
-            ip = r.check(f"{path}.address", v.ip_address, address.get("address"))
+            ip = r.check(f"{path}.address", v.sloppy_ip, address.get("address"))
             if ip is not None:
                 by_type[kind].append(ip)
     spec = r.get(obj, "spec", "spec", dict) or {}
-    cidrs = [r.check(path, v.cidr, raw) for path, raw in r.items(spec, "podCIDRs", "spec.podCIDRs")]
+    cidrs = [r.check(path, v.sloppy_cidr, raw) for path, raw in r.items(spec, "podCIDRs", "spec.podCIDRs")]
     if not cidrs and spec.get("podCIDR") not in (None, ""):
-        cidrs = [r.check("spec.podCIDR", v.cidr, spec["podCIDR"])]
+        cidrs = [r.check("spec.podCIDR", v.sloppy_cidr, spec["podCIDR"])]
     for family in IPFamily:
         # As the API server: at most one per family. Both backends then agree on the one
         # CIDR that decides masquerading (iptables cannot negate a list of sources in one rule).

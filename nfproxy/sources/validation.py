@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from nfproxy.core.model import IPFamily
 
@@ -188,6 +188,78 @@ def ip_address(value: object, family: IPFamily | None = None) -> str:
     if family is not None and family_of(canonical) is not family:
         raise FieldError(f"{show(text)} is not an {_family_name(family)} address")
     return canonical
+
+
+# KEP-4858: before Kubernetes validated IPs strictly, the API server stored what Go's pre-1.17
+# parser accepted, and kube-proxy still reads those fields with netutils' forked copy of it
+# (`ParseIPSloppy`, `ParseCIDRSloppy`): an IPv4 part may carry leading zeros, read as DECIMAL
+# (`010.001.002.003` is 10.1.2.3; C's inet_aton would read 8.1.2.3), an IPv6 group may be
+# zero-padded past four digits while it stays <= ffff, and a CIDR's prefix length may be padded
+# (`/025`). The fields it reads that way are the sources' to choose (see `sloppy_ip`); the
+# result is canonical, so nothing downstream ever sees the padding.
+_SLOPPY_V4_PART = re.compile(r"[0-9]{1,12}")
+_SLOPPY_V6_GROUP = re.compile(r"[0-9A-Fa-f]{1,12}")
+_SLOPPY_PREFIX = re.compile(r"[0-9]{1,12}")
+
+
+def _unpad_ipv4(text: str) -> str | None:
+    """`text` as strict dotted decimal, if Go's old parser reads it as IPv4 (else None)."""
+    parts = text.split(".")
+    if len(parts) != 4 or not all(_SLOPPY_V4_PART.fullmatch(p) and int(p) <= 255 for p in parts):
+        return None
+    return ".".join(str(int(p)) for p in parts)
+
+
+def _unpad(text: str) -> str:
+    """`text` with the padding Go's old parser allowed removed; anything else is left for the
+    strict parser to refuse."""
+    if "." in text and (":" not in text or text.index(".") < text.index(":")):
+        return _unpad_ipv4(text) or text
+    if ":" not in text:
+        return text
+    head, _, last = text.rpartition(":")
+    tail = _unpad_ipv4(last) if "." in last else None
+    groups = (head.split(":") if tail is not None else text.split(":"))
+    unpadded = [
+        format(int(g, 16), "x") if _SLOPPY_V6_GROUP.fullmatch(g) and int(g, 16) <= 0xFFFF else g
+        for g in groups
+    ]
+    return ":".join(unpadded + ([tail] if tail is not None else []))
+
+
+def sloppy_ip(value: object, family: IPFamily | None = None) -> str:
+    """`ip_address` for fields kube-proxy reads with netutils.ParseIPSloppy: Service cluster
+    IPs and load-balancer ingress IPs, Node addresses."""
+    return _sloppy(ip_address, value, family, "IP address")
+
+
+def sloppy_endpoint_address(value: object, family: IPFamily | None = None) -> str:
+    """`endpoint_address`, read as `sloppy_ip`: EndpointSlice addresses and external IPs."""
+    return _sloppy(endpoint_address, value, family, "IP address")
+
+
+def sloppy_cidr(value: object, family: IPFamily | None = None) -> str:
+    """`cidr` for fields kube-proxy reads with netutils.ParseCIDRSloppy: loadBalancerSourceRanges
+    and a Node's pod CIDRs. The prefix length may be zero-padded too (`/025`)."""
+    return _sloppy(cidr, value, family, "CIDR")
+
+
+def _sloppy(validator: Callable[..., str], value: object, family: IPFamily | None, what: str) -> str:
+    """The strict `validator` on the value with its padding removed; an error names the value as
+    it was written."""
+    text = string(value)
+    if len(text) > 96:
+        raise FieldError(f"{show(text)} is not a valid {what}")
+    address, slash, prefix = text.partition("/")
+    unpadded = _unpad(address)
+    if slash and _SLOPPY_PREFIX.fullmatch(prefix):
+        unpadded += f"/{int(prefix)}"
+    elif slash:
+        unpadded += f"/{prefix}"
+    try:
+        return validator(unpadded, family)
+    except FieldError as exc:
+        raise FieldError(str(exc).replace(show(unpadded), show(text), 1)) from None
 
 
 def endpoint_address(value: object, family: IPFamily | None = None) -> str:
