@@ -18,8 +18,11 @@ from hypothesis import given
 from pyroute2.conntrack import Conntrack, NFCTAttrTuple
 from pyroute2 import netns as pyroute2_netns
 
-from nfproxy.daemon.conntrack import stale_flows
-from nfproxy.kernel.conntrack import FlowFilter
+from nfproxy.core.changes import diff
+from nfproxy.daemon.conntrack import stale_flows, sweeps
+from nfproxy.daemon.node import Daemon, DaemonConfig
+from nfproxy.daemon.proxier import Proxier
+from nfproxy.kernel.conntrack import Flow, FlowFilter
 from nfproxy.kernel import conntrack as kct
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.core.model import (
@@ -61,8 +64,20 @@ def ep(ip: str, port: int = 5353, **kw: object) -> Endpoint:
     return Endpoint(ip, port, node_name="node-a", **kw)  # type: ignore[arg-type]
 
 
-def plain(flows: list[FlowFilter]) -> set[tuple]:
-    return {(f.family, f.orig_dst, f.orig_dport, f.reply_src, f.reply_sport) for f in flows}
+CLIENT = "10.244.1.9"
+
+
+def entry(dst: str, dport: int, reply: str, rport: int = 5353, family: IPFamily = V4,
+          protocol: Protocol = Protocol.UDP, sport: int = 40000) -> Flow:
+    """An entry as the kernel reads back: sent to dst:dport, answered from reply:rport."""
+    src = CLIENT if family is V4 else "fd01::9"
+    return Flow(family, protocol, src, sport, dst, dport, reply, rport, src, sport)
+
+
+def deleted(old: ClusterState | None, new: ClusterState, *flows: Flow) -> set[Flow]:
+    """Which of `flows` the sync old -> new deletes: its sweeps' judgement of each."""
+    judges = {s.family: s for s in sweeps(old, new, diff(old, new).keys)}
+    return {f for f in flows if f.family in judges and judges[f.family].stale(f)}
 
 
 # ---- which entries are stale
@@ -73,72 +88,104 @@ def test_removed_endpoint_through_every_address_and_the_node_port() -> None:
         type=ServiceType.LOAD_BALANCER, node_port=30053, external_ips=("203.0.113.7",),
         load_balancer_ips=("198.51.100.7",),
     )
-    flows = stale_flows(state(svc, ep(A), ep(B)), state(svc, ep(B)))
-    assert plain(flows) == {
-        (V4, "10.96.0.10", 53, A, 5353),
-        (V4, "203.0.113.7", 53, A, 5353),
-        (V4, "198.51.100.7", 53, A, 5353),
-        (V4, None, 30053, A, 5353),
-    }
-    assert all(f.protocol is Protocol.UDP for f in flows)
-    assert "endpoint 10.244.0.5:5353 removed" in flows[0].reason
+    to_a = [entry(ip, 53, A) for ip in ("10.96.0.10", "203.0.113.7", "198.51.100.7")]
+    to_a.append(entry("192.168.0.2", 30053, A))
+    to_b = [dataclasses.replace(f, reply_src=B) for f in to_a]
+    assert deleted(state(svc, ep(A), ep(B)), state(svc, ep(B)), *to_a, *to_b) == set(to_a)
+    why = {s.family: s for s in sweeps(state(svc, ep(A), ep(B)), state(svc, ep(B)), [svc.key])}[V4]
+    assert why.stale(to_a[0]) == "10.96.0.10:53: reply from 10.244.0.5:5353, not a serving endpoint"
 
 
 def test_endpoint_no_longer_serving_is_removed_but_terminating_serving_is_not() -> None:
     svc = udp_service()
     old = state(svc, ep(A), ep(B))
+    flows = (entry("10.96.0.10", 53, A), entry("10.96.0.10", 53, B))
     # B terminates but still serves: kube-proxy keeps its flows (policy changes never cut flows).
-    assert stale_flows(old, state(svc, ep(A), ep(B, ready=False, terminating=True))) == []
-    gone = stale_flows(old, state(svc, ep(A), ep(B, ready=False, serving=False, terminating=True)))
-    assert plain(gone) == {(V4, "10.96.0.10", 53, B, 5353)}
-    # Same IP, other port: a different endpoint.
-    moved = stale_flows(old, state(svc, ep(A), ep(B, 5354)))
-    assert plain(moved) == {(V4, "10.96.0.10", 53, B, 5353)}
+    assert deleted(old, state(svc, ep(A), ep(B, ready=False, terminating=True)), *flows) == set()
+    gone = state(svc, ep(A), ep(B, ready=False, serving=False, terminating=True))
+    assert deleted(old, gone, *flows) == {flows[1]}
+    # Same IP, other port: a different endpoint (kube-proxy's #130542 matches the port too).
+    moved = entry("10.96.0.10", 53, B, 5354)
+    assert deleted(old, state(svc, ep(A), ep(B, 5354)), *flows, moved) == {flows[1]}
 
 
-def test_first_endpoint_clears_everything_sent_to_the_service() -> None:
+def test_first_endpoint_ends_the_black_hole_and_keeps_fresh_flows() -> None:
+    """Entries made before the service had rules carry no NAT (the reply comes from the address
+    itself): stale once endpoints serve. A flow already DNATed to the new endpoint stays."""
     svc = udp_service(type=ServiceType.NODE_PORT, node_port=30053, external_ips=("203.0.113.7",))
-    want = {(V4, "10.96.0.10", 53, None, None), (V4, "203.0.113.7", 53, None, None),
-            (V4, None, 30053, None, None)}
-    assert plain(stale_flows(state(svc), state(svc, ep(A)))) == want
-    # A service that did not exist before counts as having had none.
-    assert plain(stale_flows(state(None), state(svc, ep(A)))) == want
-    # Endpoints that were not serving do not count as "some".
+    holes = {entry("10.96.0.10", 53, "10.96.0.10", 53), entry("203.0.113.7", 53, "203.0.113.7", 53),
+             entry("192.168.0.2", 30053, "192.168.0.2", 30053)}
+    fresh = {entry("10.96.0.10", 53, A), entry("192.168.0.2", 30053, A)}
+    assert deleted(state(svc), state(svc, ep(A)), *holes, *fresh) == holes
+    assert deleted(state(None), state(svc, ep(A)), *holes, *fresh) == holes
     dead = state(svc, ep(A, ready=False, serving=False))
-    assert plain(stale_flows(dead, state(svc, ep(A)))) == want
-    # From some to more: nothing.
-    assert stale_flows(state(svc, ep(A)), state(svc, ep(A), ep(B))) == []
+    assert deleted(dead, state(svc, ep(A)), *holes, *fresh) == holes
+    assert deleted(state(svc, ep(A)), state(svc, ep(A), ep(B)), *fresh) == set()
+
+
+def test_scaled_to_zero_every_entry_to_its_addresses_goes() -> None:
+    """kubernetes#139629: the reject rule of a service without endpoints matches its address,
+    which conntrack has already rewritten for an existing flow; so every entry sent to the
+    service's addresses is stale. Through the node port, the entries DNATed to the endpoints
+    that went away (upstream leaves a node port of such a service alone: matched on the port
+    alone, it could be anyone's flow; nfproxy knows which endpoints went)."""
+    svc = udp_service(type=ServiceType.NODE_PORT, node_port=30053, external_ips=("203.0.113.7",))
+    ours = {entry("10.96.0.10", 53, A), entry("10.96.0.10", 53, B, sport=40001),
+            entry("203.0.113.7", 53, A), entry("10.96.0.10", 53, "10.96.0.10", 53, sport=40002),
+            entry("192.168.0.2", 30053, A), entry("192.168.0.2", 30053, B)}
+    theirs = {entry("192.168.0.9", 30053, "192.168.0.9", 30053), entry("10.96.0.10", 54, A)}
+    assert deleted(state(svc, ep(A), ep(B)), state(svc), *ours, *theirs) == ours
+    # The same with no sync between (a restart, or a cleanup that failed): the addresses only.
+    by_address = {f for f in ours if f.orig_dport == 53}
+    assert deleted(None, state(svc), *ours, *theirs) == by_address
 
 
 def test_removed_service_and_removed_addresses_are_cleared_whole() -> None:
     svc = udp_service(type=ServiceType.NODE_PORT, node_port=30053, external_ips=("203.0.113.7",))
-    flows = stale_flows(state(svc, ep(A)), state(None))
-    assert plain(flows) == {
-        (V4, "10.96.0.10", 53, None, None),
-        (V4, "203.0.113.7", 53, None, None),
-        (V4, None, 30053, None, None),
-    }
+    ours = {entry("10.96.0.10", 53, A), entry("203.0.113.7", 53, "203.0.113.7", 53),
+            entry("192.168.0.2", 30053, A)}
+    theirs = {entry("192.168.0.9", 30053, "192.168.0.9", 30053)}
+    assert deleted(state(svc, ep(A)), state(None), *ours, *theirs) == ours
     # One external IP dropped, an endpoint gone at the same time: the dropped address whole,
     # the endpoint through what remains.
     smaller = dataclasses.replace(svc, external_ips=())
-    flows = stale_flows(state(svc, ep(A), ep(B)), state(smaller, ep(B)))
-    assert plain(flows) == {
-        (V4, "203.0.113.7", 53, None, None),
-        (V4, "10.96.0.10", 53, A, 5353),
-        (V4, None, 30053, A, 5353),
-    }
+    flows = {entry("203.0.113.7", 53, B), entry("10.96.0.10", 53, A), entry("192.168.0.2", 30053, A)}
+    kept = {entry("10.96.0.10", 53, B)}
+    assert deleted(state(svc, ep(A), ep(B)), state(smaller, ep(B)), *flows, *kept) == flows
+    filters = stale_flows(state(svc, ep(A), ep(B)), state(smaller, ep(B)))
+    assert [str(f) for f in filters] == [
+        "-f ipv4 -p udp --orig-port-dst 30053 --reply-src 10.244.0.5 --reply-port-src 5353",
+        "-f ipv4 -p udp --orig-dst 203.0.113.7 --orig-port-dst 53",
+    ]
 
 
 def test_only_udp_and_ipv6_in_canonical_form() -> None:
     tcp = udp_service(name=dataclasses.replace(DNS, protocol=Protocol.TCP))
-    assert stale_flows(state(tcp, ep(A)), state(tcp)) == []
+    assert sweeps(state(tcp, ep(A)), state(tcp), [tcp.key]) == []
+    assert deleted(state(tcp, ep(A)), state(tcp), entry("10.96.0.10", 53, A, protocol=Protocol.TCP)) == set()
     v6 = udp_service(family=V6, cluster_ip="fd00:96::a")
-    flows = stale_flows(state(v6, ep("fd01::5"), ep("fd01::6")), state(v6, ep("fd01::6")))
-    assert plain(flows) == {(V6, "fd00:96::a", 53, "fd01::5", 5353)}
-    assert str(flows[0]) == (
-        "-f ipv6 -p udp --orig-dst fd00:96::a --orig-port-dst 53 "
-        "--reply-src fd01::5 --reply-port-src 5353"
-    )
+    to_5, to_6 = entry("fd00:96::a", 53, "fd01::5", family=V6), entry("fd00:96::a", 53, "fd01::6", family=V6)
+    assert deleted(state(v6, ep("fd01::5"), ep("fd01::6")), state(v6, ep("fd01::6")), to_5, to_6) == {to_5}
+    sweep = sweeps(None, state(v6, ep("fd01::6")), ())[0]
+    assert sweep.stale(to_5) == "fd00:96::a:53: reply from [fd01::5]:5353, not a serving endpoint"
+
+
+def test_only_a_sync_that_changed_a_udp_service_port_walks_its_family() -> None:
+    """kube-proxy walks the table when EndpointsMap.Update says ConntrackCleanupRequired (a UDP
+    service port's endpoints changed); nfproxy also when its service changed. The first sync
+    and one owed after a failure walk every family with UDP services."""
+    udp4 = udp_service()
+    udp6 = udp_service(family=V6, cluster_ip="fd00:96::a")
+    tcp4 = udp_service(name=dataclasses.replace(DNS, name="web", protocol=Protocol.TCP), cluster_ip="10.96.0.80")
+    both = ClusterState(NODE, {s.key: s for s in (udp4, udp6, tcp4)},
+                        {udp4.key: (ep(A),), udp6.key: (ep("fd01::5"),), tcp4.key: (ep(A),)})
+    assert [s.family for s in sweeps(None, both, ())] == [V4, V6]
+    assert [s.family for s in sweeps(both, both, (), owed=True)] == [V4, V6]
+    assert sweeps(both, both, ()) == []
+    tcp_only = dataclasses.replace(both, endpoints={**both.endpoints, tcp4.key: (ep(B),)})
+    assert sweeps(both, tcp_only, diff(both, tcp_only).keys) == []
+    v6_only = dataclasses.replace(both, endpoints={**both.endpoints, udp6.key: (ep("fd01::6"),)})
+    assert [s.family for s in sweeps(both, v6_only, diff(both, v6_only).keys)] == [V6]
 
 
 def test_filter_matching() -> None:
@@ -152,31 +199,37 @@ def test_filter_matching() -> None:
     node_port = FlowFilter(V4, orig_dport=30053)
     assert node_port.matches(Protocol.UDP, "192.168.0.2", 30053, "10.96.0.10", 53)
     assert not node_port.matches(Protocol.UDP, "192.168.0.2", 30054, "10.96.0.10", 53)
+    judge = kct.matcher([f, dataclasses.replace(node_port, reason="np")])
+    assert judge(entry("192.168.0.2", 30053, B)) == "np"
+    assert judge(entry("10.96.0.10", 53, A)) == ""  # matched (a filter without a reason)
+    assert judge(entry("10.96.0.10", 53, B)) is None
 
 
 @given(clusters(max_services=15, max_endpoints=6))
 def test_properties_on_random_clusters(old: ClusterState) -> None:
-    assert stale_flows(old, old) == []
-    # Drop every other endpoint everywhere: each dropped serving UDP endpoint gets a filter that
-    # matches a flow DNATed to it through the cluster IP, and nothing else is UDP-unrelated.
+    assert sweeps(old, old, diff(old, old).keys) == []
+    # Drop every other endpoint everywhere: a flow DNATed through the cluster IP to a dropped
+    # serving UDP endpoint is stale, one to a kept serving endpoint is not, TCP never is.
     new_eps = {k: eps[::2] for k, eps in old.endpoints.items()}
     new = dataclasses.replace(old, endpoints=new_eps)
-    flows = stale_flows(old, new)
-    assert flows == sorted(set(flows), key=lambda f: f.sort_key)
-    assert all(f.protocol is Protocol.UDP for f in flows)
+    judges = {s.family: s for s in sweeps(old, new, diff(old, new).keys)}
     for key, eps in old.endpoints.items():
         svc = old.services[key]
-        for gone in eps[1::2]:
-            hit = any(
-                f.matches(Protocol.UDP, svc.cluster_ip, svc.port, gone.ip, gone.port) for f in flows
-            )
-            assert hit == (svc.protocol is Protocol.UDP and gone.serving and gone not in eps[::2])
+        if not svc.cluster_ip:
+            continue
+        for i, e in enumerate(eps):
+            if not e.serving:
+                continue
+            f = entry(svc.cluster_ip, svc.port, e.ip, e.port, family=key[1], protocol=svc.protocol)
+            stale = key[1] in judges and judges[key[1]].stale(f) is not None
+            dropped = i % 2 == 1 and not any(k.ip == e.ip and k.port == e.port and k.serving for k in new_eps[key])
+            assert stale == (svc.protocol is Protocol.UDP and dropped), (f, eps)
 
 
 def test_reversed_change_is_the_first_endpoint_case() -> None:
     old = random_cluster(random.Random(7), 30)
     empty = dataclasses.replace(old, endpoints={})
-    flows = stale_flows(empty, old)
+    judges = {s.family: s for s in sweeps(empty, old, diff(empty, old).keys)}
     udp_with_serving = {
         k for k, eps in old.endpoints.items()
         if old.services[k].protocol is Protocol.UDP and any(e.serving for e in eps)
@@ -184,7 +237,8 @@ def test_reversed_change_is_the_first_endpoint_case() -> None:
     assert udp_with_serving, "the seed should give UDP services"
     for key in udp_with_serving:
         svc = old.services[key]
-        assert FlowFilter(svc.family, orig_dst=svc.cluster_ip, orig_dport=svc.port) in flows
+        hole = entry(svc.cluster_ip, svc.port, svc.cluster_ip, svc.port, family=key[1])
+        assert judges[key[1]].stale(hole)
 
 
 # ---- deleting: pyroute2 against the kernel, in a throwaway namespace
@@ -246,6 +300,11 @@ SPEC = SandboxSpec.of(
 )
 
 
+def clean(old: ClusterState | None, new: ClusterState, ns: str) -> int:
+    """What the daemon does after a sync from old to new: each sweep's walk of the table."""
+    return sum(kct.delete_judged(ns, s.family, Protocol.UDP, s.stale) for s in sweeps(old, new, diff(old, new).keys))
+
+
 @pytest.fixture
 def sandbox() -> Iterator[Sandbox]:
     if os.geteuid() != 0:
@@ -272,8 +331,7 @@ def test_removed_endpoint_keeps_its_flow_until_the_entry_is_deleted(sandbox: San
         stuck = [f for f in kct.list_flows(sb.node_ns, V4) if f.orig_sport == conn.local_port]
         assert [(f.orig_dst, f.reply_src, f.reply_sport) for f in stuck] == [("10.96.0.10", A, 5353)]
 
-        flows = stale_flows(old, new)
-        assert kct.delete(flows, sb.node_ns) == 1  # only A's entry; B's fresh flow stays
+        assert clean(old, new, sb.node_ns) == 1  # only A's entry; B's fresh flow stays
         assert all(f.reply_src == B for f in kct.list_flows(sb.node_ns, V4))
         assert conn.exchange().endpoint == f"{B}:5353"  # same socket, same source port
 
@@ -294,10 +352,10 @@ def test_first_endpoint_ends_the_black_hole(sandbox: Sandbox) -> None:
         # cluster-ips check rejects them (kube-proxy's nftables mode does the same).
         assert conn.exchange().kind == "refused", "the un-NATed entry should keep the flow off the endpoint"
         assert sb.connect("outside", "10.96.0.10", 53, "udp")[0].endpoint == f"{A}:5353"
-        flows = stale_flows(state(None), new)
-        # The black hole, and (as kube-proxy's filter is by destination only) the fresh flow.
-        assert kct.delete(flows, sb.node_ns) == 2
+        # The black hole only: the fresh flow's reply comes from a serving endpoint.
+        assert clean(state(None), new, sb.node_ns) == 1
         assert conn.exchange().endpoint == f"{A}:5353"
+        assert [f.reply_src for f in kct.list_flows(sb.node_ns, V4)] == [A, A]
 
 
 @pytest.mark.kernel
@@ -312,3 +370,49 @@ def test_rejected_period_leaves_no_entry(sandbox: Sandbox) -> None:
         assert [f for f in kct.list_flows(sb.node_ns, V4) if f.orig_sport == conn.local_port] == []
         apply_nft(state(svc, ep(A)), sb.node_ns)
         assert conn.exchange().endpoint == f"{A}:5353"
+
+
+@pytest.mark.kernel
+def test_scaled_to_zero_the_flow_is_rejected_once_its_entry_is_deleted(sandbox: Sandbox) -> None:
+    """kubernetes#139629 with real traffic: with no endpoint left the rules reject the service,
+    but only for new flows; a sender that keeps its source port stays DNATed to the gone
+    endpoint until its entry is deleted, then is told at once (ICMP port unreachable)."""
+    sb = sandbox
+    svc = udp_service()
+    old, new = state(svc, ep(A)), state(svc)
+    apply_nft(old, sb.node_ns)
+    with sb.open("outside", "10.96.0.10", 53, "udp", timeout=0.5) as conn:
+        assert conn.exchange().endpoint == f"{A}:5353"
+        apply_nft(new, sb.node_ns)
+        assert conn.exchange().endpoint == f"{A}:5353", "the entry should still pin A"
+        assert sb.connect("outside", "10.96.0.10", 53, "udp")[0].kind == "refused"  # new flows
+        assert clean(old, new, sb.node_ns) == 1
+        assert conn.exchange().kind == "refused"
+
+
+@pytest.mark.kernel
+def test_scaled_to_zero_while_the_daemon_was_down_the_restart_cuts_the_flow(sandbox: Sandbox) -> None:
+    """kubernetes#139629 across a restart: the daemon's first sync knows no previous state, so
+    only its walk of the table against the current one can find the entry to the gone endpoint.
+    Until 2026-12-07 that walk skipped services without serving endpoints: the sender stayed
+    pinned to A. The daemon writes the rules here (nft, the real kernel, in the sandbox's node)."""
+    sb = sandbox
+    svc = udp_service()
+
+    def daemon() -> Daemon:
+        proxier = Proxier("nft", netns=sb.node_ns, families=(V4,))
+        config = DaemonConfig("nft", netns=sb.node_ns, health_check_node_ports=False,
+                              healthz_bind_address="", metrics_bind_address="")
+        return Daemon(None, config, proxier)  # type: ignore[arg-type]  # driven through its proxier
+
+    before = daemon()
+    assert before.proxier.sync(state(svc, ep(A))).kind == "full"
+    before.proxier.close()
+    with sb.open("outside", "10.96.0.10", 53, "udp", timeout=0.5) as conn:
+        assert conn.exchange().endpoint == f"{A}:5353"
+        after = daemon()  # A went away while no daemon ran
+        assert after.proxier.sync(state(svc)).kind == "full"
+        assert [f for f in kct.list_flows(sb.node_ns, V4) if f.reply_src == A] == []
+        assert after.metrics.conntrack_deleted.labels("IPv4")._value.get() == 1
+        assert conn.exchange().kind == "refused"
+        after.proxier.close()

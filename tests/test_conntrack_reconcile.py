@@ -1,9 +1,10 @@
-"""The start's conntrack reconciliation: changes made while the daemon was down.
+"""The conntrack reconciliation: every entry sent to a UDP frontend judged against its
+serving endpoints, as kube-proxy's CleanStaleEntries.
 
-The probe that found it: a UDP service 10.96.0.53:53, an entry pinned to endpoint .5, the daemon
-stopped, .5 replaced by .6, the daemon restarted: its first sync had no previous state to diff,
-so it cleaned nothing and the client stayed pinned to .5. The first sync now judges every entry
-sent to a UDP frontend against the serving endpoints, as kube-proxy's CleanStaleEntries does.
+The probe that first found it: a UDP service 10.96.0.53:53, an entry pinned to endpoint .5, the
+daemon stopped, .5 replaced by .6, the daemon restarted: its first sync had no previous state to
+diff, so it cleaned nothing and the client stayed pinned to .5. Since then the first sync walked
+the table; now every sync that changes a UDP service port does (tests/test_conntrack_upstream.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from nfproxy.core.model import (
     ServiceType,
     sort_endpoints,
 )
-from nfproxy.daemon.conntrack import served_frontends, stale_flows
+from nfproxy.core.changes import diff
+from nfproxy.daemon.conntrack import Frontends, sweeps, udp_frontends
 from nfproxy.daemon.node import Daemon, DaemonConfig
 from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel import conntrack as kct
@@ -75,20 +77,24 @@ def flow(dst: str, dport: int, reply: str, rport: int = 53, family: IPFamily = V
 # ---- which entries are stale (pure)
 
 
-def test_frontends_are_the_udp_ports_with_serving_endpoints() -> None:
-    frontends = served_frontends(NOW)
+def test_frontends_are_every_udp_port_and_the_node_ports_with_serving_endpoints() -> None:
+    frontends = udp_frontends(NOW)
     assert set(frontends) == {V4, V6}
     assert frontends[V4].addresses == {
         ("10.96.0.53", 53): frozenset({(NEW, 53)}), ("203.0.113.7", 53): frozenset({(NEW, 53)}),
+        ("10.96.0.99", 53): frozenset(),  # no serving endpoint: every entry to it is stale
     }
     assert frontends[V4].node_ports == {30053: frozenset({(NEW, 53)})}
-    assert frontends[V4].destinations() == {("10.96.0.53", 53), ("203.0.113.7", 53), (None, 30053)}
-    assert frontends[V6].destinations() == {("fd00:96::35", 53)}
-    assert served_frontends(cluster((EMPTY, []), (DNS_TCP, [ep(NEW)]))) == {}
+    assert frontends[V6].addresses == {("fd00:96::35", 53): frozenset({("fd01::6", 53)})}
+    empty_np = port_of("empty", cluster_ip="10.96.0.99", type=ServiceType.NODE_PORT, node_port=30099)
+    assert udp_frontends(cluster((empty_np, []), (DNS_TCP, [ep(NEW)]))) == {
+        V4: Frontends(V4, {("10.96.0.99", 53): frozenset()}, {}),  # a node port only with endpoints
+    }
+    assert udp_frontends(cluster((DNS_TCP, [ep(NEW)]))) == {}
 
 
 def test_entries_whose_reply_is_no_serving_endpoint_are_stale() -> None:
-    v4 = served_frontends(NOW)[V4]
+    v4 = udp_frontends(NOW)[V4]
     stale = [
         flow("10.96.0.53", 53, OLD),  # the endpoint went away while the daemon was down
         flow("203.0.113.7", 53, OLD),  # through an external IP
@@ -96,12 +102,12 @@ def test_entries_whose_reply_is_no_serving_endpoint_are_stale() -> None:
         flow("10.96.0.53", 53, NEW, 5353),  # the target port moved
         flow("10.96.0.53", 53, "10.96.0.53"),  # not NATed: the black hole before the rules
         flow("10.96.0.53", 53, "10.244.0.7"),  # no longer serving
+        flow("10.96.0.99", 53, OLD),  # a service without serving endpoints (kubernetes#139629)
     ]
     kept = [
         flow("10.96.0.53", 53, NEW),
         flow("192.168.0.2", 30053, NEW),
         flow("10.96.0.53", 53, OLD, protocol=Protocol.TCP),  # TCP is never touched
-        flow("10.96.0.99", 53, OLD),  # a service without endpoints: left alone, as kube-proxy does
         flow("10.96.0.53", 54, OLD),  # another port
         flow("8.8.8.8", 53, "8.8.8.8"),  # not a service
     ]
@@ -109,7 +115,8 @@ def test_entries_whose_reply_is_no_serving_endpoint_are_stale() -> None:
     assert [f for f in kept if v4.stale(f)] == []
     assert v4.stale(stale[0]) == "10.96.0.53:53: reply from 10.244.0.5:53, not a serving endpoint"
     assert "node port 30053" in (v4.stale(stale[2]) or "")
-    v6 = served_frontends(NOW)[V6]
+    assert v4.stale(stale[-1]) == "10.96.0.99:53: reply from 10.244.0.5:53, the service has no serving endpoint"
+    v6 = udp_frontends(NOW)[V6]
     assert v6.stale(flow("fd00:96::35", 53, "fd01::5", family=V6)) == (
         "fd00:96::35:53: reply from [fd01::5]:53, not a serving endpoint"
     )
@@ -117,31 +124,30 @@ def test_entries_whose_reply_is_no_serving_endpoint_are_stale() -> None:
 
 
 @given(clusters(max_services=15, max_endpoints=6))
-def test_reconciling_finds_what_the_diff_would_have(old: ClusterState) -> None:
-    """Whatever a change's filters delete among flows DNATed through cluster IPs to the old
-    serving endpoints, the reconciliation against the new state deletes too (it knows no old
-    state; removed services aside, whose entries it leaves, as kube-proxy does)."""
+def test_a_restart_finds_what_the_sync_would_have_through_the_addresses(old: ClusterState) -> None:
+    """Whatever the sync old -> new deletes among flows DNATed through cluster IPs to the old
+    serving endpoints, the first sync after a restart into `new` (no old state) deletes too."""
     new = dataclasses.replace(old, endpoints={k: eps[::2] for k, eps in old.endpoints.items()})
-    filters = stale_flows(old, new)
-    frontends = served_frontends(new)
+    seen = {s.family: s for s in sweeps(old, new, diff(old, new).keys)}
+    blind = {s.family: s for s in sweeps(None, new, ())}
     for key, eps in old.endpoints.items():
         svc = old.services[key]
         for e in eps:
             if not e.serving or svc.protocol is not UDP or not svc.cluster_ip:
                 continue
             f = flow(svc.cluster_ip, svc.port, e.ip, e.port, family=key[1])
-            doomed = any(x.matches(UDP, f.orig_dst, f.orig_dport, f.reply_src, f.reply_sport) for x in filters)
-            if doomed and key[1] in frontends and any(x.serving for x in new.endpoints.get(key, ())):
-                assert frontends[key[1]].stale(f), (f, new.endpoints.get(key))
+            if key[1] in seen and seen[key[1]].stale(f):
+                assert blind[key[1]].stale(f), (f, new.endpoints.get(key))
 
 
 def test_serving_endpoints_are_never_stale_on_random_clusters() -> None:
     state = random_cluster(random.Random(11), 40)
     for key, eps in state.endpoints.items():
         svc = state.services[key]
-        frontends = served_frontends(state).get(key[1])
+        frontends = udp_frontends(state).get(key[1])
         for e in eps:
-            if svc.protocol is UDP and e.serving and frontends is not None and svc.cluster_ip:
+            if svc.protocol is UDP and e.serving and svc.cluster_ip:
+                assert frontends is not None
                 assert frontends.stale(flow(svc.cluster_ip, svc.port, e.ip, e.port, family=key[1])) is None
 
 
@@ -174,20 +180,18 @@ def test_the_first_sync_after_a_start_deletes_entries_to_endpoints_gone_meanwhil
     entry(40003, "10.96.0.53", 53, "10.96.0.53")  # un-NATed
     entry(40004, "192.168.0.2", 30053, OLD)
     entry(40005, "192.168.0.2", 30053, NEW)
-    entry(40006, "10.96.0.99", 53, OLD)  # a service without endpoints
+    entry(40006, "10.96.0.99", 53, OLD)  # a service without endpoints (kubernetes#139629)
     entry(40007, "10.96.0.53", 53, OLD, proto=6)
     add_entry(netns, V6, ("fd01::9", 40008, "fd00:96::35", 53), ("fd01::5", 53, "fd01::9", 40008))
     add_entry(netns, V6, ("fd01::9", 40009, "fd00:96::35", 53), ("fd01::6", 53, "fd01::9", 40009))
 
     daemon = daemon_in(netns)
     daemon.proxier.sync(NOW)  # the first sync: no previous state
-    assert udp_entries(netns, V4) == {
-        ("10.96.0.53", 53, NEW, 53), ("192.168.0.2", 30053, NEW, 53), ("10.96.0.99", 53, OLD, 53),
-    }
+    assert udp_entries(netns, V4) == {("10.96.0.53", 53, NEW, 53), ("192.168.0.2", 30053, NEW, 53)}
     assert [f.orig_sport for f in kct.list_flows(netns, V4, Protocol.TCP)] == [40007]
     assert udp_entries(netns, V6) == {("fd00:96::35", 53, "fd01::6", 53)}
     deleted = daemon.metrics.conntrack_deleted
-    assert deleted.labels("IPv4")._value.get() == 3 and deleted.labels("IPv6")._value.get() == 1
+    assert deleted.labels("IPv4")._value.get() == 4 and deleted.labels("IPv6")._value.get() == 1
     assert not daemon._conntrack_unreconciled
     for family in ("IPv4", "IPv6"):  # kube-proxy's duration of a reconciliation, once per family
         assert reconciliations(daemon, family) == 1
@@ -202,9 +206,9 @@ def reconciliations(daemon: Daemon, family: str) -> float | None:
 def test_a_failed_cleanup_is_made_good_by_the_next_sync_even_one_that_writes_nothing(
     netns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cleanup that fails leaves stale entries no later diff would name: the next sync
-    reconciles the whole table (kube-proxy reconciles on every sync), also when it writes no
-    rule, and stops once that worked."""
+    """A cleanup that fails leaves stale entries the next syncs' changes may not name: the next
+    sync walks every family with UDP services, also when it writes no rule, and stops once that
+    worked."""
     daemon = daemon_in(netns)
     daemon.proxier.sync(NOW)  # reconciled at start
     later = dataclasses.replace(NOW, endpoints={**NOW.endpoints, DNS.key: sort_endpoints([ep("10.244.0.8")])})
@@ -213,7 +217,6 @@ def test_a_failed_cleanup_is_made_good_by_the_next_sync_even_one_that_writes_not
     def unreadable(*_: object, **__: object) -> int:
         raise OSError("conntrack table unreadable")
 
-    monkeypatch.setattr(kct, "delete_per_family", unreadable)
     monkeypatch.setattr(kct, "delete_judged", unreadable)
     assert daemon.proxier.sync(later).kind == "partial"
     assert daemon._conntrack_unreconciled and ("10.96.0.53", 53, NEW, 53) in udp_entries(netns, V4)

@@ -1,41 +1,37 @@
-"""Which conntrack entries a change of services or endpoints leaves stale (UDP only).
+"""Which UDP conntrack entries point the wrong way after a sync (pure).
 
 NAT rules run for a connection's first packet only; conntrack replays the decision for every
 later packet. UDP has no end, so a client that keeps sending from one source port keeps its
-entry alive forever, and two cases go wrong (kube-proxy's pkg/proxy/conntrack/cleanup.go):
+entry alive forever: pinned to an endpoint that went away, or black-holed by an entry made
+without NAT before the service had rules.
 
-- An endpoint goes away: the entry still DNATs the client to the dead address. Entries whose
-  original destination is one of the service's addresses and port (cluster IP, external IPs,
-  load-balancer IPs), or its node port, and whose reply source is the endpoint are deleted.
-- A service goes from no endpoints to some: while it had none, datagrams to its address created
-  entries without NAT (before the rules existed, or routed past them), which would keep
-  black-holing the client. Entries to the service's addresses and port, and to its node port,
-  are deleted.
+Each sync that changed a UDP service port walks the family's UDP table once, as kube-proxy's
+CleanStaleEntries (pkg/proxy/conntrack/cleanup.go, 1.37) does on such syncs: an entry sent to a
+UDP service's address and port, or to its node port, is stale unless its reply comes from one
+of the service's serving endpoints (`udp_frontends`, `Frontends.stale`). A service with no
+serving endpoint keeps no entry to its addresses (kubernetes#139629). The first sync after a
+start, and the one after a cleanup that failed, walk every family with UDP services.
 
-Also, as kube-proxy does for deleted services: when a service port (or one of its addresses)
-disappears, entries to that address and port are deleted.
+What the current state cannot say, the change can (`stale_flows(old, new)`): entries to an
+address or port the service no longer has (a deleted service: kubernetes#141371 does the same
+after 1.37), and entries DNATed to a gone endpoint through a node port, also when no endpoint
+is left (upstream leaves node ports of such services alone, as it matches them on the port
+only; these filters name the endpoint). `sweeps` puts both together, one `Sweep` per family.
 
 "Endpoint" here means a serving one, as kube-proxy's tracker counts: traffic policy, topology
 and the terminating fallback are not consulted, so a policy change does not cut existing flows
 (UDP then behaves as TCP does). Only the protocol UDP is handled, as upstream: TCP and SCTP
-connections end, and the endpoint's own stack resets them.
-
-Pure: `stale_flows(old, new)` returns filters (nfproxy.kernel.conntrack.FlowFilter, the value the
-kernel layer deletes by); nfproxy.kernel.conntrack deletes what matches.
-
-A change the daemon did not see (made while it was down) has no `old` to compare with, so the
-first sync after a start reconciles the table instead, as kube-proxy's CleanStaleEntries does on
-every sync: `served_frontends(state)` says, per family, which replies each UDP frontend with
-serving endpoints may come from, and `Frontends.stale` judges each entry sent to one.
+connections end, and the endpoint's own stack resets them. nfproxy.kernel.conntrack reads the
+table and deletes what a `Sweep` judges stale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, Protocol, ServicePort, ServicePortKey
-from nfproxy.kernel.conntrack import Flow, FlowFilter
+from nfproxy.kernel.conntrack import Flow, FlowFilter, matcher
 
 
 def _frontends(svc: ServicePort) -> tuple[tuple[str, int], ...]:
@@ -53,48 +49,36 @@ def _service_flows(
 ) -> Iterator[FlowFilter]:
     o_svc = old.services.get(key)
     n_svc = new.services.get(key)
+    if o_svc is None:
+        return
     family = key[1]
     name = str(key[0])
-    o_eps = _serving(old.endpoints.get(key, ())) if o_svc is not None else {}
+    o_eps = _serving(old.endpoints.get(key, ()))
     n_eps = _serving(new.endpoints.get(key, ())) if n_svc is not None else {}
-    o_front = set(_frontends(o_svc)) if o_svc is not None else set()
     n_front = set(_frontends(n_svc)) if n_svc is not None else set()
-    o_node_port = o_svc.node_port if o_svc is not None else 0
     n_node_port = n_svc.node_port if n_svc is not None else 0
 
-    # Addresses (or the node port) the service no longer has: nothing should DNAT there now.
-    for ip, port in sorted(o_front - n_front):
+    # Addresses the service no longer has: nothing DNATs there now, whatever the reply.
+    for ip, port in sorted(set(_frontends(o_svc)) - n_front):
         yield FlowFilter(family, orig_dst=ip, orig_dport=port, reason=f"{name}: {ip}:{port} removed")
-    if o_node_port and o_node_port != n_node_port:
-        yield FlowFilter(family, orig_dport=o_node_port, reason=f"{name}: node port {o_node_port} removed")
 
-    # Endpoints gone (or no longer serving): only through the addresses that remain, since the
-    # removed ones were cleared whole above.
-    for address in sorted(set(o_eps) - set(n_eps)):
-        ep = o_eps[address]
-        why = f"{name}: endpoint {address} removed"
-        for ip, port in sorted(o_front & n_front):
+    # The node port's entries DNATed to an endpoint that no longer serves behind it (or the node
+    # port went away): named by the endpoint, since the port alone could be anyone's.
+    if o_svc.node_port:
+        kept = n_eps if n_node_port == o_svc.node_port else {}
+        for address in sorted(set(o_eps) - set(kept)):
+            ep = o_eps[address]
             yield FlowFilter(
-                family, orig_dst=ip, orig_dport=port, reply_src=ep.ip, reply_sport=ep.port, reason=why
+                family, orig_dport=o_svc.node_port, reply_src=ep.ip, reply_sport=ep.port,
+                reason=f"{name}: node port {o_svc.node_port}: endpoint {address} gone",
             )
-        if o_node_port and o_node_port == n_node_port:
-            yield FlowFilter(
-                family, orig_dport=o_node_port, reply_src=ep.ip, reply_sport=ep.port, reason=why
-            )
-
-    # From no endpoints to some: whatever went to the service meanwhile was not DNATed.
-    if n_svc is not None and n_eps and not o_eps:
-        why = f"{name}: first endpoint"
-        for ip, port in sorted(n_front):
-            yield FlowFilter(family, orig_dst=ip, orig_dport=port, reason=why)
-        if n_node_port:
-            yield FlowFilter(family, orig_dport=n_node_port, reason=why)
 
 
 def stale_flows(
     old: ClusterState, new: ClusterState, changed: Iterable[ServicePortKey] | None = None
 ) -> list[FlowFilter]:
-    """Filters for the UDP conntrack entries that `old` -> `new` leaves pointing the wrong way.
+    """Filters for the UDP entries `old` -> `new` leaves pointing the wrong way that the new
+    state alone cannot name (removed addresses; gone endpoints behind a node port).
 
     Sorted and free of duplicates; empty when nothing UDP changed. Call it with the state the
     kernel held before a sync and the state it holds after (deleting before the new rules are in
@@ -118,7 +102,7 @@ def stale_flows(
 
 
 # --------------------------------------------------------------------------------------------
-# Reconciling the whole table (the first sync after a start)
+# Reconciling the whole table (every sync that changed a UDP service port, as kube-proxy)
 
 # Where replies may come from: serving endpoints' (ip, port).
 Replies = frozenset[tuple[str, int]]
@@ -126,12 +110,16 @@ Replies = frozenset[tuple[str, int]]
 
 @dataclass(frozen=True, slots=True)
 class Frontends:
-    """One family's UDP frontends that have serving endpoints, each with the replies it may get.
+    """One family's UDP frontends, each with the replies it may get (kube-proxy 1.37's
+    serviceIPEndpoints and serviceNodePortEndpoints, pkg/proxy/conntrack/cleanup.go).
 
-    kube-proxy's serviceIPEndpointIPs and serviceNodePortEndpointIPs, with the endpoint's port
-    as well as its address (nfproxy's filters match both: a target port that moved is stale).
-    Frontends without serving endpoints are absent: their rules reject, and their entries are
-    left alone, as kube-proxy leaves them.
+    Every UDP service port's addresses are here, those without serving endpoints with no
+    replies at all (kubernetes#139629): an entry made while the service had endpoints is DNATed
+    by conntrack before the reject rule, which matches the service address, is ever seen, so a
+    one-way sender would stay pinned to the gone endpoint for as long as it keeps sending. Node
+    ports are here only with serving endpoints, as upstream: they are matched on the port alone,
+    so an empty set would delete every UDP flow to that port, someone else's too. The endpoint's
+    port counts as well as its address (a target port that moved is stale), as upstream's.
     """
 
     family: IPFamily
@@ -141,10 +129,6 @@ class Frontends:
     def __bool__(self) -> bool:
         return bool(self.addresses or self.node_ports)
 
-    def destinations(self) -> set[tuple[str | None, int]]:
-        """What the kernel's dumps are narrowed to: each address and port, each node port."""
-        return {*self.addresses, *((None, port) for port in self.node_ports)}
-
     def stale(self, flow: Flow) -> str | None:
         """Why an entry points the wrong way (None: it does not, or is none of ours)."""
         if flow.protocol is not Protocol.UDP or flow.orig_dport is None:
@@ -152,31 +136,33 @@ class Frontends:
         reply = (flow.reply_src, flow.reply_sport)
         replies = self.addresses.get((flow.orig_dst, flow.orig_dport))
         if replies is not None and reply not in replies:
-            return f"{flow.orig_dst}:{flow.orig_dport}: reply from {_where(reply)}, not a serving endpoint"
+            return f"{flow.orig_dst}:{flow.orig_dport}: reply from {_where(reply)}, {_not_serving(replies)}"
         replies = self.node_ports.get(flow.orig_dport)
         if replies is not None and reply not in replies:
             return f"node port {flow.orig_dport}: reply from {_where(reply)}, not a serving endpoint"
         return None
 
 
+def _not_serving(replies: Replies) -> str:
+    return "not a serving endpoint" if replies else "the service has no serving endpoint"
+
+
 def _where(reply: tuple[str, int | None]) -> str:
     return f"[{reply[0]}]:{reply[1]}" if ":" in reply[0] else f"{reply[0]}:{reply[1]}"
 
 
-def served_frontends(state: ClusterState) -> dict[IPFamily, Frontends]:
-    """Per family, the UDP frontends with serving endpoints (families with none are absent)."""
+def udp_frontends(state: ClusterState) -> dict[IPFamily, Frontends]:
+    """Per family, the UDP frontends (families without a UDP service port are absent)."""
     addresses: dict[IPFamily, dict[tuple[str, int], set[tuple[str, int]]]] = {}
     node_ports: dict[IPFamily, dict[int, set[tuple[str, int]]]] = {}
     for key, svc in state.services.items():
         if svc.protocol is not Protocol.UDP:
             continue
         replies = {(ep.ip, ep.port) for ep in state.endpoints.get(key, ()) if ep.serving}
-        if not replies:
-            continue
         family = key[1]
         for frontend in _frontends(svc):
             addresses.setdefault(family, {}).setdefault(frontend, set()).update(replies)
-        if svc.node_port:
+        if svc.node_port and replies:
             node_ports.setdefault(family, {}).setdefault(svc.node_port, set()).update(replies)
     return {
         family: Frontends(
@@ -186,3 +172,54 @@ def served_frontends(state: ClusterState) -> dict[IPFamily, Frontends]:
         )
         for family in sorted({*addresses, *node_ports})
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """One family's walk of its UDP conntrack table after a sync: an entry is stale when the
+    current frontends say so, or when one of the change's filters (`stale_flows`: addresses
+    and node ports that went away, endpoints gone through a node port) matches it."""
+
+    frontends: Frontends
+    filters: tuple[FlowFilter, ...] = ()
+    _matches: Callable[[Flow], str | None] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_matches", matcher(self.filters))
+
+    @property
+    def family(self) -> IPFamily:
+        return self.frontends.family
+
+    def stale(self, flow: Flow) -> str | None:
+        return self.frontends.stale(flow) or self._matches(flow)
+
+
+def sweeps(
+    previous: ClusterState | None,
+    state: ClusterState,
+    changed: Iterable[ServicePortKey],
+    *,
+    owed: bool = False,
+) -> list[Sweep]:
+    """The walks a sync from `previous` to `state` calls for, one per family at most.
+
+    As kube-proxy (its EndpointsMap.Update's ConntrackCleanupRequired), a family is walked when
+    the sync changed one of its UDP service ports; every family with UDP frontends is walked
+    when `owed` (a cleanup failed) or at the first sync (no `previous`: what changed while the
+    daemon was down is unknown). A family with nothing to judge is not walked.
+    """
+    changed = tuple(changed)
+    filters = stale_flows(previous, state, changed) if previous is not None else []
+    fronts = udp_frontends(state)
+    if owed or previous is None:
+        families = {*fronts, *(f.family for f in filters)}
+    else:
+        families = {k[1] for k in changed if k[0].protocol is Protocol.UDP}
+    out = []
+    for family in sorted(families):
+        mine = tuple(f for f in filters if f.family is family)
+        front = fronts.get(family, Frontends(family, {}, {}))
+        if front or mine:
+            out.append(Sweep(front, mine))
+    return out

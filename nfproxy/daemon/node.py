@@ -178,9 +178,8 @@ class Daemon:
         self._no_local = NoLocalEndpoints()
         self._latency = ProgrammingLatency(source, self.metrics)
         self._health_ports: dict[object, int] = {}
-        # Changes made while the daemon was down have no previous state to diff: the first sync
-        # that writes reconciles the whole table instead; so does the sync after a cleanup or a
-        # reconciliation that failed (its stale entries are found no other way).
+        # A cleanup that failed leaves entries no later change names: the next sync walks every
+        # family's UDP table, whatever it changed (the first sync does anyway).
         self._conntrack_unreconciled = True
 
     # ---- hooks
@@ -200,7 +199,8 @@ class Daemon:
         for family in result.families or getattr(self.proxier.backend, "families", tuple(IPFamily)):
             self.metrics.synced_at(family=family)
         if result.kind == "noop":
-            self._reconcile_if_owed(state)  # a failed cleanup to make good, rules or not
+            if self.config.conntrack and self._conntrack_unreconciled:
+                self._clean_conntrack(previous, state, ())  # a failed cleanup to make good
             return
         changes = result.changes
         self._no_local.update(state, state.services if changes.node else changes.keys)
@@ -216,13 +216,8 @@ class Daemon:
             self._health_ports = dict(sh.ports)
             self.health_checks.sync_services(sh.ports)
             self.health_checks.sync_endpoints(sh.local_endpoints)
-        if self.config.conntrack and previous is not None:
-            self._clear_conntrack(previous, state, changes.keys)
-        self._reconcile_if_owed(state)
-
-    def _reconcile_if_owed(self, state: ClusterState) -> None:
-        if self.config.conntrack and self._conntrack_unreconciled:
-            self._conntrack_unreconciled = not self._reconcile_conntrack(state)
+        if self.config.conntrack:
+            self._clean_conntrack(previous, state, changes.keys)
 
     def _observe(self, result: SyncResult) -> None:
         """Each family's metrics from that family's own part of the sync; changes once."""
@@ -240,57 +235,31 @@ class Daemon:
         )
         self._latency.observe(result.changes, worked)
 
-    def _clear_conntrack(
-        self, previous: ClusterState, state: ClusterState, changed: Iterable[ServicePortKey]
+    def _clean_conntrack(
+        self, previous: ClusterState | None, state: ClusterState, changed: Iterable[ServicePortKey]
     ) -> None:
-        from nfproxy.daemon.conntrack import stale_flows
+        """Walk the UDP table of each family whose UDP service ports the sync changed (every
+        family when owed), as kube-proxy's CleanStaleEntries, and delete the stale entries.
+        A failed walk is logged and counted, never fails the sync, and is owed to the next."""
+        from nfproxy.daemon.conntrack import sweeps
         from nfproxy.kernel import conntrack as kernel_conntrack
 
-        flows = stale_flows(previous, state, changed)
-        if not flows:
-            return
-        try:
-            deleted = kernel_conntrack.delete_per_family(flows, self.config.netns)
-        except Exception as exc:  # noqa: BLE001 - a failed cleanup must not fail the sync
-            for family in IPFamily:
-                self.metrics.conntrack_failed(family=family)
-            logs.warning(log, "Failed to delete stale conntrack entries", err=exc)
-            self._conntrack_unreconciled = True  # the next sync reconciles the whole table
-            return
-        for family, n in deleted.items():
-            self.metrics.conntrack_cleaned(n, family=family)
-        logs.info(log, "Deleted stale UDP conntrack entries", level=2,
-                  entries=sum(deleted.values()), filters=len(flows))
-
-    def _reconcile_conntrack(self, state: ClusterState) -> bool:
-        """Delete the UDP entries sent to a frontend whose reply source is none of its serving
-        endpoints (kube-proxy's CleanStaleEntries); False when the table could not be read.
-
-        At start and after a failed cleanup, not every sync as kube-proxy: pyroute2 decodes
-        about 2 500 entries a second, and a sync's own changes are cleaned by `_clear_conntrack`
-        for a fraction of it.
-        """
-        from nfproxy.daemon.conntrack import served_frontends
-        from nfproxy.kernel import conntrack as kernel_conntrack
-
-        done = True
-        for family, frontends in served_frontends(state).items():
+        owed, self._conntrack_unreconciled = self._conntrack_unreconciled, False
+        for sweep in sweeps(previous, state, changed, owed=owed):
+            family = sweep.family
             started = time.perf_counter()
             try:
-                n = kernel_conntrack.delete_judged(
-                    self.config.netns, family, Protocol.UDP, frontends.destinations(), frontends.stale
-                )
+                n = kernel_conntrack.delete_judged(self.config.netns, family, Protocol.UDP, sweep.stale)
             except Exception as exc:  # noqa: BLE001 - a failed cleanup must not fail the sync
                 self.metrics.conntrack_failed(family=family)
                 logs.warning(log, "Failed to reconcile conntrack entries", err=exc, ipFamily=f"IPv{family.value}")
-                done = False
+                self._conntrack_unreconciled = True
                 continue
             took = time.perf_counter() - started
             self.metrics.conntrack_cleaned(n, family=family)
             self.metrics.conntrack_reconciled(took, family=family)
-            logs.info(log, "Finished reconciling conntrack entries", level=2, ipFamily=f"IPv{family.value}",
+            logs.info(log, "Finished reconciling conntrack entries", level=4, ipFamily=f"IPv{family.value}",
                       entriesDeleted=n, took=logs.Duration(took))
-        return done
 
     def _failed(self, exc: BaseException) -> None:
         """Counted for the family whose kernel refused (every family if that is unknown)."""
