@@ -136,7 +136,8 @@ def test_nodeport_defaults_differ_per_backend_as_upstream() -> None:
 
 def test_primary_mixes_with_cidrs_and_all_addresses_when_no_node_ip() -> None:
     node = NodeConfig(ips=("192.168.0.2", "fd00::2"), nodeport_addresses=("primary", "10.1.0.0/16"))
-    assert nodeport_cidrs(node, V4, primary_by_default=False) == ("10.1.0.0/16", "192.168.0.2/32")
+    # In the order given, as kube-proxy 1.37's expandNodePortAddressKeywords.
+    assert nodeport_cidrs(node, V4, primary_by_default=False) == ("192.168.0.2/32", "10.1.0.0/16")
     assert nodeport_cidrs(node, V6, primary_by_default=False) == ("fd00::2/128",)
     assert nodeport_cidrs(NodeConfig(), V4, primary_by_default=True) == ()
 

@@ -7,9 +7,10 @@ import re
 from collections.abc import Callable
 
 from nfproxy.cli import duration as go_duration
+from nfproxy.cli import feature_gates
 from nfproxy.cli.flag_types import INT32_MAX, add_go_bool_switch, display, integer_in
 from nfproxy.core.flags import FlagError
-from nfproxy.core.model import MASQUERADE_BIT, NODEPORT_PRIMARY, IPFamily, LocalMode, NodeConfig
+from nfproxy.core.model import MASQUERADE_BIT, NODEPORT_KEYWORDS, IPFamily, LocalMode, NodeConfig
 from nfproxy.sources.validation import FieldError, cidr, dns_subdomain, family_of, ip_address
 
 
@@ -23,9 +24,10 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
                    help="pod CIDR(s), comma-separated or repeated: cluster-IP traffic from outside them is masqueraded")
     add_go_bool_switch(g, "--masquerade-all", dest="masquerade_all",
                        help="masquerade all traffic to cluster IPs (also --masquerade-all=false)")
-    g.add_argument("--nodeport-addresses", action="append", default=[], metavar="CIDR|primary",
-                   help="only local addresses in these CIDRs accept NodePort traffic; 'primary' is the "
-                        "node IPs (default: all for iptables, primary for nft, as kube-proxy)")
+    g.add_argument("--nodeport-addresses", action="append", default=[], metavar="CIDR|primary|localhost|all",
+                   help="only local addresses in these CIDRs accept NodePort traffic; keywords: 'primary' "
+                        "(the node IPs), 'localhost' (127.0.0.0/8, ::1/128), 'all' (0.0.0.0/0, ::/0), mixed "
+                        "with CIDRs at will (default: all for iptables, primary for nft, as kube-proxy)")
     g.add_argument("--iptables-localhost-nodeports", dest="localhost_nodeports", type=_boolean,
                    nargs="?", const=True, default=True, metavar="BOOL",
                    help="iptables backend: accept node ports on 127.0.0.1 too (default true; "
@@ -94,14 +96,35 @@ def _local_detection(args: argparse.Namespace) -> dict[str, object]:
     return {"detect_local_mode": mode, "pod_bridge_interface": bridge, "pod_interface_name_prefix": prefix}
 
 
-def _nodeport_addresses(values: list[str]) -> tuple[str, ...]:
-    out = []
-    for v in _split(values, "--nodeport-addresses"):
-        if v == NODEPORT_PRIMARY:
-            out.append(v)
-        else:
-            out.extend(_each("--nodeport-addresses", [v], cidr))
+_NODEPORT_WORDS = "one of the keywords 'primary', 'localhost', 'all'"
+
+
+def nodeport_addresses(values: list[str]) -> tuple[str, ...]:
+    """kube-proxy 1.37's validateKubeProxyNodePortAddress: each item a CIDR or a keyword
+    (KEP-6032), a keyword at most once, a CIDR as often as given. Shared by the flag and the
+    file. Keywords stay words: `primary` needs node IPs only known later (core.categorize).
+    Raises FieldError naming the item by its index, as upstream's field path does."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for i, value in enumerate(values):
+        if value in NODEPORT_KEYWORDS:
+            if value in seen:
+                raise FieldError(f"[{i}] {display(value)}: duplicate value (each keyword may be given once)")
+            seen.add(value)
+            out.append(value)
+            continue
+        try:
+            out.append(cidr(value))
+        except FieldError as exc:
+            raise FieldError(f"[{i}] {exc} (nor {_NODEPORT_WORDS})") from None
     return tuple(dict.fromkeys(out))
+
+
+def _nodeport_addresses(values: list[str]) -> tuple[str, ...]:
+    try:
+        return nodeport_addresses(_split(values, "--nodeport-addresses"))
+    except FieldError as exc:
+        raise FlagError(f"--nodeport-addresses: {exc}") from None
 
 
 def split_list(raw: str) -> list[str]:
@@ -180,6 +203,8 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         masquerade_all=bool(args.masquerade_all),
         nodeport_addresses=_nodeport_addresses(args.nodeport_addresses),
         localhost_nodeports=bool(getattr(args, "localhost_nodeports", True)),
+        nft_localhost_nodeports=feature_gates.enabled(getattr(args, "feature_gates", ""),
+                                                      feature_gates.LOCALHOST_NODEPORTS),
         masquerade_bit=_masquerade_bit(getattr(args, "masquerade_bit", MASQUERADE_BIT)),
         service_cidrs=service_cidrs,
         **_local_detection(args),  # type: ignore[arg-type]

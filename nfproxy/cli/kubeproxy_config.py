@@ -142,20 +142,16 @@ def _cidrs(v: object) -> list[str] | None:
 
 
 def _nodeport_addresses(v: object) -> list[str] | None:
-    """nodePortAddresses: a list, each item one CIDR or `primary` (no commas inside an item)."""
-    from nfproxy.sources.validation import FieldError, cidr
+    """nodePortAddresses: a list, each item one CIDR or keyword (no commas inside an item),
+    checked as the flag is (cli.config.nodeport_addresses)."""
+    from nfproxy.cli.config import nodeport_addresses
+    from nfproxy.sources.validation import FieldError
 
     values = _strings(v)
-    if values and "primary" in values and len(values) != 1:
-        # kube-proxy's validateKubeProxyNodePortAddress: "can't use both 'primary' and CIDRs".
-        raise _Bad(f"{display(values)}: can't use both 'primary' and CIDRs")
-    for item in values or ():
-        if item == "primary":
-            continue
-        try:
-            cidr(item)
-        except FieldError as exc:
-            raise _Bad(f"{exc} (nor primary)") from None
+    try:
+        nodeport_addresses(values or [])
+    except FieldError as exc:
+        raise _Bad(str(exc)) from None
     return values
 
 
@@ -317,6 +313,8 @@ _GATE = re.compile(r"[A-Z][A-Za-z0-9]*")
 
 
 def _gates(v: object) -> str | None:
+    from nfproxy.cli.feature_gates import locked_error
+
     if v is None:
         return None
     if not isinstance(v, dict):
@@ -326,6 +324,9 @@ def _gates(v: object) -> str | None:
             raise _Bad(f"{display(name)}: not a feature gate name", str(name))
         if not isinstance(value, bool):
             raise _Bad(f"{display(value)}: must be true or false", name)
+        locked = locked_error(name, value)
+        if locked:
+            raise _Bad(locked, name)
     return ",".join(f"{k}={str(val).lower()}" for k, val in sorted(v.items())) or None
 
 

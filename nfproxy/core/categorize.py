@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 
 from nfproxy.core.model import (
+    NODEPORT_ALL,
+    NODEPORT_LOCALHOST,
     NODEPORT_PRIMARY,
     Endpoint,
     IPFamily,
@@ -273,15 +275,58 @@ def pod_match(node: NodeConfig, family: IPFamily) -> PodMatch | None:
 def nodeport_cidrs(node: NodeConfig, family: IPFamily, *, primary_by_default: bool) -> tuple[str, ...]:
     """CIDRs of the local addresses that accept node ports; () means every local address.
 
-    `primary` stands for the node's own IPs (host routes). Left unset, kube-proxy's nftables
-    mode defaults to `primary` and its iptables mode to every address: `primary_by_default`
-    says which backend asks. With `primary` and no node IP of the family, every local address.
+    kube-proxy 1.37's meaning (expandNodePortAddressKeywords, then NewNodePortAddresses):
+    `primary` stands for the node's own IPs (host routes; a loopback node IP is skipped),
+    `localhost` for 127.0.0.0/8 or ::1/128, `all` for the family's zero CIDR. Left unset,
+    kube-proxy's nftables mode defaults to `primary` and its iptables mode to every address:
+    `primary_by_default` says which backend asks. Nothing of the family, or a zero CIDR among
+    them, is every local address (upstream's MatchAll).
     """
+    cidrs = _nodeport_expanded(node, family, primary_by_default)
+    if any(ipaddress.ip_network(c, strict=False).prefixlen == 0 for c in cidrs):
+        return ()
+    return cidrs
+
+
+def nodeport_loopback(node: NodeConfig, family: IPFamily, *, primary_by_default: bool) -> bool:
+    """Whether the node-port addresses name loopback itself (`localhost`, 127.0.0.0/8, ::1/128),
+    not merely contain it (`all`): kube-proxy's ContainsExplicitLoopback, which turns on its
+    nftables mode's localhost node-port proxy (with KubeProxyNFTablesLocalhostNodePorts)."""
+    return any(
+        ipaddress.ip_network(c, strict=False).network_address.is_loopback
+        for c in _nodeport_expanded(node, family, primary_by_default)
+    )
+
+
+def localhost_rejects(node: NodeConfig, family: IPFamily) -> frozenset[str]:
+    """Protocols (lower case) whose node ports the nft backend rejects and counts on loopback.
+
+    kube-proxy 1.37's nftables mode, behind KubeProxyNFTablesLocalhostNodePorts: nothing with
+    the gate off; UDP and SCTP when its userspace proxy serves TCP on loopback (the addresses
+    name loopback); all three otherwise, so that a localhost node port never silently reaches
+    whatever else listens there.
+    """
+    if not node.nft_localhost_nodeports:
+        return frozenset()
+    if nodeport_loopback(node, family, primary_by_default=True):
+        return frozenset(("udp", "sctp"))
+    return frozenset(("tcp", "udp", "sctp"))
+
+
+def _nodeport_expanded(node: NodeConfig, family: IPFamily, primary_by_default: bool) -> tuple[str, ...]:
+    v6 = family is IPFamily.V6
     given = node.nodeport_addresses or ((NODEPORT_PRIMARY,) if primary_by_default else ())
-    cidrs = [c for c in given if c != NODEPORT_PRIMARY and (":" in c) == (family is IPFamily.V6)]
-    if NODEPORT_PRIMARY in given:
-        host = "/128" if family is IPFamily.V6 else "/32"
-        cidrs.extend(ip + host for ip in node.ips_of(family))
+    cidrs: list[str] = []
+    for item in given:
+        if item == NODEPORT_PRIMARY:
+            host = "/128" if v6 else "/32"
+            cidrs.extend(ip + host for ip in node.ips_of(family) if not ipaddress.ip_address(ip).is_loopback)
+        elif item == NODEPORT_LOCALHOST:
+            cidrs.append("::1/128" if v6 else "127.0.0.0/8")
+        elif item == NODEPORT_ALL:
+            cidrs.append("::/0" if v6 else "0.0.0.0/0")
+        elif (":" in item) == v6:
+            cidrs.append(item)
     return tuple(dict.fromkeys(cidrs))
 
 

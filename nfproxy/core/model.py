@@ -41,6 +41,10 @@ MASQUERADE_BIT = 14
 MASQUERADE_MARK = 1 << MASQUERADE_BIT
 # `--nodeport-addresses primary`: the node's own IPs (kube-proxy's nftables-mode default).
 NODEPORT_PRIMARY = "primary"
+# KEP-6032 (kube-proxy 1.37): `localhost` is 127.0.0.0/8 and ::1/128, `all` is 0.0.0.0/0 and ::/0.
+NODEPORT_LOCALHOST = "localhost"
+NODEPORT_ALL = "all"
+NODEPORT_KEYWORDS = (NODEPORT_PRIMARY, NODEPORT_LOCALHOST, NODEPORT_ALL)
 
 
 class LocalMode(str, enum.Enum):
@@ -191,6 +195,9 @@ class NodeConfig:
     nodeport_addresses: tuple[str, ...] = ()
     # Node ports are also accepted on 127.0.0.1 (iptables backend only, as kube-proxy).
     localhost_nodeports: bool = True
+    # The KubeProxyNFTablesLocalhostNodePorts gate (alpha, off): the nft backend rejects and
+    # counts localhost node-port traffic it does not proxy (core.categorize.localhost_rejects).
+    nft_localhost_nodeports: bool = False
     # Bit of the packet mark that asks for masquerading (kube-proxy's --iptables-masquerade-bit).
     masquerade_bit: int = MASQUERADE_BIT
     detect_local_mode: LocalMode = LocalMode.CLUSTER_CIDR
@@ -213,11 +220,11 @@ class NodeConfig:
         return tuple(c for c in self.cluster_cidrs if (":" in c) == (family is IPFamily.V6))
 
     def nodeport_addresses_of(self, family: IPFamily) -> tuple[str, ...]:
-        """The explicit CIDRs of one family (without `primary`)."""
+        """The explicit CIDRs of one family (without the keywords)."""
         return tuple(
             c
             for c in self.nodeport_addresses
-            if c != NODEPORT_PRIMARY and (":" in c) == (family is IPFamily.V6)
+            if c not in NODEPORT_KEYWORDS and (":" in c) == (family is IPFamily.V6)
         )
 
     def service_cidrs_of(self, family: IPFamily) -> tuple[str, ...]:

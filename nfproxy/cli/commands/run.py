@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     node_config_from_args(args)  # every node flag checked, also for --write-config-to
     _source_flags(args)
     min_sync, sync_period = sync_periods(args)
-    parse_feature_gates(args.feature_gates, log)
+    parse_feature_gates(args.feature_gates, log, args.backend)
     settings = conntrack_sysctls.settings_from_args(args)
     if getattr(args, "mode_defaulted", False):  # after the flags are checked, as kube-proxy
         log.warning(DEFAULT_MODE_WARNING)
@@ -348,7 +348,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="kube-proxy's name for the node's primary IP when not 0.0.0.0 or :: "
                         "(used when --node-ip is not given); binds nothing")
     p.add_argument("--feature-gates", default="", metavar="NAME=BOOL,...",
-                   help="kube-proxy's feature gates: accepted, each one warned about (none changes nfproxy)")
+                   help="kube-proxy's feature gates: KubeProxyNFTablesLocalhostNodePorts (nftables mode) "
+                        "takes effect; the others are accepted, each one warned about")
     p.add_argument("--iptables-flavour", choices=("auto", "legacy", "nft"), default="auto",
                    help="iptables backend: which iptables to drive (default: what `iptables` is)")
     p.add_argument("--no-conntrack-cleanup", action="store_true",
