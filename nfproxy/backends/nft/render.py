@@ -43,6 +43,7 @@ from nfproxy.core.categorize import (
     Routing,
     categorize,
     firewall_sources,
+    localhost_rejects,
     nodeport_cidrs,
     pod_match,
     slot_counts,
@@ -90,6 +91,20 @@ CLUSTER_IPS_SET = "cluster-ips"
 CLUSTER_IPS_CHECK_CHAIN = "cluster-ips-check"
 # Named counter of the conntrack-INVALID drop (the iptables backend's nfacct counter).
 INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
+# KubeProxyNFTablesLocalhostNodePorts: node ports on loopback that nobody proxies are rejected
+# and counted, per protocol. kube-proxy 1.37 dispatches a verdict map to a chain per protocol;
+# here a set of ports per protocol and one rule each do it: no element names a chain, so
+# turning the gate off leaves strays a full sync can delete in any order.
+
+
+def localhost_reject_set(proto: str) -> str:
+    return f"localhost-nodeport-reject-{proto}"
+
+
+def localhost_reject_counter(proto: str) -> str:
+    """The named counter the kubeproxy_nftables_localhost_nodeport_rejected_packets_total
+    metric reads (upstream's LocalhostNodePortRejectedCounterName)."""
+    return f"localhost-nodeport-rejected-{proto}"
 # Endpoint lanes: every endpoint-selecting chain owns a lane of LANE consecutive integers in an
 # interval data map `endpoints-<proto>-ranges-M` (M = lane // LANES_PER_MAP), draws
 # `numgen random mod LANE offset K` and finds its endpoint's address and port in one range per
@@ -528,6 +543,8 @@ class _Context:
     # Count each endpoint's new connections (docs/metrics.md): `counter` on the endpoint data
     # maps (one per element, bumped by the lookup) and before each per-endpoint chain's DNAT.
     counters: bool = True
+    # Protocols whose node ports are rejected on loopback (core.categorize.localhost_rejects).
+    localhost_rejects: frozenset[str] = frozenset()
 
 
 _IFNAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
@@ -558,6 +575,7 @@ def _context(node: NodeConfig, family: IPFamily, counters: bool = True) -> tuple
         not_from_pod=not_from_pod,
         mark=f"{node.masquerade_mark:#x}",
         counters=counters,
+        localhost_rejects=localhost_rejects(node, family),
     )
     return ctx, _collapse(node.service_cidrs_of(family))
 
@@ -622,6 +640,11 @@ def _static(
         f"{dispatch} @{SERVICE_IPS_MAP}",
         f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
     ]
+    for proto in sorted(ctx.localhost_rejects):
+        chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(
+            f"{ipx} daddr {loopback} meta l4proto {proto} th dport @{localhost_reject_set(proto)}"
+            f" counter name {localhost_reject_counter(proto)} reject"
+        )
 
     ip_key = f"{addr} . inet_proto . inet_service : verdict"
     port_key = "inet_proto . inet_service : verdict"
@@ -649,6 +672,10 @@ def _static(
         name: {} for name in sets if name not in (HAIRPIN_SET, CLUSTER_IPS_SET)
     }
     unused: dict[str, Declaration] = {}
+    for proto in sorted(ctx.localhost_rejects):  # gone with the gate: deleted as strays
+        name = localhost_reject_set(proto)
+        sets[name] = nft.Set(name, "inet_service", comment=f"localhost {proto} NodePorts rejected by nfproxy")
+        elements[name] = {}
     if nodeports:
         sets[NODEPORT_IPS_SET] = nodeport_decl
         elements[NODEPORT_IPS_SET] = {c: Element(NODEPORT_IPS_SET, c) for c in nodeports}
@@ -947,6 +974,8 @@ def _render_service(
             element(SERVICE_NODEPORTS_MAP, key, to_external)
         if no_external is not None:
             element(NO_ENDPOINT_NODEPORTS_MAP, key, no_external, comment)
+        if proto in ctx.localhost_rejects:
+            element(localhost_reject_set(proto), str(svc.node_port), "")
 
     elements.extend(slot_elements)
     return ServiceRules(
@@ -998,6 +1027,7 @@ class _Build:
         self.hairpin_refs: dict[str, int] = {}
         self.cluster_ip_refs: dict[str, int] = {}
         self.shard_users: dict[str, int] = {}
+        self.counters = tuple(localhost_reject_counter(p) for p in sorted(ctx.localhost_rejects))
 
     def add(self, key: ServicePortKey, rules: ServiceRules) -> None:
         self.services[key] = rules
@@ -1035,7 +1065,7 @@ class _Build:
             shard_users=MappingProxyType(self.shard_users),
             allocator=self.slots.allocator,
             cluster_ip_refs=MappingProxyType(self.cluster_ip_refs),
-            counters=(INVALID_DROP_COUNTER,) if drop_invalid and self.table == TABLE else (),
+            counters=((INVALID_DROP_COUNTER,) if drop_invalid and self.table == TABLE else ()) + self.counters,
             endpoint_counters=endpoint_counters,
         )
 
