@@ -416,3 +416,42 @@ def test_scaled_to_zero_while_the_daemon_was_down_the_restart_cuts_the_flow(sand
         assert after.metrics.conntrack_deleted.labels("IPv4")._value.get() == 1
         assert conn.exchange().kind == "refused"
         after.proxier.close()
+
+
+@pytest.mark.kernel
+def test_entries_in_other_zones_are_read_and_deleted_in_their_zone(netns: str) -> None:
+    """The delete carries the zone the entry was read with (one tuple can live in two zones)."""
+    with netns_mod.entered(netns):
+        ct = Conntrack(nfgen_family=socket.AF_INET)
+        try:
+            for zone, sport in ((0, 40001), (7, 40001), (7, 40002)):
+                ct.entry(
+                    "add", timeout=120, zone=zone,
+                    tuple_orig=NFCTAttrTuple(family=socket.AF_INET, saddr=CLIENT, sport=sport,
+                                             daddr="10.96.0.10", dport=53, proto=17),
+                    tuple_reply=NFCTAttrTuple(family=socket.AF_INET, saddr=A, sport=5353,
+                                              daddr=CLIENT, dport=sport, proto=17),
+                )
+        finally:
+            ct.close()
+    assert sorted(f.orig_sport for f in kct.list_flows(netns, V4)) == [40001, 40001, 40002]
+    assert kct.delete_judged(netns, V4, Protocol.UDP, lambda f: "stale" if f.orig_sport == 40001 else None) == 2
+    assert [f.orig_sport for f in kct.list_flows(netns, V4)] == [40002]
+
+
+def test_an_entry_laid_out_otherwise_is_read_by_the_general_walk() -> None:
+    """The fast pattern knows the kernel's usual layout; another order of the same attributes
+    (or one more, a zone inside a tuple) is read attribute by attribute, to the same flow."""
+    def attr(kind: int, value: bytes) -> bytes:
+        return kct._attr(kind, value)
+
+    def tuple_(kind: int, src: str, dst: str, sport: int, dport: int) -> bytes:
+        ip = kct._nested(1, attr(1, socket.inet_aton(src)), attr(2, socket.inet_aton(dst)))
+        proto = kct._nested(2, attr(3, dport.to_bytes(2, "big")), attr(2, sport.to_bytes(2, "big")), attr(1, b"\x11"))
+        return kct._nested(kind, proto, ip, attr(3, b"\x00\x07"))  # proto first; a CTA_TUPLE_ZONE
+
+    msg = tuple_(1, CLIENT, "10.96.0.10", 40001, 53) + tuple_(2, A, CLIENT, 5353, 40001) + attr(3, b"\0\0\0\x08")
+    assert kct._TUPLES[socket.AF_INET].match(msg, 0) is None
+    flow = kct._decode(msg, 0, len(msg), V4, 17, kct._Addresses(socket.AF_INET))
+    assert flow == entry("10.96.0.10", 53, A, sport=40001)
+    assert kct._decode(msg, 0, len(msg), V4, 6, kct._Addresses(socket.AF_INET)) is None  # not TCP

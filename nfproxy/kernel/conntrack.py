@@ -18,6 +18,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import socket
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -219,10 +220,52 @@ def _tuple(buf: bytes, a: int, b: int, addr: _Addresses) -> tuple[str, str, int,
     return src, dst, proto, sport, dport
 
 
-@dataclass(frozen=True, slots=True)
+def _tuples_pattern(af: int) -> re.Pattern[bytes]:
+    """The two tuples as the kernel writes them first in every entry (ctnetlink_fill_info:
+    orig then reply, each ip {src, dst} then proto {num, sport, dport}, no zone in the default
+    one), as one regular expression: literal attribute headers, a group per value. An entry laid
+    out otherwise takes the general walk (`_decode`)."""
+    size = 4 if af == socket.AF_INET else 16
+    src, dst = (1, 2) if af == socket.AF_INET else (3, 4)
+    ip = _ATTR.pack(4 + 2 * (4 + size), _CTA_TUPLE_IP | _NLA_F_NESTED)
+    addr = b"".join(re.escape(_ATTR.pack(4 + size, k)) + b"(.{%d})" % size for k in (src, dst))
+    proto = (
+        re.escape(_ATTR.pack(28, _CTA_TUPLE_PROTO | _NLA_F_NESTED) + _ATTR.pack(5, _CTA_PROTO_NUM)) + b"(.)..."
+        + re.escape(_ATTR.pack(6, _CTA_PROTO_SRC_PORT)) + b"(..).."
+        + re.escape(_ATTR.pack(6, _CTA_PROTO_DST_PORT)) + b"(..).."
+    )
+    one = re.escape(ip) + addr + proto
+    length = 4 + 4 + 2 * (4 + size) + 28
+    return re.compile(
+        re.escape(_ATTR.pack(length, _CTA_TUPLE_ORIG | _NLA_F_NESTED)) + one
+        + re.escape(_ATTR.pack(length, _CTA_TUPLE_REPLY | _NLA_F_NESTED)) + one,
+        re.DOTALL,
+    )
+
+
+_TUPLES = {af: _tuples_pattern(af) for af in (socket.AF_INET, socket.AF_INET6)}
+
+
 class _Entry:
-    flow: Flow
-    key: bytes  # the entry's CTA_TUPLE_ORIG and CTA_ZONE attributes, as read: what deletes it
+    """One entry read: its flow, and where its message lies, to build its delete from."""
+
+    __slots__ = ("flow", "_buf", "_start", "_stop")
+
+    def __init__(self, flow: Flow, buf: bytes, start: int, stop: int) -> None:
+        self.flow, self._buf, self._start, self._stop = flow, buf, start, stop
+
+    def key(self) -> bytes:
+        """CTA_TUPLE_ORIG and CTA_ZONE, as read: what deletes exactly this entry."""
+        buf, a, b = self._buf, self._start, self._stop
+        parts = []
+        while a + 4 <= b:
+            length, kind = _ATTR.unpack_from(buf, a)
+            if length < 4:
+                break
+            if kind & _NLA_TYPE_MASK in (_CTA_TUPLE_ORIG, _CTA_ZONE):
+                parts.append(bytes(buf[a: a + ((length + 3) & ~3)]))
+            a += (length + 3) & ~3
+        return b"".join(parts)
 
 
 class _Socket:
@@ -257,7 +300,10 @@ class _Socket:
         body = _dump_request(af, proto)
         self._sock.send(_HEADER.pack(_HEADER.size + len(body), _CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body)
         addr = _Addresses(af)
-        unpack = _ATTR.unpack_from
+        fast = _TUPLES[af].match
+        proto_byte = bytes([proto])
+        kind = _PROTO_BY_NUMBER[proto]
+        port = int.from_bytes
         while True:
             buf = self._sock.recv(1 << 20)
             at = 0
@@ -274,10 +320,20 @@ class _Socket:
                         if code:
                             raise KernelError(f"conntrack dump: {os.strerror(-code)}")
                         return
-                    if buf[at + _HEADER.size] == af:  # nfgenmsg's family
-                        entry = _decode(buf, at + _HEADER.size + 4, end, family, proto, addr, unpack)
-                        if entry is not None:
-                            yield entry
+                    start = at + _HEADER.size + 4
+                    if buf[start - 4] == af:  # nfgenmsg's family
+                        m = fast(buf, start)
+                        if m is None:
+                            flow = _decode(buf, start, end, family, proto, addr)
+                        elif m[3] == proto_byte:
+                            flow = Flow(
+                                family, kind, addr(m[1]), port(m[4]), addr(m[2]), port(m[5]),
+                                addr(m[6]), port(m[9]), addr(m[7]), port(m[10]),
+                            )
+                        else:
+                            flow = None
+                        if flow is not None:
+                            yield _Entry(flow, buf, start, end)
                 at += (length + 3) & ~3
 
     def delete(self, family: IPFamily, keys: list[bytes]) -> int:
@@ -321,26 +377,22 @@ class _Socket:
         return done
 
 
-def _decode(buf: bytes, a: int, b: int, family: IPFamily, proto: int, addr: _Addresses, unpack: Callable) -> _Entry | None:
+def _decode(buf: bytes, a: int, b: int, family: IPFamily, proto: int, addr: _Addresses) -> Flow | None:
+    """The general walk of an entry's attributes, for a layout the fast pattern does not know."""
     orig = reply = None
-    key = b""
     while a + 4 <= b:
-        length, kind = unpack(buf, a)
+        length, kind = _ATTR.unpack_from(buf, a)
         if length < 4:
             break
         kind &= _NLA_TYPE_MASK
         if kind == _CTA_TUPLE_ORIG:
             orig = _tuple(buf, a + 4, a + length, addr)
-            key = bytes(buf[a: a + ((length + 3) & ~3)]) + key
         elif kind == _CTA_TUPLE_REPLY:
             reply = _tuple(buf, a + 4, a + length, addr)
-        elif kind == _CTA_ZONE:
-            key += bytes(buf[a: a + ((length + 3) & ~3)])
         a += (length + 3) & ~3
     if orig is None or reply is None or orig[2] != proto:
         return None
-    flow = Flow(family, _PROTO_BY_NUMBER[proto], orig[0], orig[3], orig[1], orig[4], reply[0], reply[3], reply[1], reply[4])
-    return _Entry(flow, key)
+    return Flow(family, _PROTO_BY_NUMBER[proto], orig[0], orig[3], orig[1], orig[4], reply[0], reply[3], reply[1], reply[4])
 
 
 def _inside(netns: str | None) -> contextlib.AbstractContextManager[None]:
@@ -429,7 +481,7 @@ def delete_judged(
         for entry in sock.dump(family, protocol):
             reason = judge(entry.flow)
             if reason is not None:
-                doomed[entry.key] = None
+                doomed[entry.key()] = None
                 _log_doomed(entry.flow, reason)
         deleted = sock.delete(family, list(doomed)) if doomed else 0
     if deleted:
