@@ -3,7 +3,9 @@
 kube-proxy's iptables mode accepts node ports on 127.0.0.1 by default (localhostNodePorts),
 which only works with `net.ipv4.conf.all.route_localnet=1` (DNAT of a loopback-addressed
 packet to a pod, routed out), so it sets that sysctl, on the node it programs and nowhere else.
-Its nftables mode cannot DNAT loopback traffic at all and says so.
+Its nftables mode cannot DNAT loopback traffic at all: since 1.37, behind the alpha gate
+KubeProxyNFTablesLocalhostNodePorts and with `--nodeport-addresses` naming loopback, a userspace
+proxy serves TCP node ports there instead (daemon/localhost_proxy.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from nfproxy.core.categorize import nodeport_cidrs
+from nfproxy.core.categorize import nodeport_cidrs, nodeport_loopback
 from nfproxy.core.model import IPFamily, NodeConfig
+from nfproxy.daemon.localhost_proxy import LOOPBACK
 from nfproxy.kernel import sysctl
 
 log = logging.getLogger("nfproxy.daemon")
@@ -44,8 +47,16 @@ def prepare(backend: str, node: NodeConfig, netns: str | None) -> None:
             # An unprivileged pod: the rules still go in, node ports on 127.0.0.1 just do not
             # answer until route_localnet is set on the node. Not worth losing every service.
             log.warning("%s: node ports on localhost will not answer until it is set on the node", exc)
+    elif backend == "nft" and node.nft_localhost_nodeports:
+        families = [f for f in IPFamily if nodeport_loopback(node, f, primary_by_default=True)]
+        if families:
+            log.info("KubeProxyNFTablesLocalhostNodePorts: TCP node ports on %s are served by a userspace "
+                     "proxy; UDP and SCTP ones are rejected", " and ".join(LOOPBACK[f] for f in families))
+        else:
+            log.info("KubeProxyNFTablesLocalhostNodePorts: node ports on loopback are rejected; add "
+                     "'localhost' to --nodeport-addresses to serve TCP ones there")
     elif backend == "nft" and node.localhost_nodeports:
         log.info(
-            "--iptables-localhost-nodeports is ignored by the nft backend: "
-            "localhost NodePorts are not supported in nftables mode"
+            "--iptables-localhost-nodeports is ignored by the nft backend: localhost NodePorts are "
+            "not supported in nftables mode without the KubeProxyNFTablesLocalhostNodePorts gate"
         )

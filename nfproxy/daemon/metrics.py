@@ -121,9 +121,13 @@ class ProxyMetrics:
         clock: Callable[[], float] = time.time,
         process_metrics: bool = True,
         backend: Backend | None = None,
+        localhost_nodeports: bool = False,
     ) -> None:
         """`backend` ("iptables" or "nft") registers only that backend's metric families, as
-        kube-proxy's RegisterMetrics(mode); None registers both (a caller that does not know)."""
+        kube-proxy's RegisterMetrics(mode); None registers both (a caller that does not know).
+        `localhost_nodeports`: the KubeProxyNFTablesLocalhostNodePorts gate is on, which adds
+        its proxy's metrics in nftables mode (and the rejected-packets collector, which the
+        daemon registers with its kernel reader: LocalhostRejectedCollector)."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
         self.registry = registry if registry is not None else NoCreatedRegistry()
@@ -142,6 +146,10 @@ class ProxyMetrics:
         self._conntrack()
         self._build_info()
         self._nfproxy_own()
+        self.localhost_listeners: Gauge | None = None
+        self.localhost_listener_failures: Counter | None = None
+        if localhost_nodeports and self._has("nft"):
+            self._localhost_nodeports()
 
     def _has(self, backend: Backend) -> bool:
         return self.backend is None or self.backend == backend
@@ -296,7 +304,26 @@ class ProxyMetrics:
             ("source",), registry=r,
         )
 
+    def _localhost_nodeports(self) -> None:
+        """kube-proxy 1.37's localhost node-port proxy metrics (nftables mode, gate on)."""
+        self.localhost_listeners = self._gauge(
+            "nftables_localhost_nodeport_listeners", "Number of active localhost NodePort userspace proxy listeners."
+        )
+        self.localhost_listener_failures = self._counter(
+            "nftables_localhost_nodeport_listener_creation_failures",
+            "Number of localhost NodePort userspace proxy listener creation failures.",
+        )
+
     # ---- events of the sync loop
+
+    def localhost_listening(self, listeners: int, *, family: IPFamily) -> None:
+        """The localhost node-port proxy listens on this many node ports of `family`."""
+        if self.localhost_listeners is not None:
+            self.localhost_listeners.labels(family_label(family)).set(listeners)
+
+    def localhost_listener_failed(self, *, family: IPFamily) -> None:
+        if self.localhost_listener_failures is not None:
+            self.localhost_listener_failures.labels(family_label(family)).inc()
 
     def queued(
         self,
@@ -447,3 +474,40 @@ class ProxyMetrics:
 def _check_key(key: str, allowed: tuple[str, ...], what: str) -> None:
     if key not in allowed:
         raise ValueError(f"unknown {what} {key!r} (expected one of {', '.join(allowed)})")
+
+
+LOCALHOST_REJECTED = "kubeproxy_nftables_localhost_nodeport_rejected_packets_total"
+
+
+class LocalhostRejectedCollector:
+    """kube-proxy 1.37's kubeproxy_nftables_localhost_nodeport_rejected_packets_total: the
+    packets the nft rules rejected on localhost node ports, per family and protocol, read from
+    the kernel's named counters when scraped (as upstream's nftCounterMetricCollector: one
+    sample per counter that exists, none while the table has none)."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[IPFamily, str], int]]) -> None:
+        self._read = read
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    @staticmethod
+    def _family() -> Metric:
+        from prometheus_client.core import CounterMetricFamily
+
+        return CounterMetricFamily(
+            LOCALHOST_REJECTED.removesuffix("_total"),
+            "Number of packets rejected on localhost NodePorts. UDP and SCTP are always rejected; "
+            "TCP is rejected when the localhost NodePort proxy is not running",
+            labels=("ip_family", "protocol"),
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        try:
+            counts = self._read()
+        except OSError:  # no sample while the kernel cannot be read, as upstream
+            counts = {}
+        for (ip_family, proto), packets in sorted(counts.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
+            family.add_metric([family_label(ip_family), proto.upper()], packets)
+        yield family

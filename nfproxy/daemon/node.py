@@ -20,6 +20,7 @@ from nfproxy.core.categorize import categorize
 from nfproxy.core.changes import Changes
 from nfproxy.daemon import logs
 from nfproxy.daemon.healthcheck import ServiceHealthServer, service_health
+from nfproxy.daemon.localhost_proxy import LocalhostProxy, localhost_node_ports
 from nfproxy.daemon.metrics import ProxyMetrics
 from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortKey
 from nfproxy.daemon.proxier import FailedSync, Proxier, SyncLoop, SyncResult
@@ -52,6 +53,9 @@ class DaemonConfig:
     # --empty-source-grace: how long the first sync of an empty state waits while the kernel
     # still serves services from before this start (daemon/empty_start.py).
     empty_grace: float = 0.0
+    # KubeProxyNFTablesLocalhostNodePorts (nft backend): node ports on loopback served by a
+    # userspace proxy (daemon/localhost_proxy.py), not on a dry run's in-memory kernels.
+    localhost_nodeports: bool = False
 
 
 def _source_label(source: object) -> str:
@@ -148,7 +152,8 @@ class Daemon:
         self.config = config
         self.source = source
         self.proxier = proxier or Proxier(config.backend, netns=config.netns)
-        self.metrics = ProxyMetrics(backend=config.backend)
+        self.metrics = ProxyMetrics(backend=config.backend, localhost_nodeports=config.localhost_nodeports)
+        self.localhost_proxy: LocalhostProxy | None = None
         if config.netns is None and config.health_check_node_ports:
             # kube-proxy's INVALID-drop counter: the node's own kernel object, read when scraped.
             from nfproxy.daemon.invalid_drops import InvalidDropCollector, reader
@@ -216,6 +221,8 @@ class Daemon:
             self._health_ports = dict(sh.ports)
             self.health_checks.sync_services(sh.ports)
             self.health_checks.sync_endpoints(sh.local_endpoints)
+        if self.localhost_proxy is not None:
+            self.localhost_proxy.sync(localhost_node_ports(state))
         if self.config.conntrack:
             self._clean_conntrack(previous, state, changes.keys)
 
@@ -281,7 +288,24 @@ class Daemon:
             hard_fail=self.config.bind_address_hard_fail,
             configz=self.config.configz,
         )
+        self._start_localhost_proxy()
         self.loop.start()
+
+    def _start_localhost_proxy(self) -> None:
+        """kube-proxy 1.37's nftables mode with KubeProxyNFTablesLocalhostNodePorts: its
+        listeners and the counter of what the rules reject on loopback."""
+        c = self.config
+        if not (c.localhost_nodeports and c.backend == "nft" and c.health_check_node_ports):
+            return
+        from nfproxy.daemon.localhost_proxy import LocalhostProxy, rejected_reader
+        from nfproxy.daemon.metrics import LocalhostRejectedCollector
+
+        self.metrics.registry.register(LocalhostRejectedCollector(rejected_reader(c.netns)))  # type: ignore[arg-type]
+        self.localhost_proxy = LocalhostProxy(
+            c.netns,
+            on_listeners=lambda family, n: self.metrics.localhost_listening(n, family=family),
+            on_failure=lambda family: self.metrics.localhost_listener_failed(family=family),
+        )
 
     def once(self) -> SyncResult:
         """Sync once, fully, and return (`--once`): no servers, no loop."""
@@ -311,6 +335,8 @@ class Daemon:
     def stop(self) -> None:
         self.loop.stop()
         self.health_checks.close()
+        if self.localhost_proxy is not None:
+            self.localhost_proxy.close()
         if self.servers is not None:
             self.servers.close()
         self.proxier.close()  # after the loop: no sync runs any more

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from nfproxy.cli import conntrack_sysctls
+from nfproxy.cli import conntrack_sysctls, feature_gates
 from nfproxy.cli.config import (
     FlagError,
     add_node_flags,
@@ -221,6 +221,7 @@ def _daemon_config(args: argparse.Namespace, min_sync: float, sync_period: float
         "endpoint_connections_metric": bool(getattr(args, "metrics_endpoint_connections", False)),
         "configz": kubeproxy_config.effective(args),
         "empty_grace": _source_flags(args),
+        "localhost_nodeports": feature_gates.enabled(args.feature_gates, feature_gates.LOCALHOST_NODEPORTS),
     }
     return DaemonConfig(**{**fields, **more})  # type: ignore[arg-type]
 
