@@ -141,8 +141,12 @@ class Proxy:
     """One proxy process on a fresh namespace: kube-proxy (through scripts/kube) or nfproxy."""
 
     def __init__(self, who: str, mode: str, plane: Plane, env: dict[str, str], limit: float) -> None:
-        self.who, self.mode, self.plane, self.env, self.limit = who, mode, plane, env, limit
+        self.who, self.mode, self.plane, self.limit = who, mode, plane, limit
         self.ns = f"nfp-kpb-{os.getpid()}-{who[:2]}"
+        # The xtables lock is one file for every namespace of the machine: another program's
+        # iptables elsewhere would make kube-proxy give up its first sync after 5 s (it exits).
+        # The lock serialises writers of one namespace's tables; here the proxy is the only one.
+        self.env = {**env, "XTABLES_LOCKFILE": f"{plane.dir}/xtables-{self.ns}.lock"}
         sh("ip", "netns", "add", self.ns)
         sh("ip", "-n", self.ns, "link", "set", "lo", "up")
         self.proc: subprocess.Popen[str] | None = None
@@ -272,6 +276,7 @@ def one_turn(who: str, mode: str, plane: Plane, round_: int, args: argparse.Name
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop what was started
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--services", type=int, default=1000)
     p.add_argument("--endpoints", type=int, default=10)
