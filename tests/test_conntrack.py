@@ -455,3 +455,25 @@ def test_an_entry_laid_out_otherwise_is_read_by_the_general_walk() -> None:
     flow = kct._decode(msg, 0, len(msg), V4, 17, kct._Addresses(socket.AF_INET))
     assert flow == entry("10.96.0.10", 53, A, sport=40001)
     assert kct._decode(msg, 0, len(msg), V4, 6, kct._Addresses(socket.AF_INET)) is None  # not TCP
+
+
+@pytest.mark.kernel
+def test_a_kernel_that_refuses_the_dump_filter_is_read_whole(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filter flag this kernel does not know is refused (EOPNOTSUPP), as a kernel before 5.8
+    would refuse or ignore the filter: the family's whole table is read, and its UDP kept."""
+    add_entry(netns, V4, (CLIENT, 40001, "10.96.0.10", 53), (A, 5353, CLIENT, 40001))
+    add_entry(netns, V4, (CLIENT, 40002, "10.96.0.10", 53), (A, 5353, CLIENT, 40002), proto=6)
+    add_entry(netns, V6, ("fd01::9", 40003, "fd00:96::a", 53), ("fd01::5", 5353, "fd01::9", 40003))
+    monkeypatch.setattr(kct, "_CTA_FILTER_FLAG_PROTO_NUM", 1 << 30)
+    asked: list[bool] = []
+    request = kct._dump_request
+
+    def recorded(af: int, proto: int, *, filtered: bool = True) -> bytes:
+        asked.append(filtered)
+        return request(af, proto, filtered=filtered)
+
+    monkeypatch.setattr(kct, "_dump_request", recorded)
+    assert [f.orig_sport for f in kct.list_flows(netns, V4)] == [40001]
+    assert asked == [True, False]
+    assert [f.orig_sport for f in kct.list_flows(netns, V4, Protocol.TCP)] == [40002]
+    assert kct.delete_judged(netns, V4, Protocol.UDP, lambda f: "stale") == 1

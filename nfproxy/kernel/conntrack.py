@@ -1,10 +1,11 @@
 """Reading and deleting conntrack entries over ctnetlink, inside the namespace nfproxy programs.
 
 One dump per family and protocol, filtered in the kernel (protocol and family: the table is
-walked in C and only those entries cross), decoded by hand: each reply's two tuples are read
-with `struct` and nothing else. pyroute2 decoded the same messages at about 0.35 ms an entry,
-which made a walk of 10 000 UDP entries cost seconds and kept the whole-table reconciliation
-off most syncs; the figures of this walk are in docs/benchmarks.md ("Conntrack reconciliation").
+walked in C and only those entries cross), decoded by hand: each reply's two tuples are read by
+one regular expression of the layout the kernel writes. pyroute2 decoded the same messages at
+0.35-0.7 ms an entry, which made a walk of 10 000 UDP entries cost seconds of CPU and kept the
+whole-table walk off most syncs; the figures of this one are in docs/benchmarks.md ("Conntrack
+reconciliation").
 Every entry is judged in Python (`delete_judged`: a predicate; `delete`: filters), and each hit
 is deleted by its exact original tuple (and zone), as read, many requests to a send, so an entry
 created between the dump and the delete is never caught by accident. An entry that expired in
@@ -151,9 +152,11 @@ def _nfgen(af: int) -> bytes:
     return struct.pack("=BBH", af, 0, 0)  # nfgenmsg: family, NFNETLINK_V0, res_id
 
 
-def _dump_request(af: int, proto: int) -> bytes:
+def _dump_request(af: int, proto: int, *, filtered: bool = True) -> bytes:
     """The entries of one family and protocol (kernel 5.8+ filters; older ones send every entry
     of the family, and the decoder drops the rest)."""
+    if not filtered:
+        return _nfgen(af)
     return (
         _nfgen(af)
         + _nested(_CTA_TUPLE_ORIG, _nested(_CTA_TUPLE_PROTO, _attr(_CTA_PROTO_NUM, bytes([proto]))))
@@ -293,11 +296,12 @@ class _Socket:
         self._seq += 1
         return self._seq
 
-    def dump(self, family: IPFamily, protocol: Protocol) -> Iterator[_Entry]:
-        """Every entry of the family and protocol."""
+    def dump(self, family: IPFamily, protocol: Protocol, *, filtered: bool = True) -> Iterator[_Entry]:
+        """Every entry of the family and protocol. A kernel that refuses the dump filter is asked
+        for the family's whole table instead (the decoder keeps the protocol's entries)."""
         af, proto = _AF[family], _PROTO[protocol]
         seq = self._next_seq()
-        body = _dump_request(af, proto)
+        body = _dump_request(af, proto, filtered=filtered)
         self._sock.send(_HEADER.pack(_HEADER.size + len(body), _CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body)
         addr = _Addresses(af)
         fast = _TUPLES[af].match
@@ -316,9 +320,11 @@ class _Socket:
                     if mtype == _NLMSG_DONE:
                         return
                     if mtype == _NLMSG_ERROR:
-                        code = _ERRNO.unpack_from(buf, at + _HEADER.size)[0]
-                        if code:
-                            raise KernelError(f"conntrack dump: {os.strerror(-code)}")
+                        code = -_ERRNO.unpack_from(buf, at + _HEADER.size)[0]
+                        if filtered and code in (errno.EINVAL, errno.EOPNOTSUPP):
+                            yield from self.dump(family, protocol, filtered=False)
+                        elif code:
+                            raise KernelError(f"conntrack dump: {os.strerror(code)}")
                         return
                     start = at + _HEADER.size + 4
                     if buf[start - 4] == af:  # nfgenmsg's family
