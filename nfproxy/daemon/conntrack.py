@@ -210,12 +210,14 @@ def sweeps(
     daemon was down is unknown). A family with nothing to judge is not walked.
     """
     changed = tuple(changed)
+    every = owed or previous is None
+    families = set() if every else {k[1] for k in changed if k[0].protocol is Protocol.UDP}
+    if not (every or families):
+        return []  # a TCP-only sync: not even the frontends are worked out
     filters = stale_flows(previous, state, changed) if previous is not None else []
     fronts = udp_frontends(state)
-    if owed or previous is None:
+    if every:
         families = {*fronts, *(f.family for f in filters)}
-    else:
-        families = {k[1] for k in changed if k[0].protocol is Protocol.UDP}
     out = []
     for family in sorted(families):
         mine = tuple(f for f in filters if f.family is family)
