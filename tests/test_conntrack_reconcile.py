@@ -233,3 +233,23 @@ def test_a_reconciliation_that_cannot_read_the_table_is_retried_and_never_fails_
     assert daemon.proxier.sync(NOW).kind == "full"
     assert daemon._conntrack_unreconciled
     assert daemon.metrics.conntrack_failures.labels("IPv4")._value.get() == 1
+
+
+@pytest.mark.kernel
+def test_a_service_scaled_to_zero_keeps_no_entry_to_its_addresses(netns: str) -> None:
+    """kubernetes#139629 on the real table: the sync that takes the last endpoint away deletes
+    every entry sent to the service's addresses, DNATed or not, and those DNATed to the gone
+    endpoint through the node port; someone else's flow to that port number stays."""
+    daemon = daemon_in(netns)
+    daemon.proxier.sync(NOW)
+    add_entry(netns, V4, (CLIENT, 40021, "10.96.0.53", 53), (NEW, 53, CLIENT, 40021))
+    add_entry(netns, V4, (CLIENT, 40022, "203.0.113.7", 53), (NEW, 53, CLIENT, 40022))
+    add_entry(netns, V4, (CLIENT, 40023, "10.96.0.53", 53), ("10.96.0.53", 53, CLIENT, 40023))  # not DNATed
+    add_entry(netns, V4, (CLIENT, 40024, "192.168.0.2", 30053), (NEW, 53, CLIENT, 40024))
+    add_entry(netns, V4, (CLIENT, 40025, "192.168.0.9", 30053), ("192.168.0.9", 30053, CLIENT, 40025))
+    add_entry(netns, V6, ("fd01::9", 40026, "fd00:96::35", 53), ("fd01::6", 53, "fd01::9", 40026))
+    zero = dataclasses.replace(NOW, endpoints={k: v for k, v in NOW.endpoints.items() if k != DNS.key})
+    assert daemon.proxier.sync(zero).kind == "partial"
+    assert udp_entries(netns, V4) == {("192.168.0.9", 30053, "192.168.0.9", 30053)}
+    assert udp_entries(netns, V6) == {("fd00:96::35", 53, "fd01::6", 53)}  # IPv6 did not change
+    assert reconciliations(daemon, "IPv6") == 1  # the first sync only
