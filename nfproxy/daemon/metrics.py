@@ -247,8 +247,8 @@ class ProxyMetrics:
 
     def _conntrack(self) -> None:
         # kube-proxy v1.33 (kubernetes#130204, #130200); registered in every mode. The duration
-        # is observed per reconciliation of the whole table (at start, and after a failed
-        # cleanup), not per sync: nfproxy cleans a sync's own changes by filters (docs/conntrack.md).
+        # is observed per walk of a family's UDP table, which only syncs that changed a UDP
+        # service port make (docs/conntrack.md), so most syncs add nothing to it.
         self.conntrack_reconciler_deleted = self._counter(
             "conntrack_reconciler_deleted_entries", "Cumulative conntrack flows deleted by conntrack reconciler"
         )
