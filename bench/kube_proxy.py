@@ -90,9 +90,20 @@ class Plane:
         return sh(self.kubectl_path, "--kubeconfig", self.kubeconfig, *args, stdin=stdin)
 
     def apply(self, objects: list[dict[str, Any]]) -> None:
-        for i in range(0, len(objects), 2000):
-            doc = {"apiVersion": "v1", "kind": "List", "items": objects[i:i + 2000]}
-            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=json.dumps(doc))
+        """In chunks, each retried: a loaded machine's etcd times requests out now and then, and
+        a server-side apply of the same objects again is harmless."""
+        for i in range(0, len(objects), 500):
+            doc = json.dumps({"apiVersion": "v1", "kind": "List", "items": objects[i:i + 500]})
+            for attempt in range(5):
+                done = subprocess.run([self.kubectl_path, "--kubeconfig", self.kubeconfig, "apply", "--server-side",
+                                       "--force-conflicts", "-f", "-"], input=doc, capture_output=True, text=True,
+                                      timeout=1800)
+                if not done.returncode:
+                    break
+                print(f"  apply of objects {i}..: {done.stderr.strip()[-200:]} (attempt {attempt + 1})", flush=True)
+                time.sleep(5)
+            else:
+                raise SystemExit("the cluster could not be written")
 
     def create(self, obj: dict[str, Any]) -> None:
         """One object through the API client: a write timed from just before the request."""
