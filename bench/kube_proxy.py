@@ -113,9 +113,6 @@ class Plane:
             self._api = config.new_client_from_config(self.kubeconfig)
         utils.create_from_dict(self._api, obj)
 
-    def close(self) -> None:
-        sh(str(KUBE), "down", "--dir", self.dir)
-
 
 def cluster_objects(services: int, endpoints: int) -> list[dict[str, Any]]:
     from nfproxy.testing import manifest_objects
@@ -302,8 +299,9 @@ def main() -> None:
     if args.iptables == "legacy":
         env["PATH"] = legacy_path()
     proxies = tuple(args.proxies.split(","))
-    plane = Plane(tempfile.mkdtemp(prefix="nfproxy-kpbench-"))
+    directory = tempfile.mkdtemp(prefix="nfproxy-kpbench-")
     try:
+        plane = Plane(directory)
         t = time.monotonic()
         plane.apply(cluster_objects(args.services, args.endpoints))
         print(f"cluster: {args.services} x {args.endpoints} written in {time.monotonic() - t:.1f}s", flush=True)
@@ -316,7 +314,7 @@ def main() -> None:
                           flush=True)
             report(mode, args, runs)
     finally:
-        plane.close()
+        sh(str(KUBE), "down", "--dir", directory)  # also when stopped while coming up
 
 
 def report(mode: str, args: argparse.Namespace, runs: dict[str, list[dict[str, float]]]) -> None:
