@@ -177,3 +177,40 @@ def test_the_daemon_config_takes_the_gate_from_flags_and_file(tmp_path: Path) ->
     _, from_file = parse(["run", "--config", str(config)])
     assert [_daemon_config(a, 1.0, 30.0).localhost_nodeports for a in (on, off, from_file)] == [True, False, True]
     assert node_config_from_args(from_file).nft_localhost_nodeports
+
+
+def test_listeners_follow_the_node_ports_and_a_taken_port_is_retried() -> None:
+    """SyncNodePorts: a listener per node port given, none for one gone; a port another
+    process holds is a counted failure, and is bound at the next sync once free."""
+    import socket
+
+    from nfproxy.core.model import Endpoint, IPFamily
+    from nfproxy.daemon.localhost_proxy import LocalhostProxy, NodePortSpec
+    from nfproxy.kernel import netns as netns_mod
+
+    v4 = IPFamily.V4
+    spec = NodePortSpec(v4, 30080, "ns1/web:http", (Endpoint(EP_LOCAL, 8080, node_name="node-a"),))
+    failures: list[IPFamily] = []
+    listening: dict[IPFamily, int] = {}
+    with Sandbox(_spec()) as sb:
+        proxy = LocalhostProxy(sb.node_ns, on_failure=failures.append,
+                               on_listeners=lambda family, n: listening.__setitem__(family, n))
+        try:
+            proxy.sync((spec,))
+            assert proxy.ports == {v4: (30080,)} and listening[v4] == 1
+            assert [o.endpoint for o in sb.connect("node", "127.0.0.1", 30080, "tcp", 3)] == [f"{EP_LOCAL}:8080"] * 3
+            proxy.sync(())
+            assert proxy.ports == {} and listening[v4] == 0
+            assert [o.kind for o in sb.connect("node", "127.0.0.1", 30080, "tcp", 2)] == ["refused"] * 2
+            with netns_mod.entered(sb.node_ns):
+                squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            squatter.bind(("127.0.0.1", 30080))
+            squatter.listen()
+            proxy.sync((spec,))
+            assert proxy.ports == {} and failures == [v4]
+            squatter.close()
+            proxy.sync((spec,))
+            assert proxy.ports == {v4: (30080,)} and failures == [v4]
+            assert sb.connect("node", "127.0.0.1", 30080, "tcp", 1)[0].endpoint == f"{EP_LOCAL}:8080"
+        finally:
+            proxy.close()

@@ -223,20 +223,22 @@ class LocalhostProxy:
         task.add_done_callback(listener.connections.discard)
 
     async def _proxy(self, listener: _Listener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client connection; the client is closed however this ends (a listener shut
+        down cancels it), so no connection outlives its listener."""
         ep = listener.pick()
         try:
-            backend = await asyncio.wait_for(self._dial(ep), DIAL_TIMEOUT)
-        except (OSError, asyncio.TimeoutError) as exc:
-            logs.info(log, "Failed to connect to backend", level=4, err=exc, port=listener.spec.node_port,
-                      endpoint=ep.address)
-            writer.close()
-            return
-        b_reader, b_writer = backend
-        try:
-            await asyncio.gather(_pipe(reader, b_writer), _pipe(b_reader, writer))
+            try:
+                b_reader, b_writer = await asyncio.wait_for(self._dial(ep), DIAL_TIMEOUT)
+            except (OSError, asyncio.TimeoutError) as exc:
+                logs.info(log, "Failed to connect to backend", level=4, err=exc, port=listener.spec.node_port,
+                          endpoint=ep.address)
+                return
+            try:
+                await asyncio.gather(_pipe(reader, b_writer), _pipe(b_reader, writer))
+            finally:
+                b_writer.close()
         finally:
-            for w in (writer, b_writer):
-                w.close()
+            writer.close()
 
     async def _dial(self, ep: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         # The socket is made on this thread, so in this namespace.
