@@ -5,7 +5,11 @@ For each backend it writes the benchmark shape of nfproxy/testing.py (S services
 as manifest files (bench/memory.py's), starts `python -m nfproxy --manifests DIR --netns NS`
 in a throwaway namespace with kube-proxy's default `--sync-period 30s`, waits for the first
 full sync (and the cleanup sync after it), then over `--window` seconds with nothing changing
-measures:
+measures the points below. `--source api` serves the same cluster from the real kube-apiserver
+instead (`scripts/kube up` into `--kube-dir`, reused when it is up and already holds the
+cluster, which takes minutes to write at 10 000 x 10: bench/kube_proxy.py's shape, a Node
+object for node-a, server-side applied) and the daemon reads it with `--kubeconfig`, as on a
+node:
 
 - CPU: the daemon's user + system seconds, its reaped children's included (an
   `iptables-restore` of a periodic full sync counts), from /proc/PID/stat, as a share of one core;
@@ -19,6 +23,7 @@ at most one --sync-period.
 
 Usage: sudo .venv/bin/python bench/idle.py [--services 10000] [--endpoints 10]
        [--backends nft,iptables] [--window 300] [--sync-period 30s] [--iptables-flavour legacy]
+       [--source manifests|api] [--kube-dir /tmp/nfproxy-kube-idle]
 """
 
 from __future__ import annotations
@@ -97,15 +102,49 @@ def _delete_by_hand(backend: str, ns: str, flavour: str) -> None:
     subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True)
 
 
-def run_daemon(backend: str, manifests: Path, root: Path, window: float, sync_period: str,
+def api_cluster(directory: Path, services: int, endpoints: int) -> Path:
+    """A kube-apiserver in `directory` holding the cluster (brought up and written if need be);
+    returns its admin kubeconfig."""
+    from kube_proxy import KUBE, cluster_objects, sh
+
+    kubeconfig = directory / "admin.kubeconfig"
+    if not _api_up(directory):
+        sh(str(KUBE), "up", "--dir", str(directory), "--service-cidr", "172.16.0.0/12")
+    kubectl = sh(str(KUBE), "path", "kubectl").strip()
+    objects = cluster_objects(services, endpoints)
+    wanted = {(o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects if o["kind"] == "Service"}
+    listed = sh(kubectl, "--kubeconfig", str(kubeconfig), "get", "services", "-A", "--no-headers")
+    held = {tuple(line.split()[:2]) for line in listed.splitlines() if line.strip()}
+    if not wanted <= held:
+        started = time.monotonic()
+        for i in range(0, len(objects), 2000):
+            doc = {"apiVersion": "v1", "kind": "List", "items": objects[i:i + 2000]}
+            sh(kubectl, "--kubeconfig", str(kubeconfig), "apply", "--server-side", "--force-conflicts",
+               "-f", "-", stdin=json.dumps(doc))
+        print(f"cluster {services} x {endpoints} written in {time.monotonic() - started:.0f}s",
+              file=sys.stderr, flush=True)
+    return kubeconfig
+
+
+def _api_up(directory: Path) -> bool:
+    port = directory / "kube-apiserver.port"
+    if not port.exists():
+        return False
+    probe = subprocess.run(["curl", "-sk", "--max-time", "5",
+                            f"https://127.0.0.1:{port.read_text().strip()}/readyz"],
+                           capture_output=True, text=True)
+    return probe.returncode == 0 and probe.stdout.strip() == "ok"
+
+
+def run_daemon(backend: str, source: list[str], root: Path, window: float, sync_period: str,
                flavour: str, settle: float) -> dict[str, float]:
     with netns.throwaway("nfp-idle") as ns:
         cmd = [
-            sys.executable, "-m", "nfproxy", "--proxy-mode", MODES[backend], "--manifests", str(manifests),
+            sys.executable, "-m", "nfproxy", "--proxy-mode", MODES[backend], *source,
             "--netns", ns, "--node-name", NODE.name, "--healthz-bind-address", "", "--metrics-bind-address", "",
             "--sync-period", sync_period, "--conntrack-max-per-core", "0",
             "--conntrack-tcp-timeout-established", "0", "--conntrack-tcp-timeout-close-wait", "0",
-            "--max-manifest-bytes", "64Mi", "--v=2",
+            "--v=2",
         ]
         if backend == "iptables":
             cmd += ["--iptables-flavour", flavour]
@@ -158,9 +197,10 @@ def run_daemon(backend: str, manifests: Path, root: Path, window: float, sync_pe
     }
 
 
-def table(results: dict[str, dict[str, float]], services: int, endpoints: int, sync_period: str) -> str:
+def table(results: dict[str, dict[str, float]], services: int, endpoints: int, sync_period: str,
+          source: str) -> str:
     head = (
-        f"Idle daemon at {services} x {endpoints}, --sync-period {sync_period}; targets: CPU <= "
+        f"Idle daemon at {services} x {endpoints}, {source} source, --sync-period {sync_period}; targets: CPU <= "
         f"{CPU_TARGET:.1%} of a core, steady RSS <= {STEADY_TARGET_MIB} MiB (nft), no full sync in the window\n\n"
         "| backend | cold start s | window s | CPU s | share of a core | steady RSS MiB | max RSS MiB "
         "| full syncs in window | external flush repaired after s |\n"
@@ -184,18 +224,27 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the first sync before the window")
     parser.add_argument("--sync-period", default="30s", help="the daemon's periodic sync (kube-proxy: 30s)")
     parser.add_argument("--iptables-flavour", default="legacy", help="as the daemon's flag (kube-proxy: legacy)")
+    parser.add_argument("--source", choices=("manifests", "api"), default="manifests",
+                        help="where the daemon reads the cluster: manifest files, or the real kube-apiserver")
+    parser.add_argument("--kube-dir", type=Path, default=Path("/tmp/nfproxy-kube-idle"),
+                        help="--source api: the scripts/kube directory (reused when up and holding the cluster)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/idle.py needs root (network namespaces)")
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="nfp-idle-") as tmp:
-        write_manifests(args.services, args.endpoints, Path(tmp))
+        if args.source == "api":
+            source = ["--kubeconfig", str(api_cluster(args.kube_dir, args.services, args.endpoints))]
+        else:
+            write_manifests(args.services, args.endpoints, Path(tmp))
+            source = ["--manifests", tmp, "--max-manifest-bytes", "64Mi"]
         for backend in args.backends.split(","):
-            results[backend] = run_daemon(backend, Path(tmp), args.root.resolve(), args.window,
+            results[backend] = run_daemon(backend, source, args.root.resolve(), args.window,
                                           args.sync_period, args.iptables_flavour, args.settle)
             print(f"{backend}: {results[backend]}", file=sys.stderr, flush=True)
-    print(json.dumps(results) if args.json else table(results, args.services, args.endpoints, args.sync_period))
+    print(json.dumps(results) if args.json else
+          table(results, args.services, args.endpoints, args.sync_period, args.source))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.core.model import NodeConfig
 from nfproxy.sources.files import ManifestSource
-from nfproxy.sources.kube import ENDPOINT_SLICES, NODES, SERVICES, ObjectCache
+from nfproxy.sources.kube import ENDPOINT_SLICES, NODES, SERVICES, TRIGGER_TIME, ObjectCache
 from nfproxy.testing import uniform_cluster
 from tests.apiserver import endpoint_slice, node, service
 from tests.test_proxier_memory import resolved
@@ -154,10 +154,17 @@ def test_api_cache_reports_only_the_group_an_event_touched() -> None:
     assert {key[0].name for key in touched.keys} == {"s1"}
     changes = verify(first.state, second.state, touched.keys)
     assert not changes.services and {k[0].name for k in changes.endpoints} == {"s1"}
-    # A new object that reads the same (an annotation, a resourceVersion): touched, not changed.
+    # A new object that reads the same (an annotation, a resourceVersion): the cache keeps
+    # objects as parsed, so nothing changed and nothing is touched.
     relabelled = copy.deepcopy(changed)
     relabelled["metadata"]["annotations"] = {"note": "x"}
-    cache.apply(ENDPOINT_SLICES, "MODIFIED", relabelled)
+    assert not cache.apply(ENDPOINT_SLICES, "MODIFIED", relabelled)
+    same, touched = cache.snapshot_changes()
+    assert same is second and touched.keys == frozenset()
+    # A new trigger time (metrics read it, rules do not): touched, not changed.
+    retriggered = copy.deepcopy(changed)
+    retriggered["metadata"]["annotations"] = {TRIGGER_TIME: "2026-12-07T05:00:00Z"}
+    assert cache.apply(ENDPOINT_SLICES, "MODIFIED", retriggered)
     third, touched = cache.snapshot_changes()
     assert third.state is not second.state and touched.keys
     assert verify(second.state, third.state, touched.keys) is NO_CHANGES

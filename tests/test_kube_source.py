@@ -1013,8 +1013,11 @@ def test_the_cache_keeps_no_managed_fields():
     watched = service("b", "10.96.0.2")
     watched["metadata"]["managedFields"] = managed
     assert cache.apply(SERVICES, "ADDED", watched)
+    # Services and slices are kept as parsed (docs/design.md, "The API source's memory"): no
+    # JSON at all, managedFields or other.
     stored = cache._objects.values()
-    assert len(stored) == 2 and all("managedFields" not in o["metadata"] for o in stored)
+    assert len(stored) == 2 and all(type(o) is kube._Record for o in stored)
+    assert not any(isinstance(e, dict) for o in stored for e in o.entries)
     assert listed["metadata"]["managedFields"] == managed, "the caller's object is not changed"
     assert set(cache.snapshot().state.services) == {spn("default", "a"), spn("default", "b")}
     # Only managedFields differ: no change.

@@ -19,14 +19,17 @@ client-go's informers do for kube-proxy:
 While the API server is unreachable the copy stays as it was: the rules in the kernel keep
 serving the last known state, which is what kube-proxy does too.
 
-Objects are kept as the plain JSON dicts the server sent (read with `_preload_content=False`,
-never through the client's models, which drop fields they do not know and cost more than the
-parse itself) and turned into a `ClusterState` by `manifests.load_objects`, the same validation
-the manifest files get. Snapshot cost matters at 10 000 services, so parsing is cached per
-*service group* (a Service with the EndpointSlices labelled for it): an event re-parses only its
-group. That decomposition is exact because slices only ever merge into their own service. The
-merged state is patched per re-parsed group, and the keys of those groups (before and after)
-are what `snapshot_changes` reports as touched: the proxier checks them and no others, as
+Responses are read as JSON (`_preload_content=False`), never through the client's models,
+which drop fields they do not know and cost more than the parse itself. A Service or an
+EndpointSlice is parsed as it arrives (`manifests.parse_objects`, the same validation the
+manifest files get) and only that parse is kept (`_Record`), not the decoded JSON: at 10 000
+services x 10 endpoints the dicts were ~170 MiB of the daemon's RSS, and their parse shares its
+endpoints with the state anyway (docs/design.md, "The API source's memory"). Snapshot cost
+matters at 10 000 services, so the state is assembled per *service group* (a Service with the
+EndpointSlices labelled for it, `manifests.assemble`): an event re-assembles only its group.
+That decomposition is exact because slices only ever merge into their own service. The merged
+state is patched per re-assembled group, and the keys of those groups (before and after) are
+what `snapshot_changes` reports as touched: the proxier checks them and no others, as
 kube-proxy's change trackers record the services and slices an event touched.
 
 Only the proxy's own Node is watched (field selector `metadata.name=<node>`). Heartbeats change
@@ -46,11 +49,12 @@ import json
 import logging
 import os
 import random
+import re
 import socket
 import datetime
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -71,7 +75,15 @@ from nfproxy.core.model import (
     ServicePort,
     ServicePortKey,
 )
-from nfproxy.sources.manifests import SERVICE_NAME_LABEL, LoadResult, ObjectError, load_objects
+from nfproxy.sources.manifests import (
+    SERVICE_NAME_LABEL,
+    Entry,
+    LoadResult,
+    ObjectError,
+    assemble,
+    load_objects,
+    parse_objects,
+)
 from nfproxy.sources.validation import show
 
 log = logging.getLogger(__name__)
@@ -208,21 +220,43 @@ def _group_of(key: ObjectKey, obj: dict[str, Any]) -> GroupKey:
 TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 
 
-def _trigger_times(objects: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """The newest trigger time per addressType among EndpointSlices; bad or absent ones skipped."""
+def _trigger_time(obj: dict[str, Any]) -> tuple[str, float] | None:
+    """An EndpointSlice's (addressType, last-change-trigger-time); None if bad or absent."""
+    annotations = _meta(obj).get("annotations")
+    text = annotations.get(TRIGGER_TIME) if isinstance(annotations, dict) else None
+    family = obj.get("addressType")
+    if not isinstance(text, str) or family not in ("IPv4", "IPv6"):
+        return None
+    try:
+        return family, datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def _trigger_times(records: Iterable[_Record]) -> dict[str, float]:
+    """The newest trigger time per addressType among a group's EndpointSlices."""
     newest: dict[str, float] = {}
-    for obj in objects:
-        annotations = _meta(obj).get("annotations")
-        text = annotations.get(TRIGGER_TIME) if isinstance(annotations, dict) else None
-        family = obj.get("addressType")
-        if not isinstance(text, str) or family not in ("IPv4", "IPv6"):
-            continue
-        try:
-            when = datetime.datetime.fromisoformat(text).timestamp()
-        except ValueError:
-            continue
-        newest[family] = max(when, newest.get(family, when))
+    for record in records:
+        if record.trigger is not None:
+            family, when = record.trigger
+            newest[family] = max(when, newest.get(family, when))
     return newest
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """What the cache keeps of a Service or an EndpointSlice: its group, its parse (problems
+    included) and a slice's trigger time. Equal records mean no change the proxy can see, so a
+    status or resourceVersion-only update is not one."""
+
+    group: GroupKey
+    entries: tuple[Entry, ...]
+    trigger: tuple[str, float] | None = None
+
+
+def _record(kind: _Kind, key: ObjectKey, obj: dict[str, Any]) -> _Record:
+    trigger = _trigger_time(obj) if kind is ENDPOINT_SLICES else None
+    return _Record(_group_of(key, obj), parse_objects((obj,)), trigger)
 
 
 def _node_facts(obj: dict[str, Any] | None) -> object:
@@ -261,15 +295,15 @@ def _stored(obj: dict[str, Any]) -> dict[str, Any]:
 class ObjectCache:
     """The objects the reflectors have seen, and the parsed state cached per service group.
 
-    Written by the reflector threads, read by `snapshot()` on the sync loop's thread. Stored
-    dicts are never mutated, so a snapshot can parse them outside the lock.
+    Written by the reflector threads, read by `snapshot()` on the sync loop's thread. Records
+    are immutable, so a snapshot can assemble them outside the lock.
     """
 
     def __init__(self, node: NodeConfig) -> None:
         self._node_config = node
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
-        self._objects: dict[ObjectKey, dict[str, Any]] = {}
+        self._objects: dict[ObjectKey, _Record] = {}
         self._groups: dict[GroupKey, set[ObjectKey]] = {}
         self._group_of: dict[ObjectKey, GroupKey] = {}
         self._dirty: set[GroupKey] = set()
@@ -280,7 +314,8 @@ class ObjectCache:
         self._no_pod_cidr_said = False
         self._cidrs: dict[str, dict[str, Any]] = {}  # ServiceCIDRs by name
         self._cidrs_dirty = False
-        self._parsed: dict[GroupKey, LoadResult] = {}
+        # The service-port keys each group's last assembly gave (its endpoints' are among them).
+        self._parsed: dict[GroupKey, tuple[ServicePortKey, ...]] = {}
         # The merged state of every parsed group (patched per re-parsed group), and the errors
         # of the groups that have some.
         self._services: dict[ServicePortKey, ServicePort] = {}
@@ -298,13 +333,22 @@ class ObjectCache:
 
     def replace(self, kind: _Kind, objects: Iterable[dict[str, Any]]) -> bool:
         """A fresh list of every object of `kind`; True when anything differs from before."""
-        fresh: dict[ObjectKey, dict[str, Any]] = {}
+        fresh: dict[ObjectKey, Any] = {}
         for obj in objects:
-            key = _object_key(kind, obj)
-            if key is None:
-                log.warning("%s without a name in a list response: ignored", kind.kind)
-                continue
-            fresh[key] = _stored(obj)
+            self.prepare(kind, obj, fresh)
+        return self.install(kind, fresh)
+
+    def prepare(self, kind: _Kind, obj: dict[str, Any], into: dict[ObjectKey, Any]) -> None:
+        """One listed object as the cache keeps it, into `into` (for `install`); parsed here,
+        outside the lock, as the list is read."""
+        key = _object_key(kind, obj)
+        if key is None:
+            log.warning("%s without a name in a list response: ignored", kind.kind)
+            return
+        into[key] = _stored(obj) if kind is NODES or kind is SERVICE_CIDRS else _record(kind, key, obj)
+
+    def install(self, kind: _Kind, fresh: dict[ObjectKey, Any]) -> bool:
+        """`prepare`d objects as every object of `kind`; True when anything differs."""
         with self._lock:
             if kind is NODES:
                 return self._set_node(next(iter(fresh.values()), None))
@@ -326,6 +370,9 @@ class ObjectCache:
         if key is None:
             raise _StreamError(f"{event} event for a {kind.kind} without a name")
         obj = _stored(obj)
+        record = None
+        if kind is not NODES and kind is not SERVICE_CIDRS and event != "DELETED":
+            record = _record(kind, key, obj)
         with self._lock:
             if kind is NODES:
                 return self._set_node(None if event == "DELETED" else obj)
@@ -341,9 +388,10 @@ class ObjectCache:
                     return False
                 self._remove(key)
                 return True
-            if self._objects.get(key) == obj:
+            assert record is not None
+            if self._objects.get(key) == record:
                 return False
-            self._put(key, obj)
+            self._put(key, record)
             return True
 
     def _set_node(self, obj: dict[str, Any] | None) -> bool:
@@ -377,11 +425,11 @@ class ObjectCache:
         self._cidrs_dirty = self._cidrs_dirty or changed
         return changed
 
-    def _put(self, key: ObjectKey, obj: dict[str, Any]) -> None:
+    def _put(self, key: ObjectKey, record: _Record) -> None:
         if key in self._objects:
             self._remove(key)
-        group = _group_of(key, obj)
-        self._objects[key] = obj
+        group = record.group
+        self._objects[key] = record
         self._group_of[key] = group
         self._groups.setdefault(group, set()).add(key)
         self._dirty.add(group)
@@ -459,21 +507,17 @@ class ObjectCache:
             )
         self._no_pod_cidr_said = missing
 
-    def _reparse(self, group: GroupKey, objects: list[dict[str, Any]]) -> None:
-        """One group's objects parsed again; its old keys leave the merged state, its new ones
-        enter, and all of them count as touched."""
-        before = self._parsed.pop(group, None)
-        if before is not None:
-            for key in before.state.services:
-                self._services.pop(key, None)
-                self._touched.add(key)
-            for key in before.state.endpoints:
-                self._endpoints.pop(key, None)
-                self._touched.add(key)
+    def _reparse(self, group: GroupKey, records: list[_Record]) -> None:
+        """One group's records assembled again; its old keys leave the merged state, its new
+        ones enter, and all of them count as touched."""
+        for key in self._parsed.pop(group, ()):
+            self._services.pop(key, None)
+            self._endpoints.pop(key, None)
+            self._touched.add(key)
         self._errors.pop(group, None)
-        if objects:
-            parsed = load_objects(objects, self._node_config)
-            self._parsed[group] = parsed
+        if records:
+            parsed = assemble((e for record in records for e in record.entries), self._node_config)
+            self._parsed[group] = tuple(parsed.state.services)
             self._services.update(parsed.state.services)
             self._endpoints.update(parsed.state.endpoints)
             self._touched.update(parsed.state.services)
@@ -484,7 +528,7 @@ class ObjectCache:
             for err in parsed.errors:
                 log.warning("skipped: %s", err)
         if group[0] == "service":
-            self._triggers[group[1:]] = _trigger_times(objects)
+            self._triggers[group[1:]] = _trigger_times(records)
 
     def trigger_times(self, namespace: str, service: str) -> dict[str, float]:
         """{"IPv4"|"IPv6": epoch seconds} from the service's EndpointSlices in the last snapshot."""
@@ -510,6 +554,71 @@ class ObjectCache:
 
 # --------------------------------------------------------------------------------------------
 # One list+watch loop per kind
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+_ITEM = "items[]"
+
+
+def _members(text: str) -> Iterator[tuple[str, Any]]:
+    """A JSON object's members as (key, value) in order, except that each entry of an `items`
+    array comes as (`_ITEM`, entry) the moment it is decoded. Every key and value is decoded by
+    `json`; only the object's and the array's own punctuation is read here.
+
+    Why not `json.loads`: a list of 10 000 EndpointSlices decodes to ~100 MB of dicts held at
+    once; the records made of them are a fraction of that, but land among the freed dicts, and
+    CPython returns an arena to the system only when every object in it is gone. Decoding one
+    item at a time lets each item's dicts reuse the last one's memory (docs/design.md, "The API
+    source's memory"). Raises ValueError on anything but one JSON object.
+    """
+    pos = _open(text, _SPACE.match(text).end(), "{")  # type: ignore[union-attr]
+    if text.startswith("}", pos):
+        return _end(text, pos + 1)
+    while True:
+        key, pos = _DECODER.raw_decode(text, pos)
+        if not isinstance(key, str):
+            raise ValueError(f"a key that is no string at {pos}")
+        pos = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+        pos = _open(text, pos, ":")
+        if key == "items" and text.startswith("[", pos):
+            pos = _open(text, pos, "[")
+            more = not text.startswith("]", pos)
+            pos = pos if more else pos + 1
+            while more:
+                item, pos = _DECODER.raw_decode(text, pos)
+                yield _ITEM, item
+                del item
+                pos, more = _next(text, pos, "]")
+        else:
+            value, pos = _DECODER.raw_decode(text, pos)
+            yield key, value
+            del value
+        pos, more = _next(text, pos, "}")
+        if not more:
+            return _end(text, pos)
+
+
+def _open(text: str, pos: int, char: str) -> int:
+    """Past `char` at `pos` and the white space after it."""
+    if not text.startswith(char, pos):
+        raise ValueError(f"expected {char!r} at {pos}")
+    return _SPACE.match(text, pos + 1).end()  # type: ignore[union-attr]
+
+
+def _next(text: str, pos: int, close: str) -> tuple[int, bool]:
+    """Past the `,` (True: another member follows) or the `close` (False) after a value."""
+    pos = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+    if text.startswith(",", pos):
+        return _SPACE.match(text, pos + 1).end(), True  # type: ignore[union-attr]
+    if text.startswith(close, pos):
+        return pos + 1, False
+    raise ValueError(f"expected ',' or {close!r} at {pos}")
+
+
+def _end(text: str, pos: int) -> None:
+    if _SPACE.match(text, pos).end() != len(text):  # type: ignore[union-attr]
+        raise ValueError(f"extra data at {pos}")
 
 
 class _Reflector:
@@ -656,21 +765,13 @@ class _Reflector:
         With resourceVersion "0" the API server answers from its watch cache and ignores
         `limit`: one page, however many objects. client-go sends the limit anyway (it matters
         when the watch cache is off), and so do we."""
-        items: list[Any] = []
+        fresh: dict[ObjectKey, Any] = {}
         version: str | None = None
         token: str | None = None
         while True:
-            response = self._list_page(token)
-            try:
-                body = json.loads(response.data)
-            finally:
-                response.release_conn()
-            if not isinstance(body, dict) or not isinstance(body.get("items", []), list):
-                raise _StreamError(f"{self.kind.plural} list response is not a list")
-            meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+            meta = self._read_page(token, fresh)
             if version is None:
                 version = meta.get("resourceVersion")
-            items.extend(body.get("items") or [])
             token = meta.get("continue") or None
             if token is None:
                 break
@@ -678,20 +779,14 @@ class _Reflector:
             raise _StreamError(f"{self.kind.plural} list response has no resourceVersion")
         if self._stopping.is_set():
             raise _Stopped()
-        # List items carry neither kind nor apiVersion; watch events do. Set both the same way.
-        objects = [
-            {**item, "kind": self.kind.kind, "apiVersion": self.kind.api_version}
-            for item in items
-            if isinstance(item, dict)
-        ]
-        self._guard_empty_relist(objects)
-        changed = self._cache.replace(self.kind, objects)
+        self._guard_empty_relist(fresh)
+        changed = self._cache.install(self.kind, fresh)
         self.lists += 1
         first = not self.synced.is_set()
         if self._absent is not None:
             log.info("%s are served now", self.kind.resource)
             self._absent = None
-        log.info("listed %d %s at resourceVersion %s", len(objects), self.kind.plural, version)
+        log.info("listed %d %s at resourceVersion %s", len(fresh), self.kind.plural, version)
         # Notify before saying synced: whoever waits for readiness then never sees this list's
         # notice arrive after it (a sync loop woken early just finds the source not ready yet).
         if changed or first:
@@ -699,7 +794,35 @@ class _Reflector:
         self.synced.set()
         return version
 
-    def _guard_empty_relist(self, objects: list[dict[str, Any]]) -> None:
+    def _read_page(self, token: str | None, fresh: dict[ObjectKey, Any]) -> dict[str, Any]:
+        """One page's items into `fresh`, each parsed as soon as it is decoded (`_members`);
+        returns the page's list metadata."""
+        response = self._list_page(token)
+        try:
+            text = response.data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _StreamError(f"{self.kind.plural} list response is not UTF-8") from None
+        finally:
+            response.release_conn()
+        del response
+        meta: dict[str, Any] = {}
+        try:
+            for key, value in _members(text):
+                if key == _ITEM:
+                    if isinstance(value, dict):
+                        # List items carry neither kind nor apiVersion; watch events do.
+                        typed = {**value, "kind": self.kind.kind, "apiVersion": self.kind.api_version}
+                        del value
+                        self._cache.prepare(self.kind, typed, fresh)
+                elif key == "metadata" and isinstance(value, dict):
+                    meta = value
+                elif key == "items" and value is not None:
+                    raise _StreamError(f"{self.kind.plural} list response is not a list")
+        except ValueError as exc:
+            raise _StreamError(f"{self.kind.plural} list response is not JSON ({exc})") from None
+        return meta
+
+    def _guard_empty_relist(self, objects: dict[ObjectKey, Any]) -> None:
         """Raise _EmptyRelistHeld (a failed list: retried with backoff, the copy kept) until an
         empty relist of a kind we hold has stayed empty for `empty_grace`."""
         held = self._cache.counts()[self.kind.kind]

@@ -301,6 +301,19 @@ def load_objects(objects: Iterable[Any], node: NodeConfig | None = None) -> Load
     return _assemble(_parse(_Document(obj) for obj in objects), node)
 
 
+def parse_objects(objects: Iterable[Any]) -> tuple[Entry, ...]:
+    """Each object parsed on its own, its problems first: the half of `load_objects` that needs
+    no other object. The API source keeps this per object instead of the decoded JSON, and
+    joins a service's with `assemble` (docs/design.md, "The API source's memory")."""
+    return tuple(_parse(_Document(obj) for obj in objects))
+
+
+def assemble(entries: Iterable[Entry], node: NodeConfig | None = None) -> LoadResult:
+    """The state of parsed objects: `load_objects(objs, node)` is
+    `assemble(parse_objects(objs), node)`."""
+    return _assemble(entries, node)
+
+
 @dataclass(frozen=True, slots=True)
 class Listing:
     """The manifest files below a root, and the directories that could not be listed, with why:
@@ -1223,6 +1236,10 @@ class _Parsed:
     identity: Any
     value: Any
     source: str
+
+
+Entry = _Parsed | ObjectError
+"""One object's parse (`_Parsed`) or one of its problems: what `parse_objects` returns."""
 
 
 def _parse(documents: Iterable[_Document]) -> Iterator[_Parsed | ObjectError]:
