@@ -242,11 +242,13 @@ def test_iptables_loads_every_keyword_mix_with_one_destination_per_rule() -> Non
 
 def test_prefer_same_traffic_distribution_is_ga_and_locked_as_upstream(caplog: pytest.LogCaptureFixture) -> None:
     log = logging.getLogger("test.gates.ga")
-    with caplog.at_level(logging.WARNING, logger="test.gates.ga"):
+    with caplog.at_level(logging.INFO, logger="test.gates.ga"):
         assert parse_feature_gates("PreferSameTrafficDistribution=true", log) == {"PreferSameTrafficDistribution": True}
     (record,) = caplog.records
-    assert record.getMessage() == (
-        "Warning: setting GA feature gate PreferSameTrafficDistribution=true. It will be removed in a future release.")
+    # kube-proxy's line, word for word (component-base's featuregate, at info).
+    assert record.levelno == logging.INFO and record.getMessage() == (
+        'Warning: setting GA feature gate. It will be removed in a future release. '
+        'featureGate="PreferSameTrafficDistribution" value=true')  # klog quotes the message
     with pytest.raises(FlagError, match="cannot set feature gate PreferSameTrafficDistribution to false, "
                                         "feature is locked to true"):
         parse_feature_gates("PreferSameTrafficDistribution=false", log)

@@ -15,6 +15,7 @@ import re
 
 from nfproxy.cli.flag_types import display
 from nfproxy.core.flags import FlagError
+from nfproxy.daemon import logs
 
 LOCALHOST_NODEPORTS = "KubeProxyNFTablesLocalhostNodePorts"
 
@@ -90,9 +91,9 @@ def parse_feature_gates(text: str, log: logging.Logger, mode: str = "nftables") 
     mode given does not read it."""
     parsed = gates(text)
     for name, on in parsed.items():
-        if name in LOCKED:
-            log.warning("Warning: setting GA feature gate %s=%s. It will be removed in a future release.",
-                        name, str(on).lower())
+        if name in LOCKED:  # kube-proxy's own line (component-base featuregate), at info
+            logs.info(log, "Warning: setting GA feature gate. It will be removed in a future release.",
+                      featureGate=name, value=on)
         elif name == LOCALHOST_NODEPORTS:
             if mode not in ("nft", "nftables"):
                 log.warning("feature gate %s=%s: no effect in %s mode (nftables mode only)",
