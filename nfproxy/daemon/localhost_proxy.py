@@ -122,6 +122,7 @@ class LocalhostProxy:
         self._rng = rng or random.Random()
         self._clock = clock
         self._active: dict[tuple[IPFamily, int], _Listener] = {}
+        self._owed = False
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="localhost-nodeports", daemon=True)
@@ -154,6 +155,12 @@ class LocalhostProxy:
         asyncio.run_coroutine_threadsafe(self._sync(specs), self._loop).result()
 
     @property
+    def owed(self) -> bool:
+        """A node port of the last sync could not be bound: sync again, also when the rules
+        did not change (upstream retries at every sync)."""
+        return self._owed
+
+    @property
     def ports(self) -> dict[IPFamily, tuple[int, ...]]:
         """The node ports listened on now, per family."""
         out: dict[IPFamily, list[int]] = {}
@@ -174,6 +181,7 @@ class LocalhostProxy:
 
     async def _sync(self, specs: tuple[NodePortSpec, ...]) -> None:
         wanted = {(s.family, s.node_port): s for s in specs if s.endpoints}
+        self._owed = False
         for key in [k for k in self._active if k not in wanted]:
             listener = self._active.pop(key)
             logs.info(log, "Removing localhost nodeport proxy", level=2, port=key[1], ipFamily=_label(key[0]))
@@ -189,6 +197,7 @@ class LocalhostProxy:
                 logs.error(log, "Failed to create localhost nodeport proxy", exc, protocol="TCP",
                            port=spec.node_port, ipFamily=_label(spec.family))
                 self._on_failure(spec.family)
+                self._owed = True
                 continue
             logs.info(log, "Created localhost nodeport proxy", level=4, protocol="TCP", port=spec.node_port,
                       endpoints=len(spec.endpoints), ipFamily=_label(spec.family))

@@ -203,6 +203,8 @@ class Daemon:
         # Every family is up to date now, also one that had nothing to write.
         for family in result.families or getattr(self.proxier.backend, "families", tuple(IPFamily)):
             self.metrics.synced_at(family=family)
+        if self.localhost_proxy is not None and result.kind == "noop" and self.localhost_proxy.owed:
+            self.localhost_proxy.sync(localhost_node_ports(state))  # a node port not bound yet
         if result.kind == "noop":
             if self.config.conntrack and self._conntrack_unreconciled:
                 self._clean_conntrack(previous, state, ())  # a failed cleanup to make good
