@@ -518,6 +518,12 @@ _JUMPS = (
     (CLUSTER_IPS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
 )
 
+# Base chains whose several `ct state new` checks run from one sub-chain, behind one test: every
+# packet of a connection walks the base chain, and only its first needs the checks, so the rest
+# walk one rule instead of one per check (docs/nft-layouts.md, "Where a first connection's time
+# goes"). Output keeps its rules inline: its checks sit on either side of the node's own DNAT.
+NEW_CONNECTION_CHAINS = {"filter-input": "input-new", "filter-forward": "forward-new"}
+
 _NO_ENDPOINT_VERDICT = {NoEndpoints.REJECT: f"goto {REJECT_CHAIN}", NoEndpoints.DROP: "drop"}
 
 
@@ -620,7 +626,14 @@ def _static(
         f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN_SET} jump {MARK_MASQ_CHAIN}"
     )
     for target, base, gate in _JUMPS:
-        chains[base].append(f"{gate}jump {target}")
+        sub = NEW_CONNECTION_CHAINS.get(base) if gate else None
+        if sub is None:
+            chains[base].append(f"{gate}jump {target}")
+            continue
+        if sub not in chains:
+            chains[sub] = []
+            chains[base].append(f"{gate}jump {sub}")
+        chains[sub].append(f"jump {target}")
     chains[MARK_MASQ_CHAIN].append(f"meta mark set meta mark or {ctx.mark}")
     chains[MASQUERADING_CHAIN] += [
         f"meta mark and {ctx.mark} == 0 return",
