@@ -14,7 +14,17 @@ runs. The sandbox's namespaces now reuse those ports (tcp_tw_reuse, verify/sandb
 - `--compare weights` (default): the cluster unweighted, with 1:2:7 cycled over each service's
   endpoints, and with nine of weight 1 and one of weight 2 (weighted rules, traffic nearly even);
 - `--compare lanes`: the lane before 2026-12-03 (67 026 960, 64 per map) against today's, for the
-  cluster unweighted and with 1:2:7 (render.LANE/LANES_PER_MAP set for this process only).
+  cluster unweighted and with 1:2:7 (render.LANE/LANES_PER_MAP set for this process only);
+- `--compare kube-proxy --kube-proxy-dumps DIR` (issue S): the real kube-proxy's rules for the
+  same cluster (bench/kube_rules.py dumps them: `nft list table` in nftables mode,
+  `iptables-legacy-save` in iptables mode) loaded by `nft -f` / `iptables-legacy-restore` in
+  turns with nfproxy's own (a full sync; iptables with the legacy flavour, as kube-proxy's
+  dump). The node's config is the cluster's: service CIDR 172.16.0.0/12 and the API server's
+  `default/kubernetes` (172.16.0.1:443, no endpoints) in nfproxy's state too. In iptables mode
+  KUBE-SERVICES is a linear list whose order differs (kube-proxy's follows Go map iteration),
+  so each proxy is probed at the service whose jump is the middle one of its own KUBE-SERVICES
+  (the same position, the mean cost of a walk); nft states probe the middle service of the
+  cluster, the same for both proxies.
 
 Per state: the median of the rounds' medians, their spread, and per endpoint the median and the
 number of connections (the weights' split, seen from the client).
@@ -27,13 +37,21 @@ lookups, numgen, the NAT expression), times 50 µs, divided by the connections, 
 CPU per connection, and their share of the busy samples holds when the cores' speed drifts (the
 same state read 10.7-17.5 µs and 1.92-2.26 % in eight probes). Needs `perf` (Debian: linux-perf).
 
+With `--kernel-cpu` the functions under the rules are printed too (`--breakdown N`: the N with
+the most samples per state, inclusive, in ns per connection).
+
     sudo .venv/bin/python bench/first_connections.py [--compare weights|lanes] [--rounds 10] [--connections 300] [--kernel-cpu]
+    sudo .venv/bin/python bench/first_connections.py --compare kube-proxy --kube-proxy-dumps DIR --services 10000 \
+        [--modes nftables,iptables] --kernel-cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
+import os
 import shutil
 import signal
 import statistics
@@ -47,19 +65,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from nfproxy.backends import registry as backend_registry  # noqa: E402
 from nfproxy.backends.nft import render  # noqa: E402
-from nfproxy.core.model import ClusterState  # noqa: E402
+from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePort, ServicePortName, ServiceType  # noqa: E402
 from nfproxy.daemon.proxier import Proxier  # noqa: E402
+from nfproxy.kernel import netns as netns_mod  # noqa: E402
+from nfproxy.kernel.iptables import Flavour  # noqa: E402
+from nfproxy.kernel.nfacct import Nfacct  # noqa: E402
 from nfproxy.testing import uniform_cluster  # noqa: E402
 from nfproxy.verify.sandbox import Sandbox, SandboxSpec  # noqa: E402
 
+from kube_rules import SERVICE_CIDR, dump_name  # noqa: E402
 from sync import weighted  # noqa: E402
 
 MED = statistics.median
 TODAY = (render.LANE, render.LANES_PER_MAP)
+NEW_CONNECTION_CHAINS = render.NEW_CONNECTION_CHAINS
 BEFORE = (67_026_960, 64)
 SAMPLE_HZ = 20_000
 IDLE = ("pv_native_safe_halt", "default_idle", "cpuidle_enter", "do_idle")
+# Where the rules run: nf_tables' chain walk, and legacy x_tables' (iptables-legacy).
+RULES = ("nft_do_chain", "ipt_do_table")
 
 
 def settle(quiet: float = 0.2, limit: float = 15.0) -> float:
@@ -83,92 +109,200 @@ def _cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def rules_cpu(sb: Sandbox, dst: str, port: int, connections: int) -> tuple[float, float]:
-    """The rules' CPU per connection (µs) and their share of the busy samples: perf's samples
-    of every CPU whose stack passes through nft_do_chain (a teardown worker's nft_* functions do
-    not). The share holds when the shared cores' speed drifts (both run slower alike)."""
+def rules_cpu(sb: Sandbox, dst: str, port: int, connections: int) -> tuple[float, float, collections.Counter[str]]:
+    """The rules' CPU per connection (µs), their share of this process's busy samples, and per
+    function the samples under the rules that pass through it: perf's samples of every CPU, kept
+    when they are this process's (the client and the servers are its threads, and the packets
+    cross the namespaces in their softirqs) and pass through nft_do_chain (or ipt_do_table for
+    iptables-legacy; a teardown worker's nft_* functions do not). Others' work on the machine
+    walks rules of its own: a sample of theirs is not ours. The share holds when the shared
+    cores' speed drifts (both run slower alike)."""
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/perf.data"
         rec = subprocess.Popen(["perf", "record", "-q", "-a", "-g", "-e", "cpu-clock", "-F", str(SAMPLE_HZ), "-o", data],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
+            time.sleep(1.0)  # perf's own start-up (seconds on a loaded machine) is not the connections'
             outcomes = sb.connect("pod", dst, port, "tcp", connections, parallel=16)
         finally:
             rec.send_signal(signal.SIGINT)
-            _, err = rec.communicate(timeout=60)
+            _, err = rec.communicate(timeout=120)
         if rec.returncode not in (0, -signal.SIGINT):
             raise SystemExit(f"perf record: exit {rec.returncode}: {err.strip()}")
         assert all(o.ok for o in outcomes), outcomes[:3]
-        script = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym"],
+        script = subprocess.run(["perf", "script", "-i", data, "-F", "pid,ip,sym"],
                                 capture_output=True, text=True, check=True).stdout
-    stacks = [st for st in script.split("\n\n") if st.strip()]
-    rules = sum(1 for st in stacks if "nft_do_chain" in st)
-    busy = sum(1 for st in stacks if not any(idle in st for idle in IDLE))
+    under: collections.Counter[str] = collections.Counter()
+    rules = busy = 0
+    me = str(os.getpid())
+    for st in script.split("\n\n"):
+        lines = st.strip().splitlines()
+        if not lines or lines[0].strip() != me:
+            continue  # another process's packets (other work on the machine walks its own rules)
+        frames = [ln.strip().split(None, 1)[-1] for ln in lines[1:]]
+        if not any(idle in frames for idle in IDLE):
+            busy += 1
+        walk = next((i for i, f in enumerate(frames) if f in RULES), None)
+        if walk is None:
+            continue
+        rules += 1
+        under.update(set(frames[: walk + 1]))
+        under[f"(self) {frames[0]}"] += 1
     if rules == 0:
-        raise SystemExit(f"perf saw no sample under nft_do_chain in {len(stacks)}: no kernel symbols (kptr_restrict?)")
-    return rules * 1e6 / SAMPLE_HZ / connections, rules / busy
+        raise SystemExit(f"perf saw no sample of this process under {'/'.join(RULES)}: no kernel symbols (kptr_restrict?)")
+    return rules * 1e6 / SAMPLE_HZ / connections, rules / busy, under
 
 
-def states(compare: str, plain: ClusterState) -> dict[str, tuple[ClusterState, tuple[int, int]]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """The service a state's connections go to."""
+
+    ip: str
+    port: int
+    endpoints: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """One state of the node: how to put its rules in the node namespace, and where to connect."""
+
+    install: Callable[[Sandbox], None]
+    target: Target
+    # States of one group share a sandbox; each group has its own, so that legacy x_tables
+    # tables, once made in a namespace (they stay until it goes), never sit under nft states.
+    group: str = "nft"
+
+
+def _in_node(sb: Sandbox, *cmd: str, stdin: str | None = None) -> None:
+    done = subprocess.run(["ip", "netns", "exec", sb.node_ns, *cmd], input=stdin, text=True, capture_output=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+
+def clear(sb: Sandbox) -> None:
+    """No rules at all in the node namespace: every nf_tables table and the legacy tables."""
+    _in_node(sb, "nft", "flush", "ruleset")
+    names = Path("/proc/thread-self/net/ip_tables_names")
+    with netns_mod.entered(sb.node_ns):  # the legacy tables this namespace has made, if any
+        tables = names.read_text().split() if names.exists() else []
+    for table in tables:
+        _in_node(sb, "iptables-legacy", "-t", table, "-F")
+        _in_node(sb, "iptables-legacy", "-t", table, "-X")
+
+
+def nfproxy_install(state: ClusterState, backend: str, lane: tuple[int, int] = TODAY,
+                    inline_checks: bool = False) -> Callable[[Sandbox], None]:
+    """`inline_checks`: the nft layout before 2026-12-07, each new-connection check its own
+    `ct state new` rule in filter-input and filter-forward (render.NEW_CONNECTION_CHAINS
+    emptied for this render only)."""
+    def install(sb: Sandbox) -> None:
+        clear(sb)
+        render.LANE, render.LANES_PER_MAP = lane
+        render.NEW_CONNECTION_CHAINS = {} if inline_checks else NEW_CONNECTION_CHAINS
+        flavour = Flavour.LEGACY if backend == "iptables" else None
+        try:
+            proxier = Proxier(backend, netns=sb.node_ns, families=(IPFamily.V4,), flavour=flavour)  # a restart
+            proxier.sync(state, full=True)
+            proxier.sync(state)  # what the first one left for cleanup
+        finally:
+            render.NEW_CONNECTION_CHAINS = NEW_CONNECTION_CHAINS
+    return install
+
+
+def dump_install(path: Path) -> Callable[[Sandbox], None]:
+    def install(sb: Sandbox) -> None:
+        clear(sb)
+        if path.suffix == ".nft":
+            _in_node(sb, "nft", "-f", str(path))
+        else:
+            Nfacct(sb.node_ns).ensure(render.INVALID_DROP_COUNTER)  # kube-proxy makes it before its restore
+            _in_node(sb, "iptables-legacy-restore", stdin=path.read_text())
+    return install
+
+
+def target_of(state: ClusterState, ip: str) -> Target:
+    key = next(k for k, sp in state.services.items() if sp.cluster_ip == ip)
+    return Target(ip, state.services[key].port, tuple(ep.ip for ep in state.endpoints[key]))
+
+
+def middle_jump(rules: str) -> str:
+    """The cluster IP whose KUBE-SERVICES jump is the middle one of that chain's service jumps."""
+    ips = [ln.split(" -d ", 1)[1].split(None, 1)[0].removesuffix("/32") for ln in rules.splitlines()
+           if ln.startswith("-A KUBE-SERVICES ") and " -d " in ln and "-j KUBE-SVC-" in ln]
+    return ips[len(ips) // 2]
+
+
+def kube_state(services: int) -> ClusterState:
+    """uniform_cluster as the API server holds it: the service CIDR and default/kubernetes too."""
+    plain = uniform_cluster(services, 10)
+    api = ServicePort(ServicePortName("default", "kubernetes", "https", Protocol.TCP), IPFamily.V4,
+                      ServiceType.CLUSTER_IP, "172.16.0.1", 443)
+    node = dataclasses.replace(plain.node, service_cidrs=(SERVICE_CIDR,))
+    return ClusterState(node=node, services={**plain.services, api.key: api}, endpoints=plain.endpoints)
+
+
+def kube_cases(services: int, dumps: Path, modes: list[str], before: bool = False) -> dict[str, Case]:
+    state = kube_state(services)
+    served = sorted((sp for k, sp in state.services.items() if k in state.endpoints),
+                    key=lambda sp: int(sp.name.name.split("-")[1]))
+    middle = target_of(state, served[len(served) // 2].cluster_ip)
+    cases: dict[str, Case] = {}
+    for mode in modes:
+        dump = dumps / dump_name(mode, services)
+        if not dump.exists():
+            raise SystemExit(f"{dump}: no such dump (bench/kube_rules.py writes it)")
+        if mode == "nftables":
+            cases["kube-proxy nftables"] = Case(dump_install(dump), middle)
+            cases["nfproxy nft"] = Case(nfproxy_install(state, "nft"), middle)
+            if before:
+                cases["nfproxy nft, checks inline (before)"] = Case(nfproxy_install(state, "nft", inline_checks=True), middle)
+        else:
+            ours = backend_registry.backend("iptables").render(state, IPFamily.V4)
+            cases["kube-proxy iptables"] = Case(dump_install(dump), target_of(state, middle_jump(dump.read_text())),
+                                                "iptables")
+            cases["nfproxy iptables"] = Case(nfproxy_install(state, "iptables"),
+                                             target_of(state, middle_jump(ours.text())), "iptables")
+    return cases
+
+
+def states(compare: str, plain: ClusterState) -> dict[str, Case]:
+    key = sorted(plain.services, key=lambda k: (k[0].namespace, k[0].name))[0]
+    target = target_of(plain, plain.services[key].cluster_ip)
     heavy = weighted(plain, [1, 2, 7])
     if compare == "lanes":
-        return {"unweighted, lane before": (plain, BEFORE), "unweighted, lane today": (plain, TODAY),
-                "1:2:7, lane before": (heavy, BEFORE), "1:2:7, lane today": (heavy, TODAY)}
-    return {"unweighted": (plain, TODAY), "1:2:7 cycled": (heavy, TODAY),
-            "nine of 1, one of 2": (weighted(plain, [1] * 9 + [2]), TODAY)}
+        named = {"unweighted, lane before": (plain, BEFORE), "unweighted, lane today": (plain, TODAY),
+                 "1:2:7, lane before": (heavy, BEFORE), "1:2:7, lane today": (heavy, TODAY)}
+    else:
+        named = {"unweighted": (plain, TODAY), "1:2:7 cycled": (heavy, TODAY),
+                 "nine of 1, one of 2": (weighted(plain, [1] * 9 + [2]), TODAY)}
+    return {name: Case(nfproxy_install(state, "nft", lane), target) for name, (state, lane) in named.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compare", choices=("weights", "lanes"), default="weights")
-    ap.add_argument("--services", type=int, default=10_000)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--connections", type=int, default=300)
-    ap.add_argument("--kernel-cpu", action="store_true", help="also the rules' CPU per connection, from perf samples")
-    ap.add_argument("--kernel-connections", type=int, default=4000)
-    args = ap.parse_args()
-    if args.kernel_cpu and shutil.which("perf") is None:
-        raise SystemExit("--kernel-cpu needs perf (Debian: apt install linux-perf)")
-    plain = uniform_cluster(args.services, 10)
-    cases = states(args.compare, plain)
-    key = sorted(plain.services, key=lambda k: (k[0].namespace, k[0].name))[0]
-    svc = plain.services[key]
-    spec = SandboxSpec.of(node_ips=["192.168.0.2"], clients={"pod": "10.244.5.5"},
-                          endpoints={ep.ip: [(8080, "tcp")] for ep in plain.endpoints[key]})
-    rounds: dict[str, list[float]] = {name: [] for name in cases}
-    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
-    per_endpoint: dict[str, dict[str, list[float]]] = {name: collections.defaultdict(list) for name in cases}
-    print(f"# first connections: {args.services} x 10, {args.compare}, {args.rounds} rounds of "
-          f"{args.connections}, one run", flush=True)
-    with Sandbox(spec) as sb:
-        for r in range(args.rounds):
-            order: Callable = (lambda x: x) if r % 2 == 0 else reversed  # type: ignore[assignment]
-            for name in order(list(cases)):
-                state, lane = cases[name]
-                render.LANE, render.LANES_PER_MAP = lane
-                proxier = Proxier("nft", netns=sb.node_ns)  # a restart: the lanes are laid out anew
-                proxier.sync(state, full=True)
-                proxier.sync(state)  # what the first one left for cleanup
-                settle()
-                sb.connect("pod", svc.cluster_ip, svc.port, "tcp", 10)  # warm up
-                outcomes = sb.connect("pod", svc.cluster_ip, svc.port, "tcp", args.connections, parallel=1)
-                assert all(o.ok for o in outcomes), outcomes[:3]
-                rounds[name].append(MED(o.seconds for o in outcomes) * 1e6)
-                for o in outcomes:
-                    per_endpoint[name][o.endpoint or "?"].append(o.seconds * 1e6)
-                if args.kernel_cpu:
-                    cpu[name].append(rules_cpu(sb, svc.cluster_ip, svc.port, args.kernel_connections))
-                print(f"round {r + 1} {name}: {rounds[name][-1]:.1f} µs"
-                      + (f", rules {cpu[name][-1][0]:.2f} µs CPU per connection, {cpu[name][-1][1]:.2%} of busy CPU"
-                         if args.kernel_cpu else ""), flush=True)
-    render.LANE, render.LANES_PER_MAP = TODAY
+def probe(sb: Sandbox, case: Case, args: argparse.Namespace) -> tuple[list, tuple[float, float, collections.Counter[str]] | None]:
+    case.install(sb)
+    settle()
+    t = case.target
+    sb.connect("pod", t.ip, t.port, "tcp", 10)  # warm up
+    outcomes = sb.connect("pod", t.ip, t.port, "tcp", args.connections, parallel=1)
+    assert all(o.ok for o in outcomes), outcomes[:3]
+    cpu = rules_cpu(sb, t.ip, t.port, args.kernel_connections) if args.kernel_cpu else None
+    return outcomes, cpu
+
+
+def report(cases: dict[str, Case], rounds: dict[str, list[float]], cpu: dict[str, list], per_endpoint: dict,
+           args: argparse.Namespace) -> None:
     first = next(iter(cases))
     ref = MED(rounds[first])
+    pairs = [(ref_of(name), name) for name in cases if name.startswith("nfproxy")] if args.compare == "kube-proxy" else []
     print()
     print(f"| state | first connection (µs, median of the rounds' medians) | rounds' spread | against {first} |")
     print("|---|---|---|---|")
     for name, values in rounds.items():
         print(f"| {name} | {MED(values):.1f} | {min(values):.0f}–{max(values):.0f} | {MED(values) / ref:.3f} |")
+    for a, b in pairs:
+        ratios = [y / x for x, y in zip(rounds[a], rounds[b])]
+        print(f"{b} / {a}: {MED(rounds[b]) / MED(rounds[a]):.3f} (median of the rounds' ratios {MED(ratios):.3f}, "
+              f"spread {min(ratios):.3f}–{max(ratios):.3f})")
     if args.kernel_cpu:
         us, share = ({name: [v[i] for v in got] for name, got in cpu.items()} for i in (0, 1))
         print()
@@ -179,10 +313,88 @@ def main() -> int:
             a, b = us[name], share[name]
             print(f"| {name} | {MED(a):.2f} | {min(a):.2f}–{max(a):.2f} | {MED(b):.2%} | {min(b):.2%}–{max(b):.2%} | "
                   f"{MED(b) / MED(share[first]):.3f} |")
+        for a, b in pairs:
+            print(f"rules' CPU {b} / {a}: {MED(us[b]) / MED(us[a]):.3f}, share {MED(share[b]) / MED(share[a]):.3f}")
+        breakdown(cases, cpu, args)
     print()
     for name, eps in per_endpoint.items():
         cells = " ".join(f"{ep.split(':')[0].rsplit('.', 1)[-1]}: {MED(v):.0f} µs ({len(v)})" for ep, v in sorted(eps.items()))
         print(f"{name} per endpoint (last octet: median, connections): {cells}")
+
+
+def ref_of(name: str) -> str:
+    """The kube-proxy state an nfproxy state is held to: the same mode's."""
+    return "kube-proxy iptables" if "iptables" in name else "kube-proxy nftables"
+
+
+def breakdown(cases: dict[str, Case], cpu: dict[str, list], args: argparse.Namespace) -> None:
+    """Per function under the rules: ns per connection (all rounds' samples together)."""
+    per: dict[str, dict[str, float]] = {}
+    for name in cases:
+        total: collections.Counter[str] = collections.Counter()
+        for _, _, under in cpu[name]:
+            total.update(under)
+        scale = 1e9 / SAMPLE_HZ / (args.kernel_connections * len(cpu[name]))
+        per[name] = {fn: n * scale for fn, n in total.items()}
+    top = sorted({fn for p in per.values() for fn in sorted(p, key=p.get, reverse=True)[: args.breakdown]},
+                 key=lambda fn: -max(p.get(fn, 0) for p in per.values()))
+    print()
+    print("| function (samples passing through it, under the rules, or its own: (self); ns per connection) | " + " | ".join(cases) + " |")
+    print("|---" * (len(cases) + 1) + "|")
+    for fn in top:
+        print(f"| {fn} | " + " | ".join(f"{per[n].get(fn, 0):.0f}" for n in cases) + " |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compare", choices=("weights", "lanes", "kube-proxy"), default="weights")
+    ap.add_argument("--kube-proxy-dumps", type=Path, help="bench/kube_rules.py's output (--compare kube-proxy)")
+    ap.add_argument("--modes", default="nftables,iptables", help="--compare kube-proxy: nftables, iptables or both")
+    ap.add_argument("--before", action="store_true",
+                    help="--compare kube-proxy: also nfproxy's nft layout before 2026-12-07 (checks inline)")
+    ap.add_argument("--services", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--connections", type=int, default=300)
+    ap.add_argument("--kernel-cpu", action="store_true", help="also the rules' CPU per connection, from perf samples")
+    ap.add_argument("--kernel-connections", type=int, default=4000)
+    ap.add_argument("--breakdown", type=int, default=14, help="functions per state in the --kernel-cpu breakdown")
+    args = ap.parse_args()
+    if args.kernel_cpu and shutil.which("perf") is None:
+        raise SystemExit("--kernel-cpu needs perf (Debian: apt install linux-perf)")
+    if args.compare == "kube-proxy":
+        if args.kube_proxy_dumps is None:
+            raise SystemExit("--compare kube-proxy needs --kube-proxy-dumps DIR (bench/kube_rules.py)")
+        cases = kube_cases(args.services, args.kube_proxy_dumps, args.modes.split(","), args.before)
+    else:
+        cases = states(args.compare, uniform_cluster(args.services, 10))
+    groups = {c.group: SandboxSpec.of(node_ips=["192.168.0.2"], clients={"pod": "10.244.5.5"},
+                                      endpoints={ip: [(8080, "tcp")] for d in cases.values() if d.group == c.group
+                                                 for ip in d.target.endpoints})
+              for c in cases.values()}
+    rounds: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list] = {name: [] for name in cases}
+    per_endpoint: dict[str, dict[str, list[float]]] = {name: collections.defaultdict(list) for name in cases}
+    version = (args.kube_proxy_dumps / "kube-proxy.version").read_text().strip() if args.kube_proxy_dumps else ""
+    print(f"# first connections: {args.services} x 10, {args.compare} {version}, {args.rounds} rounds of "
+          f"{args.connections}, one run, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    try:
+        with netns_mod.interruptible(), contextlib.ExitStack() as stack:
+            boxes = {group: stack.enter_context(Sandbox(spec)) for group, spec in groups.items()}
+            for r in range(args.rounds):
+                order: Callable = (lambda x: x) if r % 2 == 0 else reversed  # type: ignore[assignment]
+                for name in order(list(cases)):
+                    outcomes, got = probe(boxes[cases[name].group], cases[name], args)
+                    rounds[name].append(MED(o.seconds for o in outcomes) * 1e6)
+                    for o in outcomes:
+                        per_endpoint[name][o.endpoint or "?"].append(o.seconds * 1e6)
+                    if got is not None:
+                        cpu[name].append(got)
+                    print(f"round {r + 1} {name}: {rounds[name][-1]:.1f} µs"
+                          + (f", rules {got[0]:.2f} µs CPU per connection, {got[1]:.2%} of busy CPU" if got else ""),
+                          flush=True)
+    finally:
+        render.LANE, render.LANES_PER_MAP = TODAY
+    report(cases, rounds, cpu, per_endpoint, args)
     return 0
 
 
