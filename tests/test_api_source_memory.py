@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -118,3 +121,22 @@ def test_each_item_is_parsed_before_the_next_is_decoded() -> None:
             break
     assert seen == [0]
     assert [v["n"] for k, v in walk if k == kube._ITEM] == [1, 2]
+
+
+def test_the_source_loads_no_generated_api_class() -> None:
+    """The generated CoreV1Api, DiscoveryV1Api and NetworkingV1Api import ~260 pydantic model
+    modules (~23 MiB) for their signatures; the source makes the same requests through
+    ApiClient's own methods. Checked in a fresh interpreter: this one may have loaded them."""
+    code = (
+        "import sys\n"
+        "from nfproxy.core.model import NodeConfig\n"
+        "from nfproxy.sources.kube import KubeSource, api_client\n"
+        "KubeSource(api_client(master='http://127.0.0.1:9'), NodeConfig(name='n'))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('kubernetes.client.api.', "
+        "'kubernetes.client.models.'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    loaded = eval(done.stdout)  # noqa: S307 - our own child's repr of a list of names
+    assert not [m for m in loaded if m.startswith("kubernetes.client.api.")], loaded
+    assert len(loaded) <= 3, loaded

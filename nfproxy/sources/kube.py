@@ -940,6 +940,53 @@ def _describe(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Requests
+
+
+# The query parameters of a list or watch, as the generated client names its keywords.
+_QUERY = {
+    "allow_watch_bookmarks": "allowWatchBookmarks",
+    "_continue": "continue",
+    "field_selector": "fieldSelector",
+    "limit": "limit",
+    "resource_version": "resourceVersion",
+    "timeout_seconds": "timeoutSeconds",
+    "watch": "watch",
+}
+
+
+class _Lister:
+    """A kind's list (or watch, `watch=True`) request, made as the generated
+    `list_*(..., _preload_content=False)` methods make it: `ApiClient.param_serialize` (the
+    server, credentials and token refresh of the configuration), `ApiClient.call_api`, and an
+    `ApiException` for any status but 2xx; the raw urllib3 response is returned for the caller
+    to read. The generated API classes are not used: CoreV1Api, DiscoveryV1Api and
+    NetworkingV1Api import some 260 pydantic model modules for their signatures (~23 MiB of
+    the daemon's RSS) to list three kinds nobody deserializes here.
+    """
+
+    def __init__(self, api_client: k8s.ApiClient, kind: _Kind) -> None:
+        self._client = api_client
+        group, _, version = kind.api_version.rpartition("/")
+        self.path = f"/apis/{group}/{version}/{kind.plural}" if group else f"/api/{version}/{kind.plural}"
+
+    def __call__(self, *, _preload_content: bool = False, _request_timeout: Any = None,
+                 **params: Any) -> Any:
+        if _preload_content:
+            raise ValueError("the API source reads responses raw")
+        query = [(_QUERY[name], value) for name, value in params.items() if value is not None]
+        request = self._client.param_serialize(
+            method="GET", resource_path=self.path, query_params=query,
+            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
+        )
+        response = self._client.call_api(*request, _request_timeout=_request_timeout)
+        if not 200 <= response.status <= 299:
+            response.read()
+            raise ApiException.from_response(http_resp=response, body=None, data=None)
+        return response.response
+
+
+# --------------------------------------------------------------------------------------------
 # The source
 
 
@@ -960,13 +1007,11 @@ class KubeSource:
         self.cache = ObjectCache(node)
         self._stopping = threading.Event()
         self._notify: Callable[[], None] = lambda: None
-        core = k8s.CoreV1Api(api_client)
-        discovery = k8s.DiscoveryV1Api(api_client)
         self.reflectors = (
-            self._reflector(SERVICES, core.list_service_for_all_namespaces),
-            self._reflector(ENDPOINT_SLICES, discovery.list_endpoint_slice_for_all_namespaces),
-            self._reflector(NODES, core.list_node, f"metadata.name={node.name}"),
-            self._reflector(SERVICE_CIDRS, k8s.NetworkingV1Api(api_client).list_service_cidr),
+            self._reflector(SERVICES, _Lister(api_client, SERVICES)),
+            self._reflector(ENDPOINT_SLICES, _Lister(api_client, ENDPOINT_SLICES)),
+            self._reflector(NODES, _Lister(api_client, NODES), f"metadata.name={node.name}"),
+            self._reflector(SERVICE_CIDRS, _Lister(api_client, SERVICE_CIDRS)),
         )
         self._started = False
         # The daemon counts held empty relists (nfproxy_source_errors_total{source="api"}).
