@@ -445,6 +445,28 @@ def test_structure_is_split_per_service() -> None:
     )
 
 
+@pytest.mark.parametrize("drop_invalid", [True, False])
+def test_forward_and_input_test_new_connections_once(drop_invalid: bool) -> None:
+    """Every packet of a connection walks filter-forward and filter-input; only the first needs
+    the checks, so each base chain tests `ct state new` once and jumps to a chain holding them,
+    in kube-proxy's order (issue S: two rules a packet fewer in forward)."""
+    node = NodeConfig(name="node-a", ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+                      service_cidrs=("172.16.0.0/12",), drop_invalid=drop_invalid)
+    rs = render(ClusterState(node=node, services={}, endpoints={}), IPFamily.V4)
+    invalid = ("ct state invalid counter name ct_state_invalid_dropped_pkts drop",) if drop_invalid else ()
+    assert rs.chains["filter-forward"] == (*invalid, "ct state new jump forward-new")
+    assert rs.chains["forward-new"] == (
+        "jump external-endpoints-check", "jump service-endpoints-check", "jump cluster-ips-check",
+    )
+    assert rs.chains["filter-input"] == ("ct state new jump input-new",)
+    assert rs.chains["input-new"] == (
+        "jump nodeport-endpoints-check", "jump service-endpoints-check", "jump external-endpoints-check",
+    )
+    # Output's checks sit on either side of the node's own DNAT: they stay inline.
+    assert rs.chains["filter-output-post-dnat"] == (
+        "ct state new jump external-endpoints-check", "ct state new jump cluster-ips-check",
+    )
+
 def test_duplicate_element_key_first_service_wins() -> None:
     a = _clusterip("a", "172.30.0.1", external_ips=("192.168.99.1",))
     b = _clusterip("b", "172.30.0.2", external_ips=("192.168.99.1",))
