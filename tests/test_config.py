@@ -238,7 +238,7 @@ def test_write_config_to_round_trips(tmp_path: Path) -> None:
     first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
     flags = ["--proxy-mode", "nftables", "--nftables-sync-period", "1m30s", "--cluster-cidr", "10.244.0.0/16",
              "--masquerade-all", "--conntrack-udp-timeout", "45s", "--hostname-override", "node-a",
-             "--feature-gates", "TopologyAwareHints=true", "--v=2", "--logging-format", "json"]
+             "--feature-gates", "NFTablesNetlink=false", "--v=2", "--logging-format", "json"]
     assert main([*flags, "--write-config-to", str(first)]) == 0
     assert main(["--config", str(first), "--write-config-to", str(second)]) == 0
     assert first.read_text() == second.read_text()
@@ -304,7 +304,7 @@ def test_version() -> None:
     (["--conntrack-tcp-be-liberal"], "conntrack_tcp_be_liberal", True),
     (["--conntrack-udp-timeout", "30s"], "conntrack_udp_timeout", "30s"),
     (["--conntrack-udp-timeout-stream", "2m"], "conntrack_udp_timeout_stream", "2m"),
-    (["--feature-gates", "TopologyAwareHints=true"], "feature_gates", "TopologyAwareHints=true"),
+    (["--feature-gates", "NFTablesNetlink=false"], "feature_gates", "NFTablesNetlink=false"),
 ])
 def test_each_flag_parses(argv: list[str], dest: str, value: object) -> None:
     assert getattr(parsed(*argv), dest) == value
@@ -375,10 +375,10 @@ def test_feature_gates_are_each_warned_about(caplog: pytest.LogCaptureFixture) -
 
     log = logging.getLogger("test.gates")
     with caplog.at_level(logging.WARNING, logger="test.gates"):
-        assert parse_feature_gates("TopologyAwareHints=true, WinDSR=false", log) == {
-            "TopologyAwareHints": True, "WinDSR": False}
+        assert parse_feature_gates("NFTablesNetlink=false, ContextualLogging=true", log) == {
+            "NFTablesNetlink": False, "ContextualLogging": True}
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
-        "feature gate TopologyAwareHints=true", "feature gate WinDSR=false"]
+        "feature gate NFTablesNetlink=false", "feature gate ContextualLogging=true"]
 
 
 # ---- conntrack sysctls: kube-proxy's plan

@@ -313,7 +313,7 @@ _GATE = re.compile(r"[A-Z][A-Za-z0-9]*")
 
 
 def _gates(v: object) -> str | None:
-    from nfproxy.cli.feature_gates import locked_error
+    from nfproxy.cli.feature_gates import aggregate, dependency_errors, refusal
 
     if v is None:
         return None
@@ -324,9 +324,12 @@ def _gates(v: object) -> str | None:
             raise _Bad(f"{display(name)}: not a feature gate name", str(name))
         if not isinstance(value, bool):
             raise _Bad(f"{display(value)}: must be true or false", name)
-        locked = locked_error(name, value)
-        if locked:
-            raise _Bad(locked, name)
+        refused = refusal(name, value)
+        if refused:
+            raise _Bad(refused, name)
+    errors = dependency_errors(v)
+    if errors:
+        raise _Bad(aggregate(errors))
     return ",".join(f"{k}={str(val).lower()}" for k, val in sorted(v.items())) or None
 
 
