@@ -74,6 +74,7 @@ from nfproxy.core.model import (
     NodeConfig,
     ServicePort,
     ServicePortKey,
+    shared,
 )
 from nfproxy.sources.manifests import (
     SERVICE_NAME_LABEL,
@@ -201,7 +202,8 @@ def _object_key(kind: _Kind, obj: dict[str, Any]) -> ObjectKey | None:
     name, namespace = meta.get("name"), meta.get("namespace") or ""
     if not isinstance(name, str) or not name or not isinstance(namespace, str):
         return None
-    return (kind.kind, namespace, name)
+    # Interned: a Service's namespace and name come again in its slices' keys and groups.
+    return (kind.kind, shared(namespace), shared(name))
 
 
 def _group_of(key: ObjectKey, obj: dict[str, Any]) -> GroupKey:
@@ -213,7 +215,7 @@ def _group_of(key: ObjectKey, obj: dict[str, Any]) -> GroupKey:
     labels = _meta(obj).get("labels")
     service = labels.get(SERVICE_NAME_LABEL) if isinstance(labels, dict) else None
     if isinstance(service, str):
-        return ("service", namespace, service)
+        return ("service", namespace, shared(service))
     return ("orphan", namespace, name)  # load_objects reports the missing label
 
 
@@ -304,8 +306,8 @@ class ObjectCache:
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._objects: dict[ObjectKey, _Record] = {}
-        self._groups: dict[GroupKey, set[ObjectKey]] = {}
-        self._group_of: dict[ObjectKey, GroupKey] = {}
+        # Each group's members, sorted (a Service and its one or two slices: tuples, not sets).
+        self._groups: dict[GroupKey, tuple[ObjectKey, ...]] = {}
         self._dirty: set[GroupKey] = set()
         self._node: dict[str, Any] | None = None
         # The last Node seen, kept when it disappears: its addresses, pod CIDRs and zone keep
@@ -430,16 +432,15 @@ class ObjectCache:
             self._remove(key)
         group = record.group
         self._objects[key] = record
-        self._group_of[key] = group
-        self._groups.setdefault(group, set()).add(key)
+        self._groups[group] = tuple(sorted((*self._groups.get(group, ()), key)))
         self._dirty.add(group)
 
     def _remove(self, key: ObjectKey) -> None:
-        del self._objects[key]
-        group = self._group_of.pop(key)
-        members = self._groups[group]
-        members.discard(key)
-        if not members:
+        group = self._objects.pop(key).group
+        members = tuple(k for k in self._groups[group] if k != key)
+        if members:
+            self._groups[group] = members
+        else:
             del self._groups[group]
         self._dirty.add(group)
 
@@ -464,7 +465,7 @@ class ObjectCache:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             work = {
-                group: [self._objects[k] for k in sorted(self._groups.get(group, ()))]
+                group: [self._objects[k] for k in self._groups.get(group, ())]
                 for group in dirty
             }
             node_obj = self._known_node
@@ -528,7 +529,11 @@ class ObjectCache:
             for err in parsed.errors:
                 log.warning("skipped: %s", err)
         if group[0] == "service":
-            self._triggers[group[1:]] = _trigger_times(records)
+            times = _trigger_times(records)
+            if times:
+                self._triggers[group[1:]] = times
+            else:
+                self._triggers.pop(group[1:], None)
 
     def trigger_times(self, namespace: str, service: str) -> dict[str, float]:
         """{"IPv4"|"IPv6": epoch seconds} from the service's EndpointSlices in the last snapshot."""
