@@ -102,12 +102,12 @@ def test_a_resync_reuses_its_listing_for_the_jumps(netns: str, flavour: Flavour,
     save = proxier.kernels[IPFamily.V4].runner.save()
     for jump in JUMPS:
         assert save.count(jump.line) == 1, jump.line
-    # In the order one `-I CHAIN 1` after another leaves them, as the check-then-insert did.
+    # One `-I CHAIN 1` after another leaves them in kube-proxy's order, as on its nodes.
     for table in ("filter", "nat"):
         listed = proxier.kernels[IPFamily.V4].runner.save(table).splitlines()
         for chain in {j.chain for j in JUMPS if j.table == table}:
             ours = [line for line in listed if line.startswith(f"-A {chain} ")]
-            assert ours == [j.line for j in reversed(JUMPS) if j.table == table and j.chain == chain], (table, chain)
+            assert ours == [j.line for j in JUMPS if j.table == table and j.chain == chain], (table, chain)
 
 
 @pytest.mark.kernel

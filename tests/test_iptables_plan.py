@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from nfproxy.backends.iptables.render import JUMPS, LARGE_CLUSTER_ENDPOINTS, SERVICE_CHAIN_PREFIXES
+from nfproxy.backends.iptables.render import JUMPS, JUMPS_TO_PREPEND, LARGE_CLUSTER_ENDPOINTS, SERVICE_CHAIN_PREFIXES
 from nfproxy.core.model import Endpoint, IPFamily, sort_endpoints
 from nfproxy.kernel.memory.iptables import MemoryIptablesKernel
 from nfproxy.kernel.process import KernelError
@@ -35,15 +35,16 @@ def test_first_sync_is_full_with_jumps_and_writes_the_render() -> None:
     node = OneFamily(kernel)
     plan = node.sync(state)
     assert plan is not None and plan.full and kernel.last is plan.payload
-    assert plan.payload.jumps == JUMPS
+    assert plan.payload.jumps == JUMPS_TO_PREPEND
     assert plan.operations == plan.payload.text.count("\n") > 0
     again = MemoryIptablesKernel()
     again.restore(node.backend.render(state, V4).restore_text(with_jumps=True))
-    # The same rules; the built-in chains' jumps in the order check-then-insert leaves them
-    # (each jump inserted first in turn: JUMPS reversed per chain, as the proxier always did).
+    # The same rules; the built-in chains' jumps, each inserted first in turn, end up in
+    # kube-proxy's order (JUMPS), as on a kube-proxy node and in the text a fresh restore reads.
     assert sorted(kernel.dump().splitlines()) == sorted(again.dump().splitlines())
     inserted = [line for line in kernel.save().splitlines() if line.startswith("-A INPUT ")]
-    assert inserted == [j.line for j in reversed(JUMPS) if j.table == "filter" and j.chain == "INPUT"]
+    assert inserted == [j.line for j in JUMPS if j.table == "filter" and j.chain == "INPUT"]
+    assert inserted == [line for line in again.save().splitlines() if line.startswith("-A INPUT ")]
 
 
 def test_jumps_are_checked_before_insert() -> None:

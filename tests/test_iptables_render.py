@@ -525,6 +525,8 @@ def test_large_cluster_mode_drops_per_endpoint_comments() -> None:
 
 # What `iptables-save` shows on a kube-proxy node (kube-proxy prepends its jump rules one by one).
 EXPECTED_JUMPS = """\
+-A INPUT -j KUBE-FIREWALL
+-A OUTPUT -j KUBE-FIREWALL
 -A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
 -A INPUT -m comment --comment "kubernetes health check service ports" -j KUBE-NODEPORTS
 -A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES
@@ -534,8 +536,6 @@ EXPECTED_JUMPS = """\
 -A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES
 -A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
 -A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
--A INPUT -j KUBE-FIREWALL
--A OUTPUT -j KUBE-FIREWALL
 -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
 -A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
 -A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING

@@ -187,7 +187,11 @@ _EXTERNAL_PORTALS = "kubernetes externally-visible service portals"
 
 # kube-proxy's iptablesJumpChains, in the order they end up in the kernel: kube-proxy prepends
 # each entry of its list in turn, so the last entry for a built-in chain ends up first in it.
+# kubelet's KUBE-FIREWALL jumps, which kube-proxy makes too (no comment), are ensured after its
+# own and so end up first (`iptables-save` of a kube-proxy v1.37.2 node, 2026-12-07).
 JUMPS: tuple[JumpRule, ...] = (
+    JumpRule("filter", "INPUT", f"-j {KUBE_FIREWALL}"),
+    JumpRule("filter", "OUTPUT", f"-j {KUBE_FIREWALL}"),
     _jump("filter", "INPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", True),
     _jump("filter", "INPUT", KUBE_NODEPORTS, "kubernetes health check service ports", False),
     _jump("filter", "INPUT", KUBE_EXTERNAL_SERVICES, _EXTERNAL_PORTALS, True),
@@ -197,13 +201,16 @@ JUMPS: tuple[JumpRule, ...] = (
     _jump("filter", "FORWARD", KUBE_EXTERNAL_SERVICES, _EXTERNAL_PORTALS, True),
     _jump("filter", "OUTPUT", KUBE_PROXY_FIREWALL, "kubernetes load balancer firewall", True),
     _jump("filter", "OUTPUT", KUBE_SERVICES, "kubernetes service portals", True),
-    # kubelet's jumps, which kube-proxy makes too: no comment, after its own.
-    JumpRule("filter", "INPUT", f"-j {KUBE_FIREWALL}"),
-    JumpRule("filter", "OUTPUT", f"-j {KUBE_FIREWALL}"),
     _jump("nat", "PREROUTING", KUBE_SERVICES, "kubernetes service portals", False),
     _jump("nat", "OUTPUT", KUBE_SERVICES, "kubernetes service portals", False),
     _jump("nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules", False),
 )
+# The same jumps in the order a kernel inserts them, each at the top of its chain (kube-proxy's
+# own list order), so that they end up as JUMPS lists them. Until 2026-12-07 the kernels were
+# handed JUMPS and so left every built-in chain's jumps reversed: FORWARD's established packets
+# met both NEW-gated jumps before KUBE-FORWARD's ESTABLISHED accept, one conntrack match a
+# packet more than on a kube-proxy node (issue S).
+JUMPS_TO_PREPEND: tuple[JumpRule, ...] = tuple(reversed(JUMPS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +254,9 @@ class IptablesRules:
     filter: Mapping[str, list[str]]
     nat: Mapping[str, list[str]]
     service_chains: Mapping[ServicePortKey, ServiceChains]
-    jumps: tuple[JumpRule, ...] = JUMPS
+    # In the order a kernel prepends them (JUMPS_TO_PREPEND); `restore_lines` appends them in
+    # the reverse, the order they end up in.
+    jumps: tuple[JumpRule, ...] = JUMPS_TO_PREPEND
     large: bool = False
 
     def text(self) -> str:
@@ -295,7 +304,7 @@ class IptablesRules:
         out: list[str] = ["*filter"]
         out.extend([f":{name} - [0:0]" for name in self.filter])
         if with_jumps:
-            out.extend([j.line for j in self.jumps if j.table == "filter"])
+            out.extend([j.line for j in reversed(self.jumps) if j.table == "filter"])
         for rules in self.filter.values():
             out.extend(rules)
         out.append("COMMIT")
@@ -306,7 +315,7 @@ class IptablesRules:
             out.extend([f":{name} - [0:0]" for name in group.chains])
         out.extend([f":{name} - [0:0]" for name in stale])
         if with_jumps:
-            out.extend([j.line for j in self.jumps if j.table == "nat"])
+            out.extend([j.line for j in reversed(self.jumps) if j.table == "nat"])
         for rules in self.nat.values():
             out.extend(rules)
         for group in groups:
