@@ -52,6 +52,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -66,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nfproxy.backends import registry as backend_registry  # noqa: E402
+from nfproxy.backends.iptables.render import JUMPS  # noqa: E402
 from nfproxy.backends.nft import render  # noqa: E402
 from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePort, ServicePortName, ServiceType  # noqa: E402
 from nfproxy.daemon.proxier import Proxier  # noqa: E402
@@ -209,6 +211,22 @@ def nfproxy_install(state: ClusterState, backend: str, lane: tuple[int, int] = T
     return install
 
 
+def reversed_jumps(install: Callable[[Sandbox], None]) -> Callable[[Sandbox], None]:
+    """nfproxy's iptables rules with the built-in chains' jumps as kernels were handed them
+    before 2026-12-07: each of JUMPS inserted at the top in turn, so every chain's reversed."""
+    kubelet = [j for j in JUMPS if j.spec == "-j KUBE-FIREWALL"]
+    own = [j for j in JUMPS if j not in kubelet]
+    old = [j for j in own if j.table == "filter"] + kubelet + [j for j in own if j.table == "nat"]  # the list then
+
+    def again(sb: Sandbox) -> None:
+        install(sb)
+        for jump in old:
+            spec = shlex.split(jump.spec)
+            _in_node(sb, "iptables-legacy", "-t", jump.table, "-D", jump.chain, *spec)
+            _in_node(sb, "iptables-legacy", "-t", jump.table, "-I", jump.chain, "1", *spec)
+    return again
+
+
 def dump_install(path: Path) -> Callable[[Sandbox], None]:
     def install(sb: Sandbox) -> None:
         clear(sb)
@@ -260,8 +278,11 @@ def kube_cases(services: int, dumps: Path, modes: list[str], before: bool = Fals
             ours = backend_registry.backend("iptables").render(state, IPFamily.V4)
             cases["kube-proxy iptables"] = Case(dump_install(dump), target_of(state, middle_jump(dump.read_text())),
                                                 "iptables")
-            cases["nfproxy iptables"] = Case(nfproxy_install(state, "iptables"),
-                                             target_of(state, middle_jump(ours.text())), "iptables")
+            nf_target = target_of(state, middle_jump(ours.text()))
+            cases["nfproxy iptables"] = Case(nfproxy_install(state, "iptables"), nf_target, "iptables")
+            if before:
+                cases["nfproxy iptables, jumps reversed (before)"] = Case(
+                    reversed_jumps(nfproxy_install(state, "iptables")), nf_target, "iptables")
     return cases
 
 
@@ -351,7 +372,8 @@ def main() -> int:
     ap.add_argument("--kube-proxy-dumps", type=Path, help="bench/kube_rules.py's output (--compare kube-proxy)")
     ap.add_argument("--modes", default="nftables,iptables", help="--compare kube-proxy: nftables, iptables or both")
     ap.add_argument("--before", action="store_true",
-                    help="--compare kube-proxy: also nfproxy's nft layout before 2026-12-07 (checks inline)")
+                    help="--compare kube-proxy: also nfproxy's layouts before 2026-12-07 (nft: checks inline; "
+                         "iptables: built-in chains' jumps reversed)")
     ap.add_argument("--services", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--connections", type=int, default=300)
