@@ -8,6 +8,7 @@ import copy
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,31 @@ def test_the_source_loads_no_generated_api_class() -> None:
     loaded = eval(done.stdout)  # noqa: S307 - our own child's repr of a list of names
     assert not [m for m in loaded if m.startswith("kubernetes.client.api.")], loaded
     assert len(loaded) <= 3, loaded
+
+
+class _Response:
+    """What `_Lister` hands back: the raw body, and a connection to give back."""
+
+    def __init__(self, body: bytes) -> None:
+        self.data = body
+        self.released = False
+
+    def release_conn(self) -> None:
+        self.released = True
+
+
+def test_a_list_is_read_from_raw_bytes_as_json_loads_reads_them() -> None:
+    """A byte-order mark is no error (json.loads takes one), and the page's metadata may come
+    after its items."""
+    items = [service(f"web{i}", f"10.96.0.{i + 1}") for i in range(2)]
+    for item in items:
+        del item["kind"], item["apiVersion"]  # list items carry neither
+    body = {"kind": "ServiceList", "apiVersion": "v1", "items": items, "metadata": {"resourceVersion": "42"}}
+    response = _Response(b"\xef\xbb\xbf" + json.dumps(body, indent=1).encode())
+    cache = ObjectCache(NodeConfig(name="node-a"))
+    reflector = kube._Reflector(SERVICES, lambda **_: response, cache, kube.WatchSettings(),
+                                lambda: None, threading.Event())
+    assert reflector._list() == "42"
+    assert response.released
+    assert cache.counts()["Service"] == 2
+    assert len(cache.snapshot().state.services) == 2

@@ -804,7 +804,7 @@ class _Reflector:
         returns the page's list metadata."""
         response = self._list_page(token)
         try:
-            text = response.data.decode("utf-8")
+            text = response.data.decode("utf-8-sig")  # as json.loads reads bytes: a BOM is no error
         except UnicodeDecodeError:
             raise _StreamError(f"{self.kind.plural} list response is not UTF-8") from None
         finally:
