@@ -308,6 +308,36 @@ class _Socket:
         proto_byte = bytes([proto])
         kind = _PROTO_BY_NUMBER[proto]
         port = int.from_bytes
+        for buf, at, end, mtype, mseq in self._messages():
+            if mseq != seq:
+                continue
+            if mtype == _NLMSG_DONE:
+                return
+            if mtype == _NLMSG_ERROR:
+                code = -_ERRNO.unpack_from(buf, at + _HEADER.size)[0]
+                if filtered and code in (errno.EINVAL, errno.EOPNOTSUPP):
+                    yield from self.dump(family, protocol, filtered=False)
+                elif code:
+                    raise KernelError(f"conntrack dump: {os.strerror(code)}")
+                return
+            start = at + _HEADER.size + 4
+            if buf[start - 4] == af:  # nfgenmsg's family
+                m = fast(buf, start)
+                if m is None:
+                    flow = _decode(buf, start, end, family, proto, addr)
+                elif m[3] == proto_byte:
+                    flow = Flow(
+                        family, kind, addr(m[1]), port(m[4]), addr(m[2]), port(m[5]),
+                        addr(m[6]), port(m[9]), addr(m[7]), port(m[10]),
+                    )
+                else:
+                    flow = None
+                if flow is not None:
+                    yield _Entry(flow, buf, start, end)
+
+    def _messages(self) -> Iterator[tuple[bytes, int, int, int, int]]:
+        """(buffer, start, end, type, sequence) of each netlink message received, for ever: the
+        caller stops when it has what it asked for."""
         while True:
             buf = self._sock.recv(1 << 20)
             at = 0
@@ -315,31 +345,7 @@ class _Socket:
                 length, mtype, _, mseq, _ = _HEADER.unpack_from(buf, at)
                 if length < _HEADER.size:
                     raise KernelError("conntrack netlink: a reply shorter than its header")
-                end = at + length
-                if mseq == seq:
-                    if mtype == _NLMSG_DONE:
-                        return
-                    if mtype == _NLMSG_ERROR:
-                        code = -_ERRNO.unpack_from(buf, at + _HEADER.size)[0]
-                        if filtered and code in (errno.EINVAL, errno.EOPNOTSUPP):
-                            yield from self.dump(family, protocol, filtered=False)
-                        elif code:
-                            raise KernelError(f"conntrack dump: {os.strerror(code)}")
-                        return
-                    start = at + _HEADER.size + 4
-                    if buf[start - 4] == af:  # nfgenmsg's family
-                        m = fast(buf, start)
-                        if m is None:
-                            flow = _decode(buf, start, end, family, proto, addr)
-                        elif m[3] == proto_byte:
-                            flow = Flow(
-                                family, kind, addr(m[1]), port(m[4]), addr(m[2]), port(m[5]),
-                                addr(m[6]), port(m[9]), addr(m[7]), port(m[10]),
-                            )
-                        else:
-                            flow = None
-                        if flow is not None:
-                            yield _Entry(flow, buf, start, end)
+                yield buf, at, at + length, mtype, mseq
                 at += (length + 3) & ~3
 
     def delete(self, family: IPFamily, keys: list[bytes]) -> int:
@@ -363,21 +369,16 @@ class _Socket:
         deleted meanwhile) are not counted, any other error is raised once all are read."""
         pending = set(range(first, last + 1))
         done, failure = 0, 0
+        messages = self._messages()
         while pending:
-            buf = self._sock.recv(1 << 20)
-            at = 0
-            while at + _HEADER.size <= len(buf):
-                length, mtype, _, mseq, _ = _HEADER.unpack_from(buf, at)
-                if length < _HEADER.size:
-                    raise KernelError("conntrack netlink: a reply shorter than its header")
-                if mtype == _NLMSG_ERROR and mseq in pending:
-                    pending.discard(mseq)
-                    code = -_ERRNO.unpack_from(buf, at + _HEADER.size)[0]
-                    if code == 0:
-                        done += 1
-                    elif code != errno.ENOENT:
-                        failure = failure or code
-                at += (length + 3) & ~3
+            buf, at, _, mtype, mseq = next(messages)
+            if mtype == _NLMSG_ERROR and mseq in pending:
+                pending.discard(mseq)
+                code = -_ERRNO.unpack_from(buf, at + _HEADER.size)[0]
+                if code == 0:
+                    done += 1
+                elif code != errno.ENOENT:
+                    failure = failure or code
         if failure:
             raise KernelError(f"conntrack delete: {os.strerror(failure)}")
         return done
