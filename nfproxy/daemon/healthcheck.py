@@ -16,13 +16,12 @@ sockets, not a thousand threads, and connections held open by a slow client neve
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
 import logging
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -283,7 +282,7 @@ class ServiceHealthServer:
     def _open(self, name: ServiceName, port: int) -> list[_Listener]:
         opened: list[_Listener] = []
         try:
-            with self._in_netns():
+            with netns_mod.inside(self.netns):
                 for addr in self.bind_addresses or ("",):
                     opened.append(_Listener(name, port, listen_socket(addr, port, BACKLOG)))
         except OSError:
@@ -291,14 +290,6 @@ class ServiceHealthServer:
                 l.sock.close()
             raise
         return opened
-
-    @contextlib.contextmanager
-    def _in_netns(self) -> Iterator[None]:
-        if self.netns is None:
-            yield
-        else:
-            with netns_mod.entered(self.netns):
-                yield
 
     def _unregister(self, listeners: list[_Listener]) -> None:
         for l in listeners:

@@ -22,13 +22,12 @@ namespace nfproxy programs (`--netns`), so every socket it makes is there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from nfproxy.core.categorize import categorize, nodeport_loopback
@@ -132,19 +131,11 @@ class LocalhostProxy:
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        with self._in_netns():
+        with netns_mod.inside(self.netns):
             started.set()
             self._loop.run_forever()
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
-
-    @contextlib.contextmanager
-    def _in_netns(self) -> Iterator[None]:
-        if self.netns is None:
-            yield
-        else:
-            with netns_mod.entered(self.netns):
-                yield
 
     # ---- what the daemon calls
 

@@ -121,6 +121,17 @@ def remove(name: str) -> None:
 
 
 @contextlib.contextmanager
+def inside(name: str | None) -> Iterator[None]:
+    """`entered(name)`, or this thread's own namespace when `name` is None (a daemon that
+    programs the node itself)."""
+    if name is None:
+        yield
+    else:
+        with entered(name):
+            yield
+
+
+@contextlib.contextmanager
 def entered(name: str) -> Iterator[None]:
     """Switch this thread (only) into `name` for the block, and back even on error.
 
