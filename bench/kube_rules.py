@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,9 +86,9 @@ def _index(obj: dict) -> int:
     return int(name.split("-")[1])
 
 
-def legacy_path() -> str:
-    """A PATH whose iptables, iptables-save, iptables-restore (and ip6) are the legacy ones."""
-    bindir = tempfile.mkdtemp(prefix="nfp-legacy-")
+def legacy_path(bindir: str) -> str:
+    """A PATH whose iptables, iptables-save, iptables-restore (and ip6) are the legacy ones,
+    linked in `bindir`."""
     for name in LEGACY:
         os.symlink(f"/usr/sbin/{name.replace('tables', 'tables-legacy', 1)}", f"{bindir}/{name}")
     return f"{bindir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
@@ -99,8 +100,9 @@ def dump(plane: str, mode: str, out: Path, size: int) -> float:
     ns = f"nfp-kr-{os.getpid()}"
     netns_mod.create(ns)
     env = dict(os.environ, NFPROXY_KUBE_PROXY_WAIT="3600")
+    bindir = tempfile.mkdtemp(prefix="nfp-legacy-")
     if mode == "iptables":
-        env["PATH"] = legacy_path()
+        env["PATH"] = legacy_path(bindir)
     try:
         began = time.monotonic()
         sh(str(KUBE), "proxy", "--dir", plane, ns, "--proxy-mode", mode, "--hostname-override", NODE,
@@ -118,6 +120,7 @@ def dump(plane: str, mode: str, out: Path, size: int) -> float:
     finally:
         subprocess.run([str(KUBE), "proxy-stop", "--dir", plane, ns], check=False)
         netns_mod.remove(ns)
+        shutil.rmtree(bindir, ignore_errors=True)
 
 
 def main() -> int:
