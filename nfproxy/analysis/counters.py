@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nfproxy.analysis.ir import endpoint_text
 from nfproxy.core.model import IPFamily
 
 _SEP = "KUBE-SEP-"
@@ -217,11 +218,6 @@ def _nft_service_port(chain: str, prefixes: tuple[str, ...]) -> tuple[str, str, 
     return ns, name, port, proto
 
 
-def _endpoint_text(addr: Any, port: Any) -> str:
-    addr = str(addr)
-    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
-
-
 def _packets(counter: Any, named: Mapping[str, int]) -> int | None:
     """A counter statement's packets: anonymous ({packets, bytes}) or a named counter."""
     if isinstance(counter, dict):
@@ -275,7 +271,7 @@ def _direct_dnat(expr: list[Any], named: Mapping[str, int]) -> tuple[int, str] |
         elif "dnat" in stmt and isinstance(stmt["dnat"], dict) and packets is not None:
             addr, port = stmt["dnat"].get("addr"), stmt["dnat"].get("port")
             if isinstance(addr, str) and port is not None:
-                return packets, _endpoint_text(addr, port)
+                return packets, endpoint_text(addr, port)
     return None
 
 
@@ -297,7 +293,7 @@ def _element_counts(body: dict[str, Any]) -> list[tuple[int, int, int, str]]:
         span = val.get("range") if isinstance(val, dict) else (val, val)
         if not (isinstance(span, (list, tuple)) and len(span) == 2):
             continue
-        out.append((int(span[0]), int(span[1]), int(elem["counter"].get("packets", 0)), _endpoint_text(*concat)))
+        out.append((int(span[0]), int(span[1]), int(elem["counter"].get("packets", 0)), endpoint_text(*concat)))
     out.sort()
     return out
 

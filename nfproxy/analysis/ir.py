@@ -366,3 +366,9 @@ def _bounded(value: object, digits: int) -> object:
     if isinstance(value, str) and len(value) > digits:
         raise OutOfRange(f"{value[:20]!r}... ({len(value)} characters) is no number the kernel holds")
     return value
+
+
+def endpoint_text(addr: object, port: object) -> str:
+    """An endpoint as the reports print it: `ip:port`, IPv6 in brackets as in a URL."""
+    text = str(addr)
+    return f"[{text}]:{port}" if ":" in text else f"{text}:{port}"

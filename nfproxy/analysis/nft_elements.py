@@ -21,9 +21,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from nfproxy.analysis.ir import PROTOCOL_NAMES, Const, Element, Kind, Prefix, Range, Verdict
-from nfproxy.analysis.nft_json import _Memo, _memo_canonical, _memo_value
-from nfproxy.analysis.counters import _endpoint_text
+from nfproxy.analysis.ir import PROTOCOL_NAMES, Const, Element, Kind, Prefix, Range, Verdict, endpoint_text
+from nfproxy.analysis.nft_json import Memo, memo_canonical, memo_value
 from nfproxy.kernel.nft_elements import ElementReader, RawElement, SetElements
 from nfproxy.kernel.nft_netlink import TYPE_INTEGER, Unsupported
 from nfproxy.kernel.process import KernelError
@@ -41,7 +40,7 @@ def reader(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> Any:
     `Unsupported`: the terse listing holds none of its elements, so it must not look empty."""
 
     def elements(family: str, table: str, name: str, key_kinds: tuple[Kind, ...],
-                 data_kinds: tuple[Kind, ...], memo: _Memo) -> tuple[Element, ...]:
+                 data_kinds: tuple[Kind, ...], memo: Memo) -> tuple[Element, ...]:
         found = tables.get((family, table), {}).get(name)
         if found is None:
             raise Unsupported(f"set {family} {table} {name} was listed but not read")
@@ -51,7 +50,7 @@ def reader(tables: Mapping[tuple[str, str], Mapping[str, SetElements]]) -> Any:
 
 
 def ir_elements(found: SetElements, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...],
-                memo: _Memo) -> tuple[Element, ...]:
+                memo: Memo) -> tuple[Element, ...]:
     st = found.type
     if len(key_kinds) != len(st.key) or (st.data and len(data_kinds) != len(st.data)):
         raise Unsupported(f"set {st.name}: the listing's types do not match the kernel's")
@@ -66,13 +65,13 @@ def ir_elements(found: SetElements, key_kinds: tuple[Kind, ...], data_kinds: tup
         for part, known, kind in zip(raw.key, consts, key_kinds):
             c = known.get(part)
             if c is None:
-                c = known[part] = _memo_value(_named(part, kind), kind, memo)
+                c = known[part] = memo_value(_named(part, kind), kind, memo)
             key.append(c)
         append(Element(tuple(key), data_of(raw), raw.comment or ""))
     return tuple(out)
 
 
-def _data_reader(verdict: bool, kinds: tuple[Kind, ...], memo: _Memo) -> Any:
+def _data_reader(verdict: bool, kinds: tuple[Kind, ...], memo: Memo) -> Any:
     if verdict:
         def read_verdict(raw: RawElement) -> Verdict:
             kind, target = raw.data  # type: ignore[misc]
@@ -91,7 +90,7 @@ def _data_reader(verdict: bool, kinds: tuple[Kind, ...], memo: _Memo) -> Any:
         for part, cache, kind in zip(raw.data, caches, kinds):  # type: ignore[arg-type]
             v = cache.get(part)
             if v is None:
-                v = cache[part] = _memo_canonical(_named(part, kind), kind, memo)
+                v = cache[part] = memo_canonical(_named(part, kind), kind, memo)
             out.append(v)
         return Const(tuple(out) if len(out) > 1 else out[0])
     return read_values
@@ -106,7 +105,7 @@ def _named(value: int | str, kind: Kind) -> int | str:
     return value
 
 
-def _intervals(found: SetElements, kind: Kind, data_of: Any, memo: _Memo) -> list[Element]:
+def _intervals(found: SetElements, kind: Kind, data_of: Any, memo: Memo) -> list[Element]:
     """One element per range, from the kernel's starts and end markers in key order."""
     if kind not in ("addr", "int"):
         raise Unsupported(f"set {found.type.name}: intervals of {kind} values")  # printed by name
@@ -129,7 +128,7 @@ def _spans(found: SetElements) -> list[tuple[RawElement, int]]:
     return out
 
 
-def _element(start: RawElement, high: int, address: bool, bits: int, kind: Kind, data_of: Any, memo: _Memo) -> Element:
+def _element(start: RawElement, high: int, address: bool, bits: int, kind: Kind, data_of: Any, memo: Memo) -> Element:
     return Element((_key(start.key[0], high, address, bits, kind, memo),), data_of(start), start.comment or "")
 
 
@@ -143,17 +142,17 @@ def _number(value: int | str) -> int:
     return value if isinstance(value, int) else int(ipaddress.ip_address(value))
 
 
-def _key(low: int | str, high: int, address: bool, bits: int, kind: Kind, memo: _Memo) -> Const | Prefix | Range:
+def _key(low: int | str, high: int, address: bool, bits: int, kind: Kind, memo: Memo) -> Const | Prefix | Range:
     lo = _number(low)
     if high == lo:
-        return _memo_value(low, kind, memo)  # type: ignore[no-any-return]
+        return memo_value(low, kind, memo)  # type: ignore[no-any-return]
     if not address:
-        return Range(_memo_canonical(lo, kind, memo), _memo_canonical(high, kind, memo))  # type: ignore[arg-type]
+        return Range(memo_canonical(lo, kind, memo), memo_canonical(high, kind, memo))  # type: ignore[arg-type]
     size = high - lo + 1
     if size & (size - 1) == 0 and lo % size == 0:  # exactly one prefix: printed as one
         return Prefix(ipaddress.ip_network((lo if bits == 32 else ipaddress.IPv6Address(lo), bits - size.bit_length() + 1)))
     top = ipaddress.IPv4Address(high) if bits == 32 else ipaddress.IPv6Address(high)
-    return Range(_memo_canonical(low, kind, memo), _memo_canonical(str(top), kind, memo))  # type: ignore[arg-type]
+    return Range(memo_canonical(low, kind, memo), memo_canonical(str(top), kind, memo))  # type: ignore[arg-type]
 
 
 # ---- the endpoint counters (analysis/counters.py): a table's listing with its counted maps
@@ -230,7 +229,7 @@ def _element_counts(found: SetElements) -> list[tuple[int, int, int, str]]:
     if len(st.key) != 1 or st.key[0].type != TYPE_INTEGER or st.verdict or not st.data or len(st.data) != 2:
         raise Unsupported(f"map {st.name}: a counted map not keyed by integers to an address and port")
     spans = _spans(found) if st.interval else [(raw, raw.key[0]) for raw in found.elements]
-    out = [(start.key[0], high, start.packets, _endpoint_text(*start.data))  # type: ignore[misc]
+    out = [(start.key[0], high, start.packets, endpoint_text(*start.data))  # type: ignore[misc]
            for start, high in spans if start.packets is not None]
     out.sort()
     return out  # type: ignore[return-value]

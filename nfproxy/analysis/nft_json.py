@@ -174,7 +174,7 @@ def parse(doc: dict[str, Any] | str, elements: ElementSource | None = None) -> R
         raise ParseError("not an `nft -j` document: no top-level \"nftables\" list")
     tables: dict[tuple[str, str], dict[str, Any]] = {}
     items = doc["nftables"]
-    memo: _Memo = {}  # one for the document: a hairpin set repeats the endpoint maps' addresses
+    memo: Memo = {}  # one for the document: a hairpin set repeats the endpoint maps' addresses
     # Sets first: rules are read against their declared types.
     declared: dict[tuple[str, ...], int] = {}  # each table, set and chain: where first
     for number, item in enumerate(items):
@@ -470,7 +470,7 @@ def _check_elements(key_types: list[Any], data_types: list[Any], elements: tuple
 _ADDRESS_CLASSES = {4: ipaddress.IPv4Address, 6: ipaddress.IPv6Address}
 
 
-def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: ElementSource | None = None) -> SetDef:
+def _set(kind: str, obj: dict[str, Any], memo: Memo | None = None, source: ElementSource | None = None) -> SetDef:
     key_kinds = _kinds(obj.get("type"))
     data_kinds = _kinds(obj.get("map")) if kind == "map" else ()
     if memo is None:
@@ -488,10 +488,10 @@ def _set(kind: str, obj: dict[str, Any], memo: _Memo | None = None, source: Elem
 
 # Constants already read in this set, by (kind, type, printed value): a 10 000-service map
 # repeats its protocols, ports and verdicts in every element; each is read once.
-_Memo = dict[tuple[Any, ...], Any]
+Memo = dict[tuple[Any, ...], Any]
 
 
-def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: _Memo) -> tuple[Element, ...]:
+def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: Memo) -> tuple[Element, ...]:
     """Every element of a set, as `_element` reads each one, with the common shapes (scalars and
     concatenations of scalars, keys with a counter or comment) read inline: a 10 000-service
     ruleset holds 220 000 elements."""
@@ -529,7 +529,7 @@ def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ..
                         and all(type(b) is str or type(b) is int for b in bounds):
                     # An interval map's key (the endpoint lanes): read as _value reads it.
                     kind = key_kinds[0]
-                    key_range = Range(_memo_canonical(bounds[0], kind, memo), _memo_canonical(bounds[1], kind, memo))  # type: ignore[arg-type]
+                    key_range = Range(memo_canonical(bounds[0], kind, memo), memo_canonical(bounds[1], kind, memo))  # type: ignore[arg-type]
                     append(Element((key_range,), _data_of(data_raw, data_kinds, verdicts, values, memo), comment))
                 else:  # a prefix, or something to complain about
                     append(_element(raw, key_kinds, data_kinds, memo))
@@ -546,7 +546,7 @@ def _elements(raws: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ..
                 break
             c = known.get(part)
             if c is None:
-                c = known[part] = _memo_value(part, kind, memo)
+                c = known[part] = memo_value(part, kind, memo)
             key.append(c)
         else:
             append(Element(tuple(key), _data_of(data_raw, data_kinds, verdicts, values, memo), comment))
@@ -564,7 +564,7 @@ def _data_of(data_raw: Any, data_kinds: Any, verdicts: bool, values: Any, memo: 
     return _fast_data(data_raw, data_kinds, values, memo)
 
 
-def _fast_data(raw: Any, kinds: tuple[Kind, ...], known: list[dict[Any, Any]], memo: _Memo) -> Const:
+def _fast_data(raw: Any, kinds: tuple[Kind, ...], known: list[dict[Any, Any]], memo: Memo) -> Const:
     """`_data_const` for scalars and concatenations of scalars, from per-component caches."""
     if type(raw) is dict:
         parts = raw.get("concat")
@@ -581,12 +581,12 @@ def _fast_data(raw: Any, kinds: tuple[Kind, ...], known: list[dict[Any, Any]], m
             return _data_const(raw, kinds, memo)
         v = cache.get(part)
         if v is None:
-            v = cache[part] = _memo_canonical(part, kind, memo)
+            v = cache[part] = memo_canonical(part, kind, memo)
         out.append(v)
     return Const(tuple(out) if len(out) > 1 else out[0])
 
 
-def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: _Memo) -> Element:
+def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...], memo: Memo) -> Element:
     data: Verdict | Const | None = None
     if data_kinds:
         if not (isinstance(raw, list) and len(raw) == 2):
@@ -603,7 +603,7 @@ def _element(raw: Any, key_kinds: tuple[Kind, ...], data_kinds: tuple[Kind, ...]
     return Element(_key(raw, key_kinds, memo), data, comment)
 
 
-def _memo_verdict(raw: Any, memo: _Memo) -> Verdict:
+def _memo_verdict(raw: Any, memo: Memo) -> Verdict:
     if isinstance(raw, dict) and len(raw) == 1:
         ((kind, body),) = raw.items()
         target = body.get("target") if isinstance(body, dict) else None
@@ -616,7 +616,7 @@ def _memo_verdict(raw: Any, memo: _Memo) -> Verdict:
     return _verdict(raw)
 
 
-def _key(raw: Any, kinds: tuple[Kind, ...], memo: _Memo | None = None) -> tuple[Const | Prefix | Range, ...]:
+def _key(raw: Any, kinds: tuple[Kind, ...], memo: Memo | None = None) -> tuple[Const | Prefix | Range, ...]:
     if isinstance(raw, dict) and "elem" in raw:
         raw = raw["elem"]["val"]
     if isinstance(raw, dict) and "concat" in raw:
@@ -627,10 +627,10 @@ def _key(raw: Any, kinds: tuple[Kind, ...], memo: _Memo | None = None) -> tuple[
         raise ValueError(f"element {raw!r} does not fit type {kinds}")
     if memo is None:
         return tuple(_value(p, k) for p, k in zip(parts, kinds))
-    return tuple(_memo_value(p, k, memo) for p, k in zip(parts, kinds))
+    return tuple(memo_value(p, k, memo) for p, k in zip(parts, kinds))
 
 
-def _memo_value(raw: Any, kind: Kind, memo: _Memo) -> Const | Prefix | Range:
+def memo_value(raw: Any, kind: Kind, memo: Memo) -> Const | Prefix | Range:
     if not isinstance(raw, (str, int)):
         return _value(raw, kind)
     key = (kind, type(raw), raw)
@@ -638,7 +638,7 @@ def _memo_value(raw: Any, kind: Kind, memo: _Memo) -> Const | Prefix | Range:
     if found is None:
         # The canonical value as a map's data would hold it, read once per document (a hairpin
         # set's addresses are the endpoint maps' ones): what _value makes of a scalar.
-        found = memo[key] = Const(_memo_canonical(raw, kind, memo))  # type: ignore[arg-type]
+        found = memo[key] = Const(memo_canonical(raw, kind, memo))  # type: ignore[arg-type]
     return found  # type: ignore[no-any-return]
 
 
@@ -657,18 +657,18 @@ def _value(raw: Any, kind: Kind) -> Const | Prefix | Range:
     return Const(canonical(raw, kind))
 
 
-def _data_const(raw: Any, kinds: tuple[Kind, ...], memo: _Memo) -> Const:
+def _data_const(raw: Any, kinds: tuple[Kind, ...], memo: Memo) -> Const:
     if isinstance(raw, dict) and "concat" in raw:
         parts = raw["concat"]
     else:
         parts = [raw]
     if len(parts) != len(kinds):
         raise ValueError(f"map data {raw!r} does not fit type {kinds}")
-    values = tuple(_memo_canonical(p, k, memo) for p, k in zip(parts, kinds))
+    values = tuple(memo_canonical(p, k, memo) for p, k in zip(parts, kinds))
     return Const(values if len(values) > 1 else values[0])
 
 
-def _memo_canonical(raw: Any, kind: Kind, memo: _Memo) -> object:
+def memo_canonical(raw: Any, kind: Kind, memo: Memo) -> object:
     if not isinstance(raw, (str, int)):
         return canonical(raw, kind)
     key = ("canonical", kind, type(raw), raw)

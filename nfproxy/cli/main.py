@@ -294,7 +294,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from nfproxy.cli.exit import entry
-
-    entry()
+if __name__ == "__main__":  # `nfproxy` and `python -m nfproxy` go through cli/exit.py's entry
+    raise SystemExit(main())
