@@ -31,7 +31,8 @@ from nfproxy.backends.nft import render as nft_backend  # noqa: E402
 from nfproxy.core.changes import diff  # noqa: E402
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.kernel.nft import NftSession  # noqa: E402
-from nfproxy.kernel.nft_netlink import NetlinkNft, _tokens  # noqa: E402
+from nfproxy.kernel.nfnetlink.values import tokens  # noqa: E402
+from nfproxy.kernel.nft_netlink import NetlinkNft  # noqa: E402
 from nfproxy.nftables import text as nft_text  # noqa: E402
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints  # noqa: E402
 from nfproxy.testing import uniform_cluster  # noqa: E402
@@ -79,7 +80,7 @@ def measure(services: int, endpoints: int, repeat: int) -> dict[str, float]:
                 if way == "netlink" and i >= 2:
                     start = time.perf_counter()
                     for line in nft_text.script(d.transaction).splitlines():
-                        _tokens(line)
+                        tokens(line)
                     retokenize.append(time.perf_counter() - start)
                     start = time.perf_counter()
                     fast.compile(d.transaction)

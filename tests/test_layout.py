@@ -195,21 +195,8 @@ def test_the_checker_sees_a_violation(module: str, source: str, expected: int) -
 # cycle between modules, no private name of pyroute2's. Each allow-list names today's debt and
 # is emptied by the change that pays it; test_allow_lists_are_not_stale keeps them honest.
 
-ALLOWED_PRIVATE: frozenset[tuple[str, str]] = frozenset({
-    ("nfproxy.kernel.nft_bulk", "nfproxy.kernel.nft_elements._attrs"),
-    ("nfproxy.kernel.nft_bulk", "nfproxy.kernel.nft_netlink._encode_value"),
-    ("nfproxy.kernel.nft_bulk", "nfproxy.kernel.nft_netlink._interval_bounds"),
-    ("nfproxy.kernel.nft_bulk", "nfproxy.kernel.nft_netlink._rule_messages"),
-    ("nfproxy.kernel.nft_bulk", "nfproxy.kernel.nft_netlink._verdict"),
-    ("nfproxy.kernel.nft_netlink", "nfproxy.kernel.nft_bulk._socket"),
-    ("nfproxy.kernel.nft_rule_templates", "nfproxy.kernel.nft_netlink._tokens"),
-})
-ALLOWED_CYCLES: frozenset[frozenset[str]] = frozenset({
-    frozenset({
-        "nfproxy.kernel.nft_bulk", "nfproxy.kernel.nft_elements", "nfproxy.kernel.nft_netlink",
-        "nfproxy.kernel.nft_rule_templates", "nfproxy.kernel.nft_wire",
-    }),
-})
+ALLOWED_PRIVATE: frozenset[tuple[str, str]] = frozenset()
+ALLOWED_CYCLES: frozenset[frozenset[str]] = frozenset()
 ALLOWED_PYROUTE2: frozenset[tuple[str, str]] = frozenset({
     ("nfproxy.kernel.nft_netlink", "_nlmsg_base__compiled_nla"),
 })

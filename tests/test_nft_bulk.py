@@ -17,6 +17,7 @@ import pytest
 from nfproxy.core.model import IPFamily
 from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel import netns, nft_bulk
+from nfproxy.kernel.nfnetlink import framing
 from nfproxy.kernel.nft import NftKernel
 from nfproxy.kernel import nft_wire
 from nfproxy.kernel.nft_netlink import (
@@ -213,7 +214,7 @@ def test_elements_are_the_bytes_the_partial_sync_path_sends(st: SetType, texts: 
 
 def _entries(message: bytes) -> bytes:
     """The element list's entries of one element message."""
-    at = 20 + len(nft_bulk.strz(1, "nfproxy"))
+    at = 20 + len(framing.strz(1, "nfproxy"))
     at += (int.from_bytes(message[at: at + 2], "little") + 3) & ~3  # the set's name
     return message[at + 4:]
 

@@ -33,33 +33,29 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from nfproxy.core import forked
-from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel import nft_wire
 from nfproxy.kernel.nft_rule_templates import RuleTemplates
-from nfproxy.kernel.nft_elements import ElementReader, _attrs
-from nfproxy.kernel.nft_netlink import (
-    Field,
+from nfproxy.kernel.nfnetlink.framing import attr, attributes, batch_socket, frame, strz
+from nfproxy.kernel.nfnetlink.values import (
     TYPE_INTEGER,
     TYPE_IPV4,
     TYPE_IPV6,
     TYPE_MARK,
-    NetlinkKernelError,
+    Field,
     SetType,
     Unsupported,
-    _encode_value,
-    _interval_bounds,
-    _rule_messages,
-    _verdict,
+    encode_value,
+    interval_bounds,
+    verdict_of,
 )
+from nfproxy.kernel.nft_elements import ElementReader
+from nfproxy.kernel.nft_netlink import NetlinkKernelError, rule_messages
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import Elements, quote_comment
 
 SCRATCH_TABLE = "nfproxy-scratch"
-NETLINK_NETFILTER = 12
-_SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33
-_NETLINK_CAP_ACK = 10
 _NFPROTO = {"ip": 2, "ip6": 10}
 
 # Message types and attribute numbers: include/uapi/linux/netfilter/nf_tables.h.
@@ -95,24 +91,6 @@ _REPLAYED = {
     _GETOBJ: frozenset({2, 3, 4, 8}),  # name, type, data, userdata
     _GETRULE: frozenset({4, 7}),  # expressions, userdata
 }
-
-
-_PAD = (b"", b"\0\0\0", b"\0\0", b"\0")
-
-
-def attr(kind: int, value: bytes) -> bytes:
-    n = len(value)
-    return _ATTR.pack(4 + n, kind) + value + _PAD[n & 3]
-
-
-def strz(kind: int, text: str) -> bytes:
-    return attr(kind, text.encode() + b"\0")
-
-
-def frame(msg_type: int, flags: int, family: int, seq: int, payload: bytes) -> bytes:
-    """One nf_tables message: nlmsghdr, nfgenmsg, attributes."""
-    body = struct.pack("=BBH", family, 0, 0) + payload
-    return _HEADER.pack(_HEADER.size + len(body), (10 << 8) | msg_type, _NLM_F_REQUEST | flags, seq, 0) + body
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,7 +336,7 @@ def _read_back(reader: ElementReader, family: str, kinds: set[int]) -> dict[tupl
             continue
         for buf, a, b in reader.replies(kind, family, request):
             name, in_table, kept = "", False, []
-            for t, x, y in _attrs(buf, a, b):
+            for t, x, y in attributes(buf, a, b):
                 if t == table_attr:
                     in_table = buf[x:y].rstrip(b"\0").decode() == table
                 elif t == name_attr:
@@ -572,7 +550,7 @@ class _Compiler:
             return
         command = f"add rule {self.tx.family} {self.tx.table} {rule.chain} {rule.body}"
         try:
-            messages = _rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids)
+            messages = rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids)
         except Unsupported:  # words the compiler lacks: libnftables encodes it, once
             self.learned_rules.append((len(self.parts), rule))
             self.emit(b"", (i, 0, 0))
@@ -589,7 +567,7 @@ class _Compiler:
             def set_type(name: str) -> SetType:
                 alias = aliases.get(name)
                 return self.set_type(name) if alias is None else dataclasses.replace(self.set_type(alias), name=name)
-        messages = _rule_messages(Rule("-", body), self.tx.family, self.tx.table, set_type, command, iter(range(1, 2)))
+        messages = rule_messages(Rule("-", body), self.tx.family, self.tx.table, set_type, command, iter(range(1, 2)))
         if len(messages) != 1:
             raise Unsupported("a rule of more than one message")
         encoded = nft_wire.encode_message(messages[0], self.family, 0, ack=False)
@@ -618,7 +596,7 @@ class _Compiler:
                 for part in parts:  # list entries numbered 1, 2, 3 ... as libnftnl numbers them
                     n = len(part)  # a multiple of 4 (every attribute in it is padded), or made one
                     if n & 3:
-                        part += _PAD[n & 3]
+                        part += b"\0" * (4 - (n & 3))
                         n = len(part)
                     items.append(pack_head(n + 4, (len(items) + 1) | _NLA_F_NESTED) + part)
                     size += n + 4
@@ -687,7 +665,7 @@ def _interval_keys(st: SetType) -> Callable[[str], tuple[bytes, bytes | None]]:
             low_text, _, high_text = text.partition("-")
             low, high = int(low_text, 10), int(high_text or low_text, 10)
         else:
-            low, high = _interval_bounds(text, field, "")
+            low, high = interval_bounds(text, field, "")
         if not 0 <= low <= high < top:
             raise ValueError(f"interval {text!r} outside what {size} bytes hold")
         start = head + low.to_bytes(size, "big") + pad
@@ -705,7 +683,7 @@ def _value_writer(st: SetType) -> Callable[[str], bytes]:
         return none
     if st.verdict:
         def verdict(text: str) -> bytes:
-            code, chain = _verdict(text.split(" "), "")
+            code, chain = verdict_of(text.split(" "), "")
             body = attr(_VERDICT_CODE, struct.pack(">i", code)) + (strz(_VERDICT_CHAIN, chain) if chain is not None else b"")
             return attr(_ELEM_DATA, attr(_DATA_VERDICT, body))
         return _required(verdict)
@@ -731,7 +709,7 @@ def _nested_head(outer: int, inner: int, size: int) -> bytes:
 
 def _concat_writer(fields: tuple[Field, ...], name: str) -> Callable[[str], bytes]:
     """` . `-joined values -> their bytes, each field padded to 4 when concatenated (as
-    nft_netlink._encode_concat); repeated values (protocols, ports) are encoded once."""
+    nfnetlink.values.encode_concat); repeated values (protocols, ports) are encoded once."""
     writers = [_field_writer(f, padded=len(fields) > 1, name=name) for f in fields]
     if len(writers) == 1:
         return writers[0]
@@ -768,7 +746,7 @@ def _field_writer(f: Field, *, padded: bool, name: str) -> Callable[[str], bytes
     def other(text: str) -> bytes:
         got = known.get(text)
         if got is None:
-            got = _encode_value(text, f, f"set {name}")
+            got = encode_value(text, f, f"set {name}")
             if padded:
                 got += b"\0" * (-len(got) % 4)
             if len(known) < 1 << 16:
@@ -847,7 +825,7 @@ def send(batch: Batch, tx: Transaction, netns: str | None, sock: socket.socket |
     data[:0] = nft_wire.batch_begin(0)  # in place: the batch is the one copy
     data += nft_wire.batch_end(last + 1)
     kept = sock is not None  # the caller's (NetlinkNft.raw_socket): left open
-    sock = sock if sock is not None else _socket(netns, len(data))
+    sock = sock if sock is not None else batch_socket(netns, len(data))
     try:
         try:
             sock.send(data)
@@ -868,29 +846,6 @@ def send(batch: Batch, tx: Transaction, netns: str | None, sock: socket.socket |
         )
     if not acked:
         raise KernelError(f"nft netlink{_where(netns)}: no answer to the batch's last message")
-
-
-def _socket(netns: str | None, size: int) -> socket.socket:
-    def make() -> socket.socket:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-
-    if netns is None:
-        sock = make()
-    else:
-        with netns_mod.entered(netns):
-            sock = make()
-    try:
-        # The whole batch is one write (nfnetlink reads a batch from one buffer), so the send
-        # buffer must hold it; errors are small with CAP_ACK, but may be many.
-        sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, size + 65536)
-        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 16 << 20)
-        sock.setsockopt(270, _NETLINK_CAP_ACK, 1)  # SOL_NETLINK: errors without the message echoed
-        sock.bind((0, 0))
-    except OSError as exc:
-        sock.close()
-        raise Unsupported(f"netlink socket for a large batch: {os.strerror(exc.errno or 0)}") from None
-    sock.setblocking(False)
-    return sock
 
 
 def _answers(sock: socket.socket, last: int, netns: str | None) -> tuple[list[tuple[int, int]], bool]:

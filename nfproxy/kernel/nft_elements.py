@@ -34,7 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nfproxy.kernel import netns as netns_mod
-from nfproxy.kernel.nft_netlink import (
+from nfproxy.kernel.nfnetlink.framing import NETLINK_NETFILTER, NLA_TYPE_MASK, attributes
+from nfproxy.kernel.nfnetlink.values import (
     SetType,
     TYPE_INET_PROTO,
     TYPE_INET_SERVICE,
@@ -47,12 +48,10 @@ from nfproxy.kernel.nft_netlink import (
 )
 from nfproxy.kernel.process import KernelError
 
-NETLINK_NETFILTER = 12
 _NFTABLES = 10 << 8  # NFNL_SUBSYS_NFTABLES in a message type's high byte
 _GETTABLE, _GETSET, _GETSETELEM, _GETGEN = 1, 10, 13, 16
 _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
-_NLA_TYPE_MASK = 0x3FFF
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr
 _ATTR = struct.Struct("=HH")
 FAMILIES = {"ip": 2, "ip6": 10, "inet": 1}  # the families whose sets this reader reads
@@ -99,17 +98,6 @@ class SetElements:
     type: SetType
     key_bits: int  # the key's width: an interval without an end runs to 2**key_bits - 1
     elements: tuple[RawElement, ...]
-
-
-def _attrs(buf: bytes, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-    """(type, value start, value stop) of each attribute in buf[start:stop]."""
-    unpack = _ATTR.unpack_from
-    while start + 4 <= stop:
-        length, kind = unpack(buf, start)
-        if length < 4:
-            raise Unsupported(f"netlink attribute of length {length}")
-        yield kind & _NLA_TYPE_MASK, start + 4, start + length
-        start += (length + 3) & ~3
 
 
 def _string(buf: bytes, a: int, b: int) -> str:
@@ -186,7 +174,7 @@ class ElementReader:
 
     def generation(self) -> int:
         for buf, a, b in self._dump(_GETGEN, "ip", b"", dump=False):
-            for kind, x, y in _attrs(buf, a, b):
+            for kind, x, y in attributes(buf, a, b):
                 if kind == _GEN_ID:
                     return struct.unpack_from(">I", buf, x)[0]
         raise KernelError("nft netlink: no generation in the reply")
@@ -197,7 +185,7 @@ class ElementReader:
         out = []
         for buf, a, b in self._dump(_GETTABLE, "any", b""):
             family = buf[a - 4]  # nfgenmsg's first byte
-            for kind, x, y in _attrs(buf, a, b):
+            for kind, x, y in attributes(buf, a, b):
                 if kind == _TABLE_NAME:
                     out.append((_FAMILY_NAMES.get(family, str(family)), _string(buf, x, y)))
         return out
@@ -210,7 +198,7 @@ class ElementReader:
             attrs: dict[str, object] = {}
             name = ""
             expressions = False
-            for kind, x, y in _attrs(buf, a, b):
+            for kind, x, y in attributes(buf, a, b):
                 if kind == _SET_TABLE and _string(buf, x, y) != table:
                     break  # kernels before the dump filter send every table's sets
                 if kind == _SET_NAME:
@@ -240,7 +228,7 @@ class ElementReader:
         decode = _Decoder(st, name, counters)
         out: list[RawElement] = []
         for buf, a, b in self._dump(_GETSETELEM, family, request):
-            for kind, x, y in _attrs(buf, a, b):
+            for kind, x, y in attributes(buf, a, b):
                 if kind == _LIST_ELEMENTS:
                     decode.elements(buf, x, y, out)
         return out
@@ -300,7 +288,7 @@ class _Decoder:
                 alen, kind = unpack(buf, x)
                 if alen < 4:
                     raise Unsupported(f"set {name}: netlink attribute of length {alen}")
-                kind &= _NLA_TYPE_MASK
+                kind &= NLA_TYPE_MASK
                 if kind == _ELEM_KEY:
                     key = _inner_value(buf, x + 4, x + alen, key_layout, name)
                     packed = buf[x + 8: x + 8 + key_layout.struct.size]
@@ -365,7 +353,7 @@ def _layout(fields: tuple, name: str, *, big_endian: bool = False) -> _Layout:
 def _inner_value(buf: bytes, a: int, b: int, layout: _Layout, name: str) -> tuple[int | str, ...]:
     """The NFTA_DATA_VALUE inside a key or data nest."""
     vlen, kind = _ATTR.unpack_from(buf, a)
-    if kind & _NLA_TYPE_MASK != _DATA_VALUE or vlen - 4 < layout.struct.size or a + vlen > b:
+    if kind & NLA_TYPE_MASK != _DATA_VALUE or vlen - 4 < layout.struct.size or a + vlen > b:
         raise Unsupported(f"set {name}: a value that does not fit its declared types")
     values = layout.struct.unpack_from(buf, a + 4)
     if not layout.addresses:
@@ -377,10 +365,10 @@ def _inner_value(buf: bytes, a: int, b: int, layout: _Layout, name: str) -> tupl
 
 
 def _verdict(buf: bytes, a: int, b: int, name: str) -> tuple[str, str]:
-    for kind, x, y in _attrs(buf, a, b):
+    for kind, x, y in attributes(buf, a, b):
         if kind == _DATA_VERDICT:
             code, chain = 0, ""
-            for k, p, q in _attrs(buf, x, y):
+            for k, p, q in attributes(buf, x, y):
                 if k == _VERDICT_CODE:
                     code = struct.unpack_from(">i", buf, p)[0]
                 elif k == _VERDICT_CHAIN:
@@ -393,16 +381,16 @@ def _verdict(buf: bytes, a: int, b: int, name: str) -> tuple[str, str]:
 
 def _packets(buf: bytes, a: int, b: int, listed: bool) -> int | None:
     """The packets of an element's counter expression (one of a list, or the only one)."""
-    exprs = [(x, y) for _, x, y in _attrs(buf, a, b)] if listed else [(a, b)]
+    exprs = [(x, y) for _, x, y in attributes(buf, a, b)] if listed else [(a, b)]
     for x, y in exprs:
         name, data = "", None
-        for kind, p, q in _attrs(buf, x, y):
+        for kind, p, q in attributes(buf, x, y):
             if kind == _EXPR_NAME:
                 name = _string(buf, p, q)
             elif kind == _EXPR_DATA:
                 data = (p, q)
         if name == "counter" and data is not None:
-            for kind, p, _ in _attrs(buf, *data):
+            for kind, p, _ in attributes(buf, *data):
                 if kind == _COUNTER_PACKETS:
                     return int(struct.unpack_from(">Q", buf, p)[0])
     return None

@@ -36,8 +36,6 @@ import errno as errno_mod
 import ipaddress
 import os
 import re
-import socket
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -81,13 +79,36 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
 from pyroute2.netlink.nlsocket import NetlinkRequest
 
 from nfproxy.kernel import netns as netns_mod
+from nfproxy.kernel.nfnetlink.framing import batch_socket
+from nfproxy.kernel.nfnetlink.values import (
+    CHAIN_VERDICTS,
+    HOST,
+    NFNL_MSG_BATCH_BEGIN,
+    NFNL_MSG_BATCH_END,
+    TYPE_INET_PROTO,
+    TYPE_INET_SERVICE,
+    TYPE_INTEGER,
+    TYPE_IPV4,
+    TYPE_IPV6,
+    TYPE_MARK,
+    TYPE_VERDICT,
+    VERDICT_CODES,
+    Field,
+    Message,
+    SetType,
+    Unsupported,
+    bare_name,
+    encode_concat,
+    encode_value,
+    interval_bounds,
+    set_type_from_kernel,
+    tokens,
+    verdict_of,
+)
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import quote_comment
 from nfproxy.kernel.process import KernelError
-
-NFNL_MSG_BATCH_BEGIN = 0x10
-NFNL_MSG_BATCH_END = 0x11
 
 _FAMILIES = {"ip": NFPROTO_IPV4, "ip6": NFPROTO_IPV6}
 
@@ -98,10 +119,6 @@ MAX_MESSAGES = 4000
 # Elements per netlink message: one attribute nest is limited to 64 KiB.
 _ELEMENTS_PER_MESSAGE = 256
 _REPLY_TIMEOUT = 10.0
-
-
-class Unsupported(Exception):
-    """A command outside the vocabulary: nothing was sent; use libnftables for the transaction."""
 
 
 class NetlinkKernelError(KernelError):
@@ -208,135 +225,13 @@ class _ElemListMsg(_Own, nft_set_elem_list_msg):
 # --------------------------------------------------------------------------------------------
 # Values: what nft calls datatypes, and how each literal becomes bytes.
 
-# nftables datatype ids (include/datatype.h) and the sizes of the fixed-size ones.
-TYPE_INTEGER = 4
-TYPE_IPV4 = 7
-TYPE_IPV6 = 8
-TYPE_INET_PROTO = 12
-TYPE_INET_SERVICE = 13
-TYPE_MARK = 19
-TYPE_VERDICT = 0xFFFFFF00  # NFT_DATA_VERDICT as a set's data type
-_TYPE_BITS = 6  # concatenated types: (t1 << 6 | t2) << 6 | t3 ...
-_SIZES = {TYPE_IPV4: 4, TYPE_IPV6: 16, TYPE_INET_PROTO: 1, TYPE_INET_SERVICE: 2, TYPE_MARK: 4}
-_HOST = sys.byteorder
-
-_PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "icmpv6": 58}
-_VERDICT_CODES = {"accept": 1, "drop": 0, "return": -5, "continue": -1}
-_CHAIN_VERDICTS = {"jump": -3, "goto": -4}
 # fib ... type: rtn types (include/uapi/linux/rtnetlink.h), 4 bytes in host order.
 _ADDRTYPES = {"unicast": 1, "local": 2, "broadcast": 3, "anycast": 4, "multicast": 5, "blackhole": 6,
               "unreachable": 7, "prohibit": 8}
 
 
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One field of a key or data concatenation: its datatype, size in bytes and byte order."""
-
-    type: int
-    size: int
-    host_order: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SetType:
-    """A named set as the kernel declares it, enough to encode its elements."""
-
-    name: str
-    key: tuple[Field, ...]
-    data: tuple[Field, ...] | None  # None: a plain set
-    verdict: bool = False  # data is a verdict
-    interval: bool = False
-
-
-def _encode_value(text: str, f: Field, what: str) -> bytes:
-    """One literal of datatype `f`, unpadded."""
-    t = f.type
-    try:
-        if t == TYPE_IPV4:  # inet_pton: as strict as ipaddress (no leading zeros), 5x faster
-            return socket.inet_pton(socket.AF_INET, text)
-        if t == TYPE_IPV6:
-            if "%" in text:  # a scope: inet_pton would ignore what nft refuses
-                raise ValueError(text)
-            return socket.inet_pton(socket.AF_INET6, text)
-        if t == TYPE_INET_PROTO:
-            n = _PROTOCOLS[text] if text in _PROTOCOLS else int(text, 0)
-            return n.to_bytes(1, "big")
-        if t == TYPE_INET_SERVICE:
-            return int(text, 10).to_bytes(2, "big")
-        if t in (TYPE_INTEGER, TYPE_MARK):
-            return int(text, 0).to_bytes(f.size, _HOST if f.host_order else "big")
-    except (ValueError, KeyError, OverflowError, OSError):
-        raise Unsupported(f"{what}: {text!r} is not a value of datatype {t}") from None
-    raise Unsupported(f"{what}: datatype {t} is outside the netlink vocabulary")
-
-
-def _pad4(b: bytes) -> bytes:
-    return b + b"\0" * (-len(b) % 4)
-
-
-def _encode_concat(texts: list[str], fields: tuple[Field, ...], what: str) -> bytes:
-    if len(texts) != len(fields):
-        raise Unsupported(f"{what}: {len(texts)} fields where the set has {len(fields)}")
-    if len(fields) == 1:
-        return _encode_value(texts[0], fields[0], what)
-    return b"".join(_pad4(_encode_value(x, f, what)) for x, f in zip(texts, fields))
-
-
-def _split_types(composite: int) -> list[int]:
-    out: list[int] = []
-    while composite:
-        out.append(composite & ((1 << _TYPE_BITS) - 1))
-        composite >>= _TYPE_BITS
-    return out[::-1]
-
-
-def _fields(composite: int, total: int, host_order: bool, what: str) -> tuple[Field, ...]:
-    types = _split_types(composite)
-    if len(types) == 1 and types[0] in (TYPE_INTEGER, TYPE_MARK):
-        return (Field(types[0], total, host_order),)
-    fields = []
-    for t in types:
-        size = _SIZES.get(t)
-        if size is None:
-            raise Unsupported(f"{what}: datatype {t} is outside the netlink vocabulary")
-        fields.append(Field(t, size))
-    size = fields[0].size if len(fields) == 1 else sum(-(-f.size // 4) * 4 for f in fields)
-    if size != total:
-        raise Unsupported(f"{what}: declared length {total} does not match its types {types}")
-    return tuple(fields)
-
-
-def set_type_from_kernel(name: str, attrs: dict[str, Any]) -> SetType:
-    """Decode a GETSET reply (pyroute2 attributes) into the types elements are encoded with."""
-    flags = attrs.get("NFTA_SET_FLAGS") or frozenset()
-    udata = attrs.get("NFTA_SET_USERDATA") or []
-    key_host = False
-    if isinstance(udata, list) and udata and udata[0][0] == "NFTNL_UDATA_SET_KEYBYTEORDER":
-        key_host = int.from_bytes(udata[0][1][:4], _HOST) == 1  # BYTEORDER_HOST_ENDIAN
-    what = f"set {name}"
-    key = _fields(attrs["NFTA_SET_KEY_TYPE"], attrs["NFTA_SET_KEY_LEN"], key_host, what)
-    data: tuple[Field, ...] | None = None
-    verdict = False
-    if "NFT_SET_MAP" in flags:
-        dtype = attrs.get("NFTA_SET_DATA_TYPE")
-        if dtype == TYPE_VERDICT:
-            verdict, data = True, ()
-        else:
-            data = _fields(dtype, attrs["NFTA_SET_DATA_LEN"], False, what)
-    if "NFT_SET_OBJECT" in flags:
-        raise Unsupported(f"{what}: object maps are outside the netlink vocabulary")
-    return SetType(name, key, data, verdict, "NFT_SET_INTERVAL" in flags)
-
-
 # --------------------------------------------------------------------------------------------
 # Text: nft's tokens. Names are bare (nfproxy never quotes one), strings are double-quoted.
-
-_TOKEN = re.compile(r'"[^"]*"|[{},]|[^\s{},]+')
-
-
-def _tokens(text: str) -> list[str]:
-    return _TOKEN.findall(text)
-
 
 def _data(value: bytes) -> dict[str, Any]:
     return {"attrs": [("NFTA_DATA_VALUE", value)]}
@@ -356,12 +251,6 @@ def _expr(name: str, *attrs: tuple[Any, ...]) -> dict[str, Any]:
 def _reg(k: int) -> int:
     """libnftables' register numbering: 32-bit slot k, named as a 128-bit register if aligned."""
     return 1 + k // 4 if k % 4 == 0 else 8 + k
-
-
-def _name(token: str, what: str) -> str:
-    if not re.fullmatch(r"[A-Za-z_.][A-Za-z0-9_./-]*", token) or len(token) > 256:
-        raise Unsupported(f"{what}: {token!r} is not a bare nft name")
-    return token
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,8 +382,8 @@ class _RuleCompiler:
         if sel.field.type == -1:  # fib address type
             if text not in _ADDRTYPES:
                 raise self.fail(f"unknown address type {text!r}")
-            return _ADDRTYPES[text].to_bytes(4, _HOST)
-        return _encode_value(text, sel.field, self.command)
+            return _ADDRTYPES[text].to_bytes(4, HOST)
+        return encode_value(text, sel.field, self.command)
 
     def cmp(self, op: int, value: bytes) -> None:
         self.exprs.append(
@@ -509,7 +398,7 @@ class _RuleCompiler:
     def relation(self, sels: list[_Selector], negate: bool, rhs: str) -> None:
         """`sels [!=] rhs` where rhs is a literal, a prefix or @set."""
         if rhs.startswith("@"):
-            name = _name(rhs[1:], self.command)
+            name = bare_name(rhs[1:], self.command)
             self.load(sels)
             attrs: list[tuple[str, Any]] = [("NFTA_LOOKUP_SREG", 1), ("NFTA_LOOKUP_SET", name)]  # nft's order
             if negate:
@@ -598,19 +487,19 @@ class _RuleCompiler:
         for lo, hi in merged:
             start: list[Any] = [("NFTA_SET_ELEM_KEY", _data(lo.to_bytes(size, "big")), NLA_F_NESTED)]
             if hi == top:  # open interval: no end element fits; libnftnl flags it instead
-                start.append(("NFTA_SET_ELEM_USERDATA", bytes((1, 4)) + (1).to_bytes(4, _HOST)))
+                start.append(("NFTA_SET_ELEM_USERDATA", bytes((1, 4)) + (1).to_bytes(4, HOST)))
             elements.append({"attrs": start})
             if hi != top:
                 elements.append(
                     {"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
                 )
         desc, fld = sel.typeof
-        typeof = _udata(0, (7).to_bytes(4, _HOST)) + _udata(
-            1, _udata(0, desc.to_bytes(4, _HOST)) + _udata(1, fld.to_bytes(4, _HOST))
+        typeof = _udata(0, (7).to_bytes(4, HOST)) + _udata(
+            1, _udata(0, desc.to_bytes(4, HOST)) + _udata(1, fld.to_bytes(4, HOST))
         )
         udata = (
-            _udata(0, (2).to_bytes(4, _HOST))  # key byte order: big endian
-            + _udata(2, (1).to_bytes(4, _HOST))  # merge elements
+            _udata(0, (2).to_bytes(4, HOST))  # key byte order: big endian
+            + _udata(2, (1).to_bytes(4, HOST))  # merge elements
             + _udata(3, typeof)  # key typeof: a payload expression
         )
         set_id = self.next_set_id()
@@ -653,7 +542,7 @@ class _RuleCompiler:
         for item in _split_commas(toks[i + 1 : end]):
             if len(item) < 3 or item[1] != ":":
                 raise self.fail("anonymous vmap element")
-            code, chain = _verdict(item[2:], self.command)
+            code, chain = verdict_of(item[2:], self.command)
             items.append((item[0], code, chain))
         if not items:
             raise self.fail("empty anonymous vmap")
@@ -769,7 +658,7 @@ class _RuleCompiler:
             sels, i = found
             if toks[i : i + 1] != ["map"] or not toks[i + 1 : i + 2] or not toks[i + 1].startswith("@"):
                 raise self.fail("dnat to an expression that is not a map lookup")
-            st = self.set_type(_name(toks[i + 1][1:], self.command))
+            st = self.set_type(bare_name(toks[i + 1][1:], self.command))
             if st.data is None or st.verdict or not st.data or st.data[0] != addr_field:
                 raise self.fail(f"dnat through map {st.name} whose data is not an address")
             if len(st.data) not in (1, 2) or (len(st.data) == 2 and st.data[1].type != TYPE_INET_SERVICE):
@@ -804,7 +693,7 @@ class _RuleCompiler:
             _expr(
                 "immediate",
                 ("NFTA_IMMEDIATE_DREG", 1),
-                ("NFTA_IMMEDIATE_DATA", _data(_encode_value(addr, addr_field, self.command)), NLA_F_NESTED),
+                ("NFTA_IMMEDIATE_DATA", _data(encode_value(addr, addr_field, self.command)), NLA_F_NESTED),
             )
         )
         attrs = [("NFTA_NAT_TYPE", 1), ("NFTA_NAT_FAMILY", fam), ("NFTA_NAT_REG_ADDR_MIN", 1)]
@@ -824,7 +713,7 @@ class _RuleCompiler:
         """`update @set { sel }`: the affinity record (no timeout, no data)."""
         if not toks[i].startswith("@") or toks[i + 1 : i + 2] != ["{"]:
             raise self.fail("update without @set { key }")
-        name = _name(toks[i][1:], self.command)
+        name = bare_name(toks[i][1:], self.command)
         found = self.selectors(toks, i + 2)
         if found is None or toks[found[1] : found[1] + 1] != ["}"]:
             raise self.fail("update key outside the vocabulary")
@@ -852,13 +741,13 @@ class _RuleCompiler:
                 self.comment = toks[i + 1][1:-1]
                 i += 2
                 continue
-            if t in _CHAIN_VERDICTS:
-                self.verdict(_CHAIN_VERDICTS[t], _name(toks[i + 1] if i + 1 < len(toks) else "", self.command))
+            if t in CHAIN_VERDICTS:
+                self.verdict(CHAIN_VERDICTS[t], bare_name(toks[i + 1] if i + 1 < len(toks) else "", self.command))
                 i += 2
                 terminal = True
                 continue
-            if t in _VERDICT_CODES:
-                self.verdict(_VERDICT_CODES[t], None)
+            if t in VERDICT_CODES:
+                self.verdict(VERDICT_CODES[t], None)
                 i += 1
                 terminal = True
                 continue
@@ -889,7 +778,7 @@ class _RuleCompiler:
                             "lookup",
                             ("NFTA_LOOKUP_SREG", 1),
                             ("NFTA_LOOKUP_DREG", 0),
-                            ("NFTA_LOOKUP_SET", _name(toks[i + 1][1:], self.command)),
+                            ("NFTA_LOOKUP_SET", bare_name(toks[i + 1][1:], self.command)),
                         )
                     )
                     i += 2
@@ -932,14 +821,6 @@ def _split_commas(body: list[str]) -> list[list[str]]:
     return [x for x in items if x]
 
 
-def _verdict(toks: list[str], command: str) -> tuple[int, str | None]:
-    if len(toks) == 2 and toks[0] in _CHAIN_VERDICTS:
-        return _CHAIN_VERDICTS[toks[0]], _name(toks[1], command)
-    if len(toks) == 1 and toks[0] in _VERDICT_CODES:
-        return _VERDICT_CODES[toks[0]], None
-    raise Unsupported(f"verdict {' '.join(toks)!r}: {command}")
-
-
 # The user data libnftables 1.0.6 gives an anonymous `numgen ... vmap { ... }`: key byte order
 # host (1), data byte order 0, the data's typeof (verdict), data not an interval. nft reads the
 # key byte order back to print the keys, so it must be the same.
@@ -948,17 +829,6 @@ _ANON_VMAP_UDATA = bytes.fromhex("0004010000000104000000000408000401000000010006
 
 # --------------------------------------------------------------------------------------------
 # Commands to messages.
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One nfnetlink message of a batch, and the command text it came from (for errors)."""
-
-    msg_class: type
-    msg_type: int
-    flags: int
-    attrs: tuple[Any, ...]
-    command: str
 
 
 _INTERVAL_END = ("NFTA_SET_ELEM_FLAGS", 1)  # NFT_SET_ELEM_INTERVAL_END
@@ -971,7 +841,7 @@ def _element(el: Element, st: SetType, command: str, *, with_values: bool) -> li
     value and comment) and the key after the range's end, flagged as an interval end."""
     if st.interval:
         return _interval_element(el, st, command, with_values=with_values)
-    key = _encode_concat(el.key.split(" . "), st.key, command)
+    key = encode_concat(el.key.split(" . "), st.key, command)
     return [_start_element(key, el, st, command, with_values)]
 
 
@@ -983,11 +853,11 @@ def _start_element(key: bytes, el: Element, st: SetType, command: str, with_valu
         raise Unsupported(f"element value does not fit set {st.name}: {command}")
     if el.value:
         if st.verdict:
-            code, chain = _verdict(el.value.split(" "), command)
+            code, chain = verdict_of(el.value.split(" "), command)
             attrs.append(("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED))
         else:
             assert st.data is not None
-            data = _encode_concat(el.value.split(" . "), st.data, command)
+            data = encode_concat(el.value.split(" . "), st.data, command)
             attrs.append(("NFTA_SET_ELEM_DATA", _data(data), NLA_F_NESTED))
     if el.comment:
         # Cut as the text writer cuts it: both paths must leave the same element.
@@ -1004,7 +874,7 @@ def _interval_element(el: Element, st: SetType, command: str, *, with_values: bo
     if len(st.key) != 1 or st.key[0].type not in (TYPE_INTEGER, TYPE_MARK, TYPE_IPV4, TYPE_IPV6):
         raise Unsupported(f"interval set {st.name} of concatenated or other keys: {command}")
     size = st.key[0].size
-    low, high = _interval_bounds(el.key, st.key[0], command)
+    low, high = interval_bounds(el.key, st.key[0], command)
     if not 0 <= low <= high < 1 << (8 * size):
         raise Unsupported(f"interval {el.key!r} outside what {size} bytes hold: {command}")
     start = _start_element(low.to_bytes(size, "big"), el, st, command, with_values)
@@ -1012,21 +882,6 @@ def _interval_element(el: Element, st: SetType, command: str, *, with_values: bo
         return [start]
     end = {"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((high + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
     return [start, end]
-
-
-def _interval_bounds(text: str, f: Field, command: str) -> tuple[int, int]:
-    """The first and last value of an interval element's key."""
-    try:
-        if f.type in (TYPE_IPV4, TYPE_IPV6):
-            if "/" in text:
-                net = ipaddress.ip_network(text, strict=False)
-                return int(net.network_address), int(net.broadcast_address)
-            low_text, _, high_text = text.partition("-")
-            return int(ipaddress.ip_address(low_text)), int(ipaddress.ip_address(high_text or low_text))
-        low_text, _, high_text = text.partition("-")
-        return int(low_text, 10), int(high_text or low_text, 10)
-    except ValueError:
-        raise Unsupported(f"{text!r} is not an interval: {command}") from None
 
 
 def unencodable(tx: Transaction) -> str | None:
@@ -1087,7 +942,7 @@ def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType], fir
                 out.append(Message(nft_chain_msg, NFT_MSG_DELCHAIN, 0,
                                    (("NFTA_CHAIN_TABLE", table), ("NFTA_CHAIN_NAME", obj.name)), command))
         elif kind is Rule:
-            out.extend(_rule_messages(obj, family, table, set_type, command, set_ids))
+            out.extend(rule_messages(obj, family, table, set_type, command, set_ids))
         elif kind is Table:  # a delete of the transaction's own table: unencodable() lets no other through
             out.append(Message(nft_table_msg, NFT_MSG_DELTABLE, 0, (("NFTA_TABLE_NAME", obj.name),), command))
         elif kind in (Set, Map):  # a delete: unencodable() lets no other verb through
@@ -1100,11 +955,11 @@ def compile_transaction(tx: Transaction, set_type: Callable[[str], SetType], fir
     return out
 
 
-def _rule_messages(
+def rule_messages(
     rule: Rule, family: str, table: str, set_type: Callable[[str], SetType], command: str, set_ids: Any
 ) -> list[Message]:
     rc = _RuleCompiler(family, table, set_type, command, next_set_id=lambda: next(set_ids))
-    rc.compile(_tokens(rule.body))
+    rc.compile(tokens(rule.body))
     out: list[Message] = []
     for set_attrs, set_name, set_id, elements in rc.set_messages:
         out.append(Message(nft_set_msg, NFT_MSG_NEWSET, NLM_F_CREATE, set_attrs, command))
@@ -1342,7 +1197,7 @@ class NetlinkNft:
             messages += self.compile(one, first_set_id=1 + (len(messages) << 8))
         if not messages:
             return
-        from nfproxy.kernel.nft_wire import wired  # it imports this module
+        from nfproxy.kernel.nft_wire import wired
 
         nfproto = _FAMILIES[tx.family]
         outgoing = [(wired(m, nfproto), m.command) for m in messages]  # Unsupported: nothing sent
@@ -1377,12 +1232,10 @@ class NetlinkNft:
 
     def _raw_socket(self, size: int) -> Any:
         """The kept raw socket, able to send `size` bytes in one write (call with the lock)."""
-        from nfproxy.kernel import nft_bulk
-
         if not self._raw or size > self._raw_size:
             _close_raw(self._raw)
             self._raw_size = max(size, 1 << 22)
-            self._raw.append(nft_bulk._socket(self.netns, self._raw_size))
+            self._raw.append(batch_socket(self.netns, self._raw_size))
         return self._raw[0]
 
     @contextlib.contextmanager

@@ -33,7 +33,7 @@ import socket
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from nfproxy.kernel.nft_netlink import Unsupported, _tokens
+from nfproxy.kernel.nfnetlink.values import Unsupported, tokens
 
 _IPV4 = re.compile(r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
 _INT = re.compile(r"[1-9]\d{0,18}")
@@ -93,7 +93,7 @@ class RuleTemplates:
 
     def body(self, text: str) -> bytes | None:
         """The rule's attributes after table and chain, or None: compile it the usual way."""
-        toks = _tokens(text)
+        toks = tokens(text)
         shape, values, where = _shape(toks, self._map_kind)
         known = self._known.get(shape, False)
         if known is False:

@@ -52,7 +52,7 @@ from pyroute2.netlink import (
 from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_NFTABLES, nfgen_msg
 from pyroute2.netlink.nfnetlink.nftsocket import CData, nft_contains_expr, nft_flags_be32, nftnl_udata
 
-from nfproxy.kernel.nft_netlink import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, Message, Unsupported
+from nfproxy.kernel.nfnetlink.values import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, Message, Unsupported
 
 Encoder = Callable[[Any], bytes]  # an attribute's value -> the whole attribute, padded
 
