@@ -250,6 +250,33 @@ def private_references(module: str, source: str, is_package: bool = False) -> It
                 yield name
 
 
+def defined_names(source: str) -> set[str]:
+    """Every name a module defines: functions, classes, assigned names and attributes."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+    return out
+
+
+def foreign_private_attributes(source: str, ours: set[str]) -> Iterator[str]:
+    """In a module that imports pyroute2: `x._name` where `_name` is nothing nfproxy defines,
+    so it can only be a library's private (pyroute2's sockets and messages are the objects
+    such a module holds)."""
+    tree = ast.parse(source)
+    if not any(imp.target.startswith("pyroute2") for imp in imports("m", source)):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in ours:
+            yield node.attr
+
+
 def module_graph(found: list[Import]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in _modules() if m.startswith("nfproxy")}
     for imp in found:
@@ -300,16 +327,20 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 
 @functools.cache
 def _private_by_module() -> frozenset[tuple[str, str]]:
+    ours = [path for path in source_files() if module_name(path).startswith("nfproxy")]
+    defined = set().union(*(defined_names(path.read_text()) for path in ours))
     return frozenset({
-        (module_name(path), ref)
-        for path in source_files()
-        if module_name(path).startswith("nfproxy")
-        for ref in private_references(module_name(path), path.read_text(), path.name == "__init__.py")
+        *((module_name(path), ref)
+          for path in ours
+          for ref in private_references(module_name(path), path.read_text(), path.name == "__init__.py")),
+        *((module_name(path), f"pyroute2 .{name}")
+          for path in ours
+          for name in foreign_private_attributes(path.read_text(), defined)),
     })
 
 
 def _split_private(refs: frozenset[tuple[str, str]]) -> tuple[frozenset[tuple[str, str]], frozenset[tuple[str, str]]]:
-    pyroute2 = frozenset((m, r) for m, r in refs if r.startswith(("pyroute2", "_nl")))
+    pyroute2 = frozenset((m, r) for m, r in refs if r.startswith(("pyroute2", "_nl")))  # "pyroute2 .x": an attribute
     return refs - pyroute2, pyroute2
 
 
@@ -351,6 +382,18 @@ def test_allow_lists_are_not_stale() -> None:
 )
 def test_the_checker_sees_a_private_reference(module: str, source: str, expected: list[str]) -> None:
     assert sorted(private_references(module, source)) == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from pyroute2 import IPRoute\nsock = IPRoute()\nsock._run_with_cleanup(f)", ["_run_with_cleanup"]),
+        ("from pyroute2 import IPRoute\ndef _mine(): pass\nx._mine()\nself._y = 1\nself._y", []),
+        ("import json\nsock._run_with_cleanup(f)", []),  # no pyroute2 here: not judged
+    ],
+)
+def test_the_checker_sees_a_pyroute2_private_attribute(source: str, expected: list[str]) -> None:
+    assert list(foreign_private_attributes(source, defined_names(source))) == expected
 
 
 def test_the_checker_sees_a_cycle() -> None:

@@ -23,9 +23,7 @@ cannot say raises `Unsupported` before anything is sent, and the caller uses lib
 from __future__ import annotations
 
 import dataclasses
-import errno as errno_mod
 import functools
-import os
 import socket
 import struct
 import time
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 from nfproxy.core import forked
 from nfproxy.kernel import nft_wire
 from nfproxy.kernel.nft_rule_templates import RuleTemplates
-from nfproxy.kernel.nfnetlink.framing import attr, attributes, batch_socket, frame, strz
+from nfproxy.kernel.nfnetlink.framing import attr, attributes, frame, strz
 from nfproxy.kernel.nfnetlink.values import (
     TYPE_INTEGER,
     TYPE_IPV4,
@@ -49,7 +47,8 @@ from nfproxy.kernel.nfnetlink.values import (
     verdict_of,
 )
 from nfproxy.kernel.nft_elements import ElementReader
-from nfproxy.kernel.nft_netlink import NetlinkKernelError, rule_messages
+from nfproxy.kernel.nfnetlink import sender
+from nfproxy.kernel.nft_netlink import rule_messages
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
@@ -73,9 +72,7 @@ _OBJ_TABLE, _OBJ_NAME, _OBJ_TYPE = 1, 2, 3
 _OBJ_COUNTER = 1
 _LIST_SET, _LIST_ELEMENTS = 2, 3  # after NFTA_SET_ELEM_LIST_TABLE, 1
 _NLA_F_NESTED = 0x8000
-_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_CREATE, _NLM_F_APPEND = 0x1, 0x4, 0x400, 0x800
-_NLMSG_ERROR = 2
-_HEADER = struct.Struct("=IHHII")
+_NLM_F_CREATE, _NLM_F_APPEND = 0x400, 0x800
 _ATTR = struct.Struct("=HH")
 _ELEMENTS_PER_MESSAGE = 256  # one attribute nest holds at most 64 KiB
 _SEQ = struct.Struct("=I")
@@ -808,71 +805,9 @@ def compile_batch(tx: Transaction, declarations: Declarations, set_type: Callabl
 
 
 def send(batch: Batch, tx: Transaction, netns: str | None, sock: socket.socket | None = None) -> None:
-    """Send BEGIN, the batch, END in one write, and read what the kernel answered.
-
-    nfnetlink handles a batch inside the sending call, so every answer is queued by the time
-    `send` returns. Only the last message asks for an ack; the kernel reports every refused
-    message whether asked or not, so: no error and the last ack means committed.
-    """
-    if not batch.origins:
-        return
-    last = len(batch.origins)
-    data = batch.data
-    # The last message asks for an ack (its header's flags, after the length and type).
-    at = batch.last
-    flags = struct.unpack_from("=H", data, at + 6)[0]
-    struct.pack_into("=H", data, at + 6, flags | _NLM_F_ACK)
-    data[:0] = nft_wire.batch_begin(0)  # in place: the batch is the one copy
-    data += nft_wire.batch_end(last + 1)
-    kept = sock is not None  # the caller's (NetlinkNft.raw_socket): left open
-    sock = sock if sock is not None else batch_socket(netns, len(data))
-    try:
-        try:
-            sock.send(data)
-        except OSError as exc:  # refused before the kernel read it (too large, no memory): nothing applied
-            raise Unsupported(f"nft netlink{_where(netns)}: a batch of {len(data)} bytes not sent: {os.strerror(exc.errno or 0)}") from None
-        errors, acked = _answers(sock, last, netns)
-    finally:
-        if not kept:
-            sock.close()
-    if errors:
-        seq, code = errors[0]
-        command = _command(tx, batch.origins[seq - 1]) if 0 < seq <= last else "(the batch)"
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise NetlinkKernelError(
-            f"nft netlink{_where(netns)} rejected the transaction: {os.strerror(code)} "
-            f"(errno {errno_mod.errorcode.get(code, code)}) in: {command}{more}",
-            code, command,
-        )
-    if not acked:
-        raise KernelError(f"nft netlink{_where(netns)}: no answer to the batch's last message")
-
-
-def _answers(sock: socket.socket, last: int, netns: str | None) -> tuple[list[tuple[int, int]], bool]:
-    """(seq, errno) of every refused message, and whether the last message was acked."""
-    errors: list[tuple[int, int]] = []
-    acked = False
-    while True:
-        try:
-            buf = sock.recv(1 << 20)
-        except BlockingIOError:
-            return errors, acked
-        except OSError as exc:
-            if exc.errno == errno_mod.ENOBUFS:  # only errors overflow it: the batch failed
-                return errors or [(0, errno_mod.ENOBUFS)], acked
-            raise KernelError(f"nft netlink{_where(netns)}: reading the answer: {os.strerror(exc.errno or 0)}") from None
-        at = 0
-        while at + _HEADER.size <= len(buf):
-            length, mtype, _, seq, _ = _HEADER.unpack_from(buf, at)
-            if length < _HEADER.size:
-                break
-            if mtype == _NLMSG_ERROR:
-                (code,) = struct.unpack_from("=i", buf, at + _HEADER.size)
-                if code:
-                    errors.append((seq, -code))
-                elif seq == last:
-                    acked = True
-            at += (length + 3) & ~3
+    """Send the batch (kernel/nfnetlink/sender.py); a refusal names the command of `tx` its
+    message came from. `sock`: the caller's raw socket (NetlinkNft.raw_socket), left open."""
+    sender.send(batch.data, batch.last, len(batch.origins), lambda seq: _command(tx, batch.origins[seq - 1]), netns, sock)
 
 
 def _command(tx: Transaction, origin: tuple[int, int, int]) -> str:
@@ -883,7 +818,3 @@ def _command(tx: Transaction, origin: tuple[int, int, int]) -> str:
     if type(obj) is Elements:
         obj = next(e for n, e in enumerate(obj.each()) if n == first)
     return nft_text.command(verb, obj, where)  # type: ignore[arg-type]
-
-
-def _where(netns: str | None) -> str:
-    return f" in netns {netns}" if netns else ""

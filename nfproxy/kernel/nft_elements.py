@@ -26,6 +26,7 @@ and start again if it moved, as libnftables does for its own cache.
 
 from __future__ import annotations
 
+import errno as errno_mod
 import os
 import socket
 import struct
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.nfnetlink.framing import NETLINK_NETFILTER, NLA_TYPE_MASK, attributes
+from nfproxy.kernel.nfnetlink.sender import NetlinkKernelError, where
 from nfproxy.kernel.nfnetlink.values import (
     SetType,
     TYPE_INET_PROTO,
@@ -49,7 +51,7 @@ from nfproxy.kernel.nfnetlink.values import (
 from nfproxy.kernel.process import KernelError
 
 _NFTABLES = 10 << 8  # NFNL_SUBSYS_NFTABLES in a message type's high byte
-_GETTABLE, _GETSET, _GETSETELEM, _GETGEN = 1, 10, 13, 16
+_GETTABLE, _GETSET, _GETSETELEM, _GETGEN, _GETOBJ = 1, 10, 13, 16, 19
 _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr
@@ -61,7 +63,11 @@ _TABLE_NAME = 1
 # Attribute numbers (include/uapi/linux/netfilter/nf_tables.h).
 _SET_TABLE, _SET_NAME, _SET_FLAGS, _SET_KEY_TYPE, _SET_KEY_LEN = 1, 2, 3, 4, 5
 _SET_DATA_TYPE, _SET_DATA_LEN, _SET_USERDATA, _SET_EXPR, _SET_EXPRESSIONS = 6, 7, 13, 17, 18
+_SET_NUMBERS = {_SET_KEY_TYPE: "NFTA_SET_KEY_TYPE", _SET_KEY_LEN: "NFTA_SET_KEY_LEN",
+                _SET_DATA_TYPE: "NFTA_SET_DATA_TYPE", _SET_DATA_LEN: "NFTA_SET_DATA_LEN"}
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3
+_OBJ_TABLE, _OBJ_NAME, _OBJ_TYPE, _OBJ_DATA = 1, 2, 3, 4
+_OBJECT_COUNTER = 1  # NFT_OBJECT_COUNTER
 _ELEM_KEY, _ELEM_DATA, _ELEM_FLAGS, _ELEM_USERDATA, _ELEM_EXPR, _ELEM_OBJREF, _ELEM_KEY_END = 1, 2, 3, 6, 7, 9, 10
 _ELEM_EXPRESSIONS = 11
 _EXPR_NAME, _EXPR_DATA, _COUNTER_PACKETS = 1, 2, 2
@@ -160,7 +166,7 @@ class ElementReader:
                     if mtype == _NLMSG_ERROR:
                         (code,) = struct.unpack_from("=i", buf, at + _HEADER.size)
                         if code:
-                            raise KernelError(f"nft netlink: {os.strerror(-code)}")
+                            raise NetlinkKernelError(f"nft netlink{where(self.netns)}: {os.strerror(-code)}", -code, "")
                         return
                     yield buf, at + _HEADER.size + 4, at + length
                     if not dump:
@@ -195,31 +201,49 @@ class ElementReader:
         carry expressions (a counter: nfproxy's endpoint maps)."""
         out: dict[str, tuple[SetType, int, bool]] = {}
         for buf, a, b in self._dump(_GETSET, family, _attr(_SET_TABLE, table.encode() + b"\0")):
-            attrs: dict[str, object] = {}
-            name = ""
-            expressions = False
-            for kind, x, y in attributes(buf, a, b):
-                if kind == _SET_TABLE and _string(buf, x, y) != table:
-                    break  # kernels before the dump filter send every table's sets
-                if kind == _SET_NAME:
-                    name = _string(buf, x, y)
-                elif kind == _SET_FLAGS:
-                    bits = struct.unpack_from(">I", buf, x)[0]
-                    attrs["NFTA_SET_FLAGS"] = frozenset(v for k, v in _SET_FLAG_NAMES.items() if bits & k)
-                elif kind in (_SET_KEY_TYPE, _SET_KEY_LEN, _SET_DATA_TYPE, _SET_DATA_LEN):
-                    key = {_SET_KEY_TYPE: "NFTA_SET_KEY_TYPE", _SET_KEY_LEN: "NFTA_SET_KEY_LEN",
-                           _SET_DATA_TYPE: "NFTA_SET_DATA_TYPE", _SET_DATA_LEN: "NFTA_SET_DATA_LEN"}[kind]
-                    attrs[key] = struct.unpack_from(">I", buf, x)[0]
-                elif kind in (_SET_EXPR, _SET_EXPRESSIONS):
-                    expressions = True
-                elif kind == _SET_USERDATA:
-                    attrs["NFTA_SET_USERDATA"] = _udata(bytes(buf[x:y]), _UDATA_SET_KEYBYTEORDER, "NFTNL_UDATA_SET_KEYBYTEORDER")
-            else:
-                if name:
-                    if "NFT_SET_ANONYMOUS" in attrs.get("NFTA_SET_FLAGS", frozenset()):  # type: ignore[operator]
-                        continue  # a rule's own `{ ... }`: listed with the rule
-                    st = set_type_from_kernel(name, attrs)
-                    out[name] = (st, 8 * int(attrs["NFTA_SET_KEY_LEN"]), expressions)  # type: ignore[call-overload]
+            found = _declaration(buf, a, b, table)
+            if found is not None:
+                name, attrs, expressions = found
+                if "NFT_SET_ANONYMOUS" in attrs.get("NFTA_SET_FLAGS", frozenset()):  # type: ignore[operator]
+                    continue  # a rule's own `{ ... }`: listed with the rule
+                st = set_type_from_kernel(name, attrs)
+                out[name] = (st, 8 * int(attrs["NFTA_SET_KEY_LEN"]), expressions)  # type: ignore[call-overload]
+        return out
+
+    def set_type(self, family: str, table: str, name: str) -> SetType:
+        """One named set's types, asked for alone (NFT_MSG_GETSET without a dump)."""
+        request = _attr(_SET_TABLE, table.encode() + b"\0") + _attr(_SET_NAME, name.encode() + b"\0")
+        for buf, a, b in self._dump(_GETSET, family, request, dump=False):
+            found = _declaration(buf, a, b, table)
+            if found is not None and found[0] == name:
+                return set_type_from_kernel(name, found[1])
+        raise KernelError(f"nft netlink: no declaration of set {family} {table} {name} in the reply")
+
+    def counters(self, family: str, table: str) -> dict[str, int]:
+        """The named counters of one table and their packets, in one dump the kernel filters by
+        table and type; {} when there is no such table. libnftables answers `list counters`
+        only after fetching every rule and element of the ruleset into its cache."""
+        request = _attr(_OBJ_TABLE, table.encode() + b"\0") + _attr(_OBJ_TYPE, struct.pack(">I", _OBJECT_COUNTER))
+        out: dict[str, int] = {}
+        try:
+            for buf, a, b in self._dump(_GETOBJ, family, request):
+                name, kind, packets, mine = "", 0, 0, True
+                for attr_kind, x, y in attributes(buf, a, b):
+                    if attr_kind == _OBJ_TABLE:
+                        mine = _string(buf, x, y) == table
+                    elif attr_kind == _OBJ_NAME:
+                        name = _string(buf, x, y)
+                    elif attr_kind == _OBJ_TYPE:
+                        kind = struct.unpack_from(">I", buf, x)[0]
+                    elif attr_kind == _OBJ_DATA:
+                        packets = next((struct.unpack_from(">Q", buf, p)[0] for k, p, _ in attributes(buf, x, y)
+                                        if k == _COUNTER_PACKETS), 0)
+                if mine and kind == _OBJECT_COUNTER and name:  # kernels before the dump filter send every object
+                    out[name] = packets
+        except NetlinkKernelError as exc:
+            if exc.errno == errno_mod.ENOENT:
+                return {}
+            raise
         return out
 
     def elements(self, family: str, table: str, name: str, st: SetType, *, counters: bool = False) -> list[RawElement]:
@@ -242,6 +266,30 @@ class ElementReader:
             name: SetElements(st, bits, tuple(self.elements(family, table, name, st, counters=counters and counts)))
             for name, (st, bits, counts) in self.sets(family, table).items()
         }
+
+
+def _declaration(buf: bytes, a: int, b: int, table: str) -> tuple[str, dict[str, object], bool] | None:
+    """A GETSET reply's name, the attributes set_type_from_kernel reads, and whether its
+    elements carry expressions; None for another table's set (kernels before the dump filter
+    send every table's)."""
+    attrs: dict[str, object] = {}
+    name = ""
+    expressions = False
+    for kind, x, y in attributes(buf, a, b):
+        if kind == _SET_TABLE and _string(buf, x, y) != table:
+            return None
+        if kind == _SET_NAME:
+            name = _string(buf, x, y)
+        elif kind == _SET_FLAGS:
+            bits = struct.unpack_from(">I", buf, x)[0]
+            attrs["NFTA_SET_FLAGS"] = frozenset(v for k, v in _SET_FLAG_NAMES.items() if bits & k)
+        elif kind in _SET_NUMBERS:
+            attrs[_SET_NUMBERS[kind]] = struct.unpack_from(">I", buf, x)[0]
+        elif kind in (_SET_EXPR, _SET_EXPRESSIONS):
+            expressions = True
+        elif kind == _SET_USERDATA:
+            attrs["NFTA_SET_USERDATA"] = _udata(bytes(buf[x:y]), _UDATA_SET_KEYBYTEORDER, "NFTNL_UDATA_SET_KEYBYTEORDER")
+    return (name, attrs, expressions) if name else None
 
 
 def _udata(raw: bytes, wanted: int, label: str) -> list[tuple[str, bytes]]:

@@ -29,10 +29,8 @@ at 100 or 10 000 services.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import errno as errno_mod
 import ipaddress
 import os
 import re
@@ -50,7 +48,6 @@ from pyroute2.netlink import (
     NLM_F_CREATE,
     NLM_F_REQUEST,
 )
-from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_NFTABLES, nfgen_msg
 from pyroute2.netlink.nfnetlink.nftsocket import (
     NFPROTO_IPV4,
@@ -60,14 +57,10 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     NFT_MSG_DELSET,
     NFT_MSG_DELSETELEM,
     NFT_MSG_DELTABLE,
-    NFT_MSG_GETOBJ,
-    NFT_MSG_GETSET,
     NFT_MSG_NEWCHAIN,
-    NFT_MSG_NEWOBJ,
     NFT_MSG_NEWRULE,
     NFT_MSG_NEWSET,
     NFT_MSG_NEWSETELEM,
-    NFTSocket,
     nft_chain_msg,
     nft_contains_expr,
     nft_regs,
@@ -76,15 +69,12 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     nft_set_msg,
     nft_table_msg,
 )
-from pyroute2.netlink.nlsocket import NetlinkRequest
 
-from nfproxy.kernel import netns as netns_mod
 from nfproxy.kernel.nfnetlink.framing import batch_socket
+from nfproxy.kernel.nfnetlink.sender import NetlinkKernelError, send, where
 from nfproxy.kernel.nfnetlink.values import (
     CHAIN_VERDICTS,
     HOST,
-    NFNL_MSG_BATCH_BEGIN,
-    NFNL_MSG_BATCH_END,
     TYPE_INET_PROTO,
     TYPE_INET_SERVICE,
     TYPE_INTEGER,
@@ -101,33 +91,24 @@ from nfproxy.kernel.nfnetlink.values import (
     encode_concat,
     encode_value,
     interval_bounds,
-    set_type_from_kernel,
     tokens,
     verdict_of,
 )
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import quote_comment
+from nfproxy.kernel.nft_elements import ElementReader
+from nfproxy.kernel.nft_wire import encode_message
 from nfproxy.kernel.process import KernelError
 
 _FAMILIES = {"ip": NFPROTO_IPV4, "ip6": NFPROTO_IPV6}
 
-# Batches larger than this go to libnftables: every message is acknowledged (that is how an
-# error is tied to its command), and tens of thousands of acks could overrun the socket's
-# receive buffer. A partial sync of a few services is far below it.
+# Transactions larger than this go to the bulk compiler (kernel/nft_bulk.py), which writes
+# elements straight to bytes without a message object each. A partial sync of a few services is
+# far below it.
 MAX_MESSAGES = 4000
 # Elements per netlink message: one attribute nest is limited to 64 KiB.
 _ELEMENTS_PER_MESSAGE = 256
-_REPLY_TIMEOUT = 10.0
-
-
-class NetlinkKernelError(KernelError):
-    """The kernel refused the batch (so none of it took effect); names the errno and command."""
-
-    def __init__(self, message: str, errno: int, command: str) -> None:
-        super().__init__(message)
-        self.errno = errno
-        self.command = command
 
 
 # --------------------------------------------------------------------------------------------
@@ -1012,8 +993,8 @@ def _queue_element(out: list[Message], verb: Verb, el: Element, table: str, st: 
 
 def build(message: Message, family: int, seq: int) -> Any:
     """The pyroute2 message object for one Message: what pyroute2's encoder would write, the
-    reference nft_wire's bytes are held equal to (tests/test_nft_wire.py). Batches are sent as
-    nft_wire.Wired messages."""
+    reference nft_wire's bytes are held equal to (tests/test_nft_wire.py); what is sent is
+    nft_wire's."""
     msg = message.msg_class()
     msg["nfgen_family"] = family
     msg["res_id"] = 0
@@ -1029,80 +1010,41 @@ def build(message: Message, family: int, seq: int) -> Any:
 # The socket side.
 
 
-def _close_loops(opened: list[tuple[Any, asyncio.AbstractEventLoop | None]]) -> None:
-    """Close the event loops pyroute2 made for these sockets in other threads (its own `close`
-    only closes the calling thread's). Nothing is run on them; a running loop is left alone."""
-    for _, loop in opened:
-        if loop is not None and not loop.is_closed() and not loop.is_running():
-            loop.close()
-    opened.clear()
-
-
-def _close_raw(raw: list[Any]) -> None:
-    for sock in raw:
-        sock.close()
-    raw.clear()
+def _close_all(*held: list[Any]) -> None:
+    for sockets in held:
+        for sock in sockets:
+            sock.close()
+        sockets.clear()
 
 
 class NetlinkNft:
-    """One network namespace's nf_tables, spoken to in nfnetlink batches.
-
-    The socket is opened inside the namespace (a netlink socket keeps the namespace it was
-    created in) on first use, per thread: pyroute2's sockets carry an event loop that belongs
-    to the thread that made it, and the proxier may be built in one thread and sync in another.
-    """
+    """One network namespace's nf_tables, spoken to on raw netlink sockets: a reader for the
+    few requests (a set's types, the named counters) and one socket, kept, for every batch,
+    partial or full (kernel/nfnetlink/sender.py). Both are opened inside the namespace (a
+    netlink socket keeps the namespace it was created in) on first use and used under one lock:
+    the proxier syncs in one thread while the metrics read counters in another."""
 
     def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
-        self._local = threading.local()
         self._set_types: dict[tuple[str, str, str], SetType] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.messages_sent = 0
-        # Every socket opened, in any thread, with its thread's event loop: `close` (or the
-        # collection of this object) closes them all. Left to the garbage collector, a loop and
-        # its self-pipe die in one cycle, the socket first, and the loop's __del__ then fails
-        # on a closed descriptor ("Exception ignored in BaseEventLoop.__del__").
-        self._opened: list[tuple[NFTSocket, asyncio.AbstractEventLoop | None]] = []
-        self._generation = 0
-        weakref.finalize(self, _close_loops, self._opened)
-        # nft_bulk's raw socket (`raw_socket`), kept.
+        self._reader: list[ElementReader] = []  # none or one
         self._raw: list[Any] = []  # none or one socket; closed with this object, at the latest
         self._raw_size = 0
-        weakref.finalize(self, _close_raw, self._raw)
+        weakref.finalize(self, _close_all, self._reader, self._raw)
 
     # -- sockets -----------------------------------------------------------------------------
-    def _socket(self, nfproto: int) -> NFTSocket:
-        socks: dict[int, NFTSocket] | None = getattr(self._local, "socks", None)
-        if socks is None or self._local.generation != self._generation:
-            socks = self._local.socks = {}
-            self._local.generation = self._generation
-        sock = socks.get(nfproto)
-        if sock is None:
-            if self.netns is None:
-                sock = NFTSocket(nfgen_family=nfproto)
-            else:
-                with netns_mod.entered(self.netns):
-                    sock = NFTSocket(nfgen_family=nfproto)
-            # Replies about stateful objects, which pyroute2 would leave undecoded.
-            sock.asyncore.register_policy({NFT_MSG_NEWOBJ | (NFNL_SUBSYS_NFTABLES << 8): _ObjMsg})
-            socks[nfproto] = sock
-            with self._lock:
-                # Only a loop pyroute2 made ("new"), never one it found running ("auto").
-                made = sock.asyncore.status.get("event_loop") == "new"
-                self._opened.append((sock, sock.asyncore.event_loop if made else None))
-        return sock
+    def _request(self) -> ElementReader:
+        """The reader's socket (call with the lock)."""
+        if not self._reader:
+            self._reader.append(ElementReader(self.netns))
+        return self._reader[0]
 
     def close(self) -> None:
-        """Close the sockets of every thread, with their event loops; call it once no thread
-        uses this object (the daemon: after its sync loop stopped). A later use opens anew."""
+        """Close the sockets; a later use opens anew."""
         with self._lock:
-            opened = list(self._opened)
-            self._opened.clear()
-            self._generation += 1
-            _close_raw(self._raw)
-        for sock, _ in opened:
-            sock.close()  # closes the calling thread's loop, and every socket's descriptor
-        _close_loops(opened)
+            _close_all(self._reader, self._raw)
 
     def forget(self, family: str | None = None, table: str | None = None) -> None:
         """Drop the cached set declarations: of one table, after a transaction through another
@@ -1125,56 +1067,26 @@ class NetlinkNft:
         key = (family, table, name)
         with self._lock:
             st = self._set_types.get(key)
-        if st is not None:
-            return st
-        sock = self._socket(_FAMILIES[family])
-        msg = nft_set_msg()
-        msg["attrs"] = [("NFTA_SET_TABLE", table), ("NFTA_SET_NAME", name)]
-        try:
-            replies = sock.request_get(msg, NFT_MSG_GETSET, NLM_F_REQUEST | NLM_F_ACK)
-            reply = next(iter(replies))
-        except NetlinkError as exc:
-            raise NetlinkKernelError(
-                f"nft netlink{self._where()}: set {family} {table} {name}: {os.strerror(exc.code)}",
-                exc.code,
-                f"(declaration of set {name})",
-            ) from None
-        attrs = dict(reply["attrs"])
-        st = set_type_from_kernel(name, attrs)
-        with self._lock:
+            if st is not None:
+                return st
+            try:
+                st = self._request().set_type(family, table, name)
+            except NetlinkKernelError as exc:
+                raise NetlinkKernelError(
+                    f"nft netlink{where(self.netns)}: set {family} {table} {name}: {os.strerror(exc.errno)}",
+                    exc.errno,
+                    f"(declaration of set {name})",
+                ) from None
             self._set_types[key] = st
-        return st
+            return st
 
     # -- named counters --------------------------------------------------------------------------
     def counters(self, family: str, table: str) -> dict[str, int]:
-        """The named counters of one table and their packets, in one netlink dump.
-
-        libnftables answers `list counters` (or `list counter NAME`) only after fetching every
-        rule and element of the ruleset into its cache: 1.9 s per family at 10 000 services,
-        twice per full sync and once per scrape. The kernel filters this dump by table and type.
-        """
-        sock = self._socket(_FAMILIES[family])
-        msg = _ObjMsg()
-        msg["attrs"] = [("NFTA_OBJ_TABLE", table), ("NFTA_OBJ_TYPE", NFT_OBJECT_COUNTER)]
-        try:
-            replies = sock.request_get(msg, NFT_MSG_GETOBJ)
-        except NetlinkError as exc:
-            if exc.code == errno_mod.ENOENT:
-                return {}  # no such table
-            raise NetlinkKernelError(
-                f"nft netlink{self._where()}: counters of {family} {table}: {os.strerror(exc.code)}",
-                exc.code, "(list counters)",
-            ) from None
-        out: dict[str, int] = {}
-        for reply in replies:
-            if reply.get_attr("NFTA_OBJ_TABLE") != table or reply.get_attr("NFTA_OBJ_TYPE") != NFT_OBJECT_COUNTER:
-                continue  # kernels before the dump filter send every object
-            data = reply.get_attr("NFTA_OBJ_DATA")
-            out[reply.get_attr("NFTA_OBJ_NAME")] = int(data.get_attr("NFTA_COUNTER_PACKETS") or 0) if data else 0
-        return out
-
-    def _where(self) -> str:
-        return f" in netns {self.netns}" if self.netns else ""
+        """The named counters of one table and their packets, in one netlink dump ({} without
+        the table). libnftables' `list counters` would fetch the whole ruleset first: 1.9 s per
+        family at 10 000 services."""
+        with self._lock:
+            return self._request().counters(family, table)
 
     # -- the batch ---------------------------------------------------------------------------
     def compile(self, tx: Transaction, first_set_id: int = 1) -> list[Message]:
@@ -1197,104 +1109,35 @@ class NetlinkNft:
             messages += self.compile(one, first_set_id=1 + (len(messages) << 8))
         if not messages:
             return
-        from nfproxy.kernel.nft_wire import wired
-
         nfproto = _FAMILIES[tx.family]
-        outgoing = [(wired(m, nfproto), m.command) for m in messages]  # Unsupported: nothing sent
-        sock = self._socket(nfproto)
+        # Unsupported here: nothing sent.
+        encoded = [encode_message(m, nfproto, seq, ack=False) for seq, m in enumerate(messages, 1)]
+        data = bytearray(b"".join(encoded))
+        last_at = len(data) - len(encoded[-1])
         try:
-            errors = sock._run_with_cleanup(self._send, sock.asyncore, outgoing)
-        except asyncio.TimeoutError:
-            self.close()  # replies may still arrive: never reuse this socket
-            raise KernelError(f"nft netlink{self._where()}: no answer to a batch within {_REPLY_TIMEOUT:.0f}s") from None
-        except NetlinkError as exc:  # refused as a whole (the batch itself)
+            with self.raw_socket(len(data) + 64) as sock:
+                self.messages_sent += len(messages)
+                send(data, last_at, len(messages), lambda seq: messages[seq - 1].command, self.netns, sock)
+        except NetlinkKernelError:
             self.forget()
-            raise NetlinkKernelError(
-                f"nft netlink{self._where()} refused the batch: {os.strerror(exc.code)} (errno {exc.code})",
-                exc.code,
-                "",
-            ) from None
-        self.messages_sent += len(messages)
-        if errors:
-            self._rejected(errors)
-
-    def _rejected(self, errors: list[tuple[int, str]]) -> None:
-        """Raise for the kernel's refusals, (errno, command) each, the first named."""
-        self.forget()
-        code, command = errors[0]
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise NetlinkKernelError(
-            f"nft netlink{self._where()} rejected the transaction: {os.strerror(code)} "
-            f"(errno {errno_mod.errorcode.get(code, code)}) in: {command}{more}",
-            code,
-            command,
-        )
+            raise
+        except KernelError:  # no answer: answers may still come; never reuse the socket
+            with self._lock:
+                _close_all(self._raw)
+            raise
 
     def _raw_socket(self, size: int) -> Any:
         """The kept raw socket, able to send `size` bytes in one write (call with the lock)."""
         if not self._raw or size > self._raw_size:
-            _close_raw(self._raw)
+            _close_all(self._raw)
             self._raw_size = max(size, 1 << 22)
             self._raw.append(batch_socket(self.netns, self._raw_size))
         return self._raw[0]
 
     @contextlib.contextmanager
     def raw_socket(self, size: int) -> Iterator[Any]:
-        """A raw socket for nft_bulk's batches of `size` bytes, held for the block and kept:
-        closing a netlink socket right after a commit waits for the kernel to free what the
-        commit deleted (4-16 ms), paid by every full sync and every creation of the off table.
-        (Partial syncs are sent on pyroute2's socket: docs/design.md.)"""
+        """The raw socket for batches of `size` bytes, held for the block and kept: closing a
+        netlink socket right after a commit waits for the kernel to free what the commit
+        deleted (4-16 ms), paid by every full sync and every creation of the off table."""
         with self._lock:
             yield self._raw_socket(size)
-
-    @staticmethod
-    async def _send(asock: Any, messages: list[tuple[Any, str]]) -> list[tuple[int, str]]:
-        """Frame BEGIN, the messages (each with its command), END; send them in one write;
-        collect every ack.
-
-        Every message asks for an ack, so each one's fate is known and an error names its
-        command; the kernel answers all of them (it keeps going after an error to report the
-        rest) before the batch call returns.
-        """
-        begin = nfgen_msg()
-        begin["res_id"] = NFNL_SUBSYS_NFTABLES
-        begin["header"]["type"] = NFNL_MSG_BATCH_BEGIN
-        begin["header"]["flags"] = NLM_F_REQUEST
-        end = nfgen_msg()
-        end["res_id"] = NFNL_SUBSYS_NFTABLES
-        end["header"]["type"] = NFNL_MSG_BATCH_END
-        end["header"]["flags"] = NLM_F_REQUEST
-        requests: list[tuple[NetlinkRequest, str]] = []
-        data = bytearray()
-        try:
-            for m in (begin, end):
-                m["header"]["sequence_number"] = 0
-            first = NetlinkRequest(asock, begin, msg_flags=NLM_F_REQUEST, msg_type=NFNL_MSG_BATCH_BEGIN)
-            await first.prepare()
-            data += first.msg.data
-            first.cleanup()
-            for msg, command in messages:
-                req = NetlinkRequest(asock, msg)
-                await req.prepare()
-                data += req.msg.data
-                requests.append((req, command))
-            last = NetlinkRequest(asock, end, msg_flags=NLM_F_REQUEST, msg_type=NFNL_MSG_BATCH_END)
-            await last.prepare()
-            data += last.msg.data
-            last.cleanup()
-            asock.send(bytes(data))
-            errors: list[tuple[int, str]] = []
-
-            async def collect() -> None:
-                for req, command in requests:
-                    try:
-                        async for _ in req.response():
-                            pass
-                    except NetlinkError as exc:
-                        errors.append((exc.code, command))
-
-            await asyncio.wait_for(collect(), _REPLY_TIMEOUT)
-            return errors
-        finally:
-            requests.clear()
-

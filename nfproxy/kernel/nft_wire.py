@@ -49,9 +49,10 @@ from pyroute2.netlink import (
     nlmsg_base,
     nlmsg_encoder_generic,
 )
-from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_NFTABLES, nfgen_msg
+from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_NFTABLES
 from pyroute2.netlink.nfnetlink.nftsocket import CData, nft_contains_expr, nft_flags_be32, nftnl_udata
 
+from nfproxy.kernel.nfnetlink.sender import batch_frame
 from nfproxy.kernel.nfnetlink.values import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, Message, Unsupported
 
 Encoder = Callable[[Any], bytes]  # an attribute's value -> the whole attribute, padded
@@ -583,48 +584,11 @@ def encode_message(message: Message, family: int, seq: int, *, ack: bool = True,
         raise Unsupported(f"cannot encode {message.msg_class.__qualname__} ({exc}): {message.command}") from None
 
 
-def _batch(msg_type: int, seq: int, pid: int) -> bytes:
-    return _NLMSGHDR(20, msg_type, NLM_F_REQUEST, seq, pid) + _NFGENMSG(0, 0) + _BE16(NFNL_SUBSYS_NFTABLES)
-
-
 def batch_begin(seq: int, *, pid: int = 0) -> bytes:
     """NFNL_MSG_BATCH_BEGIN for nf_tables (res_id = NFNL_SUBSYS_NFTABLES), as _send frames it."""
-    return _batch(NFNL_MSG_BATCH_BEGIN, seq, pid)
+    return batch_frame(NFNL_MSG_BATCH_BEGIN, seq, pid)
 
 
 def batch_end(seq: int, *, pid: int = 0) -> bytes:
     """NFNL_MSG_BATCH_END: the kernel commits the batch when it reads this."""
-    return _batch(NFNL_MSG_BATCH_END, seq, pid)
-
-
-class Wired(nfgen_msg):
-    """A message of a partial sync: pyroute2's socket sends it and matches its ack, but its
-    bytes are `encode_message`'s. pyroute2's own encoder took 1.5 ms for a rule and 1-2 ms for
-    a message of a few dozen elements, most of a partial sync (docs/design.md, "Partial syncs
-    are written by nft_wire"). The bytes are made up front, so Unsupported surfaces before
-    anything is sent; NetlinkRequest then sets the sequence number and port id in the header
-    and calls `encode`, which writes just those two numbers."""
-
-    def __init__(self, wire: bytes) -> None:
-        super().__init__()
-        self.wire = wire
-        _length, msg_type, flags, _seq, _pid = _NLMSGHDR_UNPACK(wire, 0)
-        self["header"]["type"] = msg_type
-        self["header"]["flags"] = flags
-
-    def encode(self) -> None:
-        header = self["header"]
-        data = bytearray(self.wire)
-        _SEQ_PID.pack_into(data, 8, header.get("sequence_number") or 0, header.get("pid") or 0)
-        self.data[:] = data
-        self.length = len(data)
-
-
-_NLMSGHDR_UNPACK = struct.Struct("=IHHII").unpack_from
-_SEQ_PID = struct.Struct("=II")
-
-
-def wired(message: Message, family: int) -> Wired:
-    """`message` as pyroute2's socket sends it, written here; raises Unsupported where
-    `encode_message` does (where pyroute2 would write something else, or fail)."""
-    return Wired(encode_message(message, family, 0, ack=True))
+    return batch_frame(NFNL_MSG_BATCH_END, seq, pid)
