@@ -82,7 +82,7 @@ def sh(*args: str, stdin: str | None = None, timeout: float = 1800) -> str:
 class Plane:
     def __init__(self, directory: str) -> None:
         self.dir = directory
-        sh(str(KUBE), "up", "--dir", directory, "--service-cidr", "172.16.0.0/12")
+        sh(str(KUBE), "up", "--dir", directory, "--service-cidr", "172.16.0.0/12", "--etcd-no-fsync")
         self.kubeconfig = f"{directory}/admin.kubeconfig"
         self.kubectl_path = sh(str(KUBE), "path", "kubectl").strip()
 
