@@ -520,13 +520,13 @@ def test_every_reference_is_declared_and_names_are_unique(state: ClusterState) -
         rules = [r for rules in rs.chains.values() for r in rules]
         for owned in rs.services.values():
             rules += [r for rules in owned.chains.values() for r in rules]
-        values = [el.value for els in rs.elements.values() for el in els.values()]
+        values = [el.value for els in rs.all_elements().values() for el in els.values()]
         for text in rules + values:
             for target in _REF.findall(text):
                 assert target in declared_chains, text
             for ref in _SETREF.findall(text):
                 assert ref in declared_sets, text
-        for name in rs.elements:
+        for name in rs.all_elements():
             assert name in rs.sets or name in rs.shard_users
         for name in chains + sets:
             nft_name(name)
@@ -552,7 +552,7 @@ def test_numgen_covers_each_endpoint_once(state: ClusterState) -> None:
                     (m,) = [m for rule in owned.chains[chain] if (m := _DNAT_MAP.search(rule))]
                     mod, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
                     spans = sorted(
-                        (lo, hi, el.value) for k, el in rs.elements[shard].items()
+                        (lo, hi, el.value) for k, el in rs.all_elements()[shard].items()
                         for lo, hi in [_span(k)] if first <= hi and lo < first + mod
                     )
                     assert [v for _, _, v in spans] == [f"{ep.ip} . {ep.port}" for ep in eps]
@@ -624,7 +624,7 @@ def test_kernel_accepts_scripts() -> None:
             assert sets | maps == set(_all_sets(rs)), label
             (hp,) = [o["set"] for o in objects if "set" in o and o["set"]["name"] == "hairpin" and o["set"]["family"] == fam]
             assert len(hp.get("elem", [])) == len(rs.hairpin_refs), label
-            for name, elements in rs.elements.items():
+            for name, elements in rs.all_elements().items():
                 kind = "map" if name in rs.shard_users or isinstance(rs.sets[name], Map) else "set"
                 (obj,) = [o[kind] for o in objects if kind in o and o[kind]["name"] == name and o[kind]["family"] == fam]
                 assert len(obj.get("elem", [])) == len(elements), (label, name)
@@ -646,7 +646,7 @@ def _slots_of(rs: NftRuleset, key) -> list[str]:  # noqa: ANN001
     (shard,) = owned.shards
     m = re.search(r"numgen random mod (\d+) offset (\d+)", owned.chains[chain][-1])
     mod, first = int(m.group(1)), int(m.group(2))
-    spans = sorted((*_span(k), el.value) for k, el in rs.elements[shard].items())
+    spans = sorted((*_span(k), el.value) for k, el in rs.all_elements()[shard].items())
     return [v for lo, hi, v in spans if first <= lo and hi < first + mod]
 
 

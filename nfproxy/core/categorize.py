@@ -145,7 +145,8 @@ def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...], node: NodeConf
     if svc.uses_cluster_endpoints:
         mode = _topology_mode(endpoints, node)
         if mode is Topology.NONE:
-            cluster = tuple(e for e in endpoints if e.ready)
+            # All ready (the common case): the model's own tuple, which a render keeps.
+            cluster = endpoints if all(e.ready for e in endpoints) else tuple(e for e in endpoints if e.ready)
         else:
             cluster = tuple(e for e in endpoints if e.ready and _available(e, mode, node))
         if not cluster:

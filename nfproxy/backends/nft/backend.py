@@ -32,13 +32,14 @@ class _Belief:
     ruleset: NftRuleset
     stale_chains: tuple[str, ...]
     stale_sets: tuple[str, ...]
-    owned: tuple[int, int, int]  # chains, rules and affinity sets of all service ports
+    owned: tuple[int, int, int, int]  # chains, rules, affinity sets and lane elements of all service ports
     off: _Belief | None = None  # the off table's, while it exists (its ruleset is ruleset.off)
 
 
-def _objects_of(svc: ServiceRules) -> tuple[int, int, int]:
-    """Chains, rules and affinity sets one service port owns."""
-    return len(svc.chains), sum(len(r) for r in svc.chains.values()), len(svc.affinity_sets)
+def _objects_of(svc: ServiceRules) -> tuple[int, int, int, int]:
+    """Chains, rules, affinity sets and endpoint map elements one service port owns."""
+    return (len(svc.chains), sum(len(r) for r in svc.chains.values()), len(svc.affinity_sets),
+            sum(len(lane.keys) for lane in svc.lanes))
 
 
 def _held(b: _Belief) -> Owned:
@@ -53,24 +54,22 @@ def _held(b: _Belief) -> Owned:
     return Owned(frozenset(chains), frozenset(sets), frozenset(rs.counters), off)
 
 
-def _totals(rs: NftRuleset) -> tuple[int, int, int]:
+def _totals(rs: NftRuleset) -> tuple[int, int, int, int]:
     owned = [_objects_of(svc) for svc in rs.services.values()]
-    return sum(o[0] for o in owned), sum(o[1] for o in owned), sum(o[2] for o in owned)
+    return tuple(sum(o[i] for o in owned) for i in range(4))  # type: ignore[return-value]
 
 
 def _recount(
-    owned: tuple[int, int, int], previous: NftRuleset | None, new: NftRuleset | None, keys: object
-) -> tuple[int, int, int]:
+    owned: tuple[int, int, int, int], previous: NftRuleset | None, new: NftRuleset | None, keys: object
+) -> tuple[int, int, int, int]:
     """`owned` (of `previous`) after the ports `keys` became what `new` holds."""
-    chains, rules, sets = owned
+    counts = list(owned)
     for key in keys:  # type: ignore[attr-defined]
         if previous is not None and (old := previous.services.get(key)) is not None:
-            c, r, a = _objects_of(old)
-            chains, rules, sets = chains - c, rules - r, sets - a
+            counts = [n - d for n, d in zip(counts, _objects_of(old))]
         if new is not None and (cur := new.services.get(key)) is not None:
-            c, r, a = _objects_of(cur)
-            chains, rules, sets = chains + c, rules + r, sets + a
-    return chains, rules, sets
+            counts = [n + d for n, d in zip(counts, _objects_of(cur))]
+    return tuple(counts)  # type: ignore[return-value]
 
 
 def _has_stale(b: _Belief) -> bool:
@@ -284,13 +283,13 @@ class NftBackend:
 
 def _counted(b: _Belief) -> dict[str, int]:
     rs = b.ruleset
-    chains, rules, affinity_sets = b.owned
+    chains, rules, affinity_sets, lane_elements = b.owned
     return {
         "chains": len(rs.chains) + chains,
         "rules": sum(len(r) for r in rs.chains.values()) + rules,
         "sets": sum(1 for d in rs.sets.values() if isinstance(d, Set)) + affinity_sets,
         "maps": sum(1 for d in rs.sets.values() if isinstance(d, Map)) + len(rs.shard_users),
-        "elements": sum(len(e) for e in rs.elements.values()) + len(rs.hairpin_refs),
+        "elements": sum(len(e) for e in rs.elements.values()) + len(rs.hairpin_refs) + lane_elements,
     }
 
 

@@ -25,10 +25,11 @@ import hashlib
 import ipaddress
 import re
 import struct
+import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain as chained, repeat
 from types import MappingProxyType
 
 from nfproxy import nftables as nft
@@ -215,6 +216,35 @@ Declaration = nft.Set | nft.Map
 # Elements are nft objects from the start: a full sync queues the very objects a render made.
 Element = nft.Element
 
+# The affinity sets of every port without affinity: one empty mapping, not one per port.
+_NO_SETS: Mapping[str, nft.Set] = MappingProxyType({})
+
+
+def slot_value(ep: Endpoint) -> str:
+    """An endpoint's data in an endpoint map: `address . port`."""
+    return f"{ep.ip} . {ep.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One endpoint-selecting chain's ranges in its endpoint map (`shard`): `keys[i]` is the
+    range of `endpoints[i]`. The map elements are derived from it when a sync needs them, not
+    kept: at 10 000 services x 10 endpoints the kept elements were 100 000 Elements with their
+    `address . port` strings, ~19 MiB of an idle daemon, where a lane holds the render's
+    shared keys (range_keys) and the model's own endpoints."""
+
+    chain: str
+    block: tuple[int, int]  # (first lane, number of lanes)
+    shard: str
+    keys: tuple[str, ...]
+    endpoints: tuple[Endpoint, ...]
+
+    def values(self) -> Iterator[str]:
+        return map(slot_value, self.endpoints)
+
+    def elements(self) -> Iterator[Element]:
+        return map(Element, repeat(self.shard), self.keys, self.values())
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceRules:
@@ -222,19 +252,32 @@ class ServiceRules:
 
     `chains` is ordered (policy chains, external, firewall, then endpoint chains) and maps a
     chain name to its rules; `affinity_sets` maps set name to its declaration; `elements` are
-    the (map or set name, key, element) triples this port adds to the shared maps.
+    the elements this port adds to the shared maps, `lanes` its ranges in the endpoint maps.
     """
 
     chains: Mapping[str, tuple[str, ...]]
     affinity_sets: Mapping[str, nft.Set]
-    elements: tuple[tuple[str, str, Element], ...]
-    # Lanes (chain name -> (first lane, number of lanes)) and the endpoint IPs this port adds to
-    # the shared hairpin set; both empty for ports that keep per-endpoint chains (affinity).
-    blocks: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
-    shards: tuple[str, ...] = ()  # the data map of each block, in the same order
+    elements: tuple[Element, ...]
+    # Empty for ports that keep per-endpoint chains (affinity).
+    lanes: tuple[Lane, ...] = ()
+    # The endpoint IPs this port adds to the shared hairpin set.
     hairpin: tuple[str, ...] = ()
     # This port's cluster IP, for the shared (reference-counted) cluster-ips set.
     cluster_ip: str = ""
+
+    @property
+    def blocks(self) -> Mapping[str, tuple[int, int]]:
+        """Chain name -> (first lane, number of lanes)."""
+        return {lane.chain: lane.block for lane in self.lanes}
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """The endpoint map of each lane, in the same order."""
+        return tuple([lane.shard for lane in self.lanes])
+
+    def slot_elements(self) -> Iterator[Element]:
+        """The elements of this port's lanes, after `elements` in a sync."""
+        return chained.from_iterable(lane.elements() for lane in self.lanes)
 
 
 def lane_split(units: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
@@ -292,7 +335,8 @@ def shard_of(lane: int, proto: str, counted: bool = True) -> str:
     are interval maps from the single-slot maps of older releases (`endpoints-counted-tcp-0`):
     nft refuses to redeclare an existing map with another spec, so a change of either makes
     new maps and leaves the old ones to the stray cleanup, instead of failing every full sync."""
-    return f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}{_RANGES}-{lane // LANES_PER_MAP}"
+    # Interned: 10 000 ports share a few hundred names.
+    return sys.intern(f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}{_RANGES}-{lane // LANES_PER_MAP}")
 
 
 def _shard_order(name: str) -> tuple[str, int]:
@@ -336,7 +380,8 @@ class NftRuleset:
     set and map declarations, each flushed and refilled from `elements` on a full sync;
     `unused_sets` the static sets this node's configuration does not use, which a full sync
     deletes if an earlier configuration created them. `elements` merges the static elements
-    with every service port's (the first service port, in name order, wins a duplicated key).
+    with every service port's (the first service port, in name order, wins a duplicated key);
+    the endpoint maps' elements are the ports' lanes (`slots`, `all_elements`).
     """
 
     family: IPFamily
@@ -379,6 +424,25 @@ class NftRuleset:
             flags=("interval",),
             counter=counted,
         )
+
+    def slots(self) -> dict[str, dict[str, str]]:
+        """Each endpoint map's elements as key -> `address . port`, in the order a render adds
+        them (ports in name order): derived from the ports' lanes, which a sync keeps instead."""
+        out: dict[str, dict[str, str]] = {}
+        for svc in self.services.values():
+            for lane in svc.lanes:
+                held = out.get(lane.shard)
+                if held is None:
+                    held = out[lane.shard] = {}
+                held.update(zip(lane.keys, lane.values()))
+        return out
+
+    def all_elements(self) -> dict[str, Mapping[str, Element]]:
+        """Every map's and set's elements by key, the endpoint maps' included (tests, tools)."""
+        out: dict[str, Mapping[str, Element]] = dict(self.elements)
+        for name, slots in self.slots().items():
+            out[name] = {key: Element(name, key, value) for key, value in slots.items()}
+        return out
 
     def transactions(self, kept: NftRuleset | None = None) -> tuple[nft.Transaction, ...]:
         """`transaction` of this table, then of the off table when it has ports."""
@@ -440,15 +504,17 @@ class NftRuleset:
         for decl in self.unused_sets.values():
             tx.add(decl)
             tx.delete(decl)
+        slots = self.slots()
+        held = kept.slots() if kept is not None else {}
         for name in sorted(self.shard_users, key=_shard_order):
             shard = self.shard_map(name)
             tx.add(shard)
             if kept is None or name not in kept.shard_users:
                 tx.flush(shard)
                 continue
-            now = self.elements.get(name, {})
-            for key, el in kept.elements.get(name, {}).items():
-                if now.get(key) != el:
+            now = slots.get(name, {})
+            for key, value in held.get(name, {}).items():
+                if now.get(key) != value:
                     tx.delete(nft.Element(name, key))
         for name, rules in self.chains.items():
             tx.add_rules(name, rules)
@@ -467,6 +533,9 @@ class NftRuleset:
         for name, elements in self.elements.items():
             if elements:
                 tx.add(nft.Elements.of(name, elements.values()))
+        for name, values in slots.items():  # after the static maps, as they were declared
+            if values:
+                tx.add(nft.Elements(name, tuple(values), tuple(values.values())))
         tx.check()
         return tx
 
@@ -759,18 +828,28 @@ class _Slots:
         self,
         allocator: SlotAllocator,
         previous: Mapping[str, tuple[int, int]] = MappingProxyType({}),
-        previous_elements: Iterable[tuple[str, str, Element]] = (),
+        previous_lanes: Iterable[Lane] = (),
     ) -> None:
         self.allocator = allocator
         self.previous = previous
         self.kept: set[str] = set()
-        self._held = {(m, k): el.value for m, k, el in previous_elements} if previous else {}
+        self._held = (
+            {(lane.shard, k): v for lane in previous_lanes for k, v in zip(lane.keys, lane.values())}
+            if previous else {}
+        )
 
-    def arrange(self, shard: str, keys: tuple[str, ...], values: list[str]) -> list[str]:
+    def arrange(self, shard: str, keys: tuple[str, ...], endpoints: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
         """Endpoint order for a kept lane split as before: endpoints stay on their ranges, new
         ones take the ranges of the ones that went. A pod replaced then changes one element
         instead of shifting every range after it. Any order is the same uniform choice; only
         which endpoint owns which range differs."""
+        values = [slot_value(ep) for ep in endpoints]
+        owners: dict[str, list[Endpoint]] = {}
+        for ep, value in zip(endpoints, values):
+            owners.setdefault(value, []).append(ep)
+        return tuple([owners[v].pop() for v in self._arranged(shard, keys, values)])
+
+    def _arranged(self, shard: str, keys: tuple[str, ...], values: list[str]) -> list[str]:
         held = self._held
         slots: list[str | None] = [held.get((shard, k)) for k in keys]
         wanted = Counter(values)
@@ -845,9 +924,7 @@ def _render_service(
     port = svc.port
 
     reachable = r.reachable
-    blocks: dict[str, tuple[int, int]] = {}
-    shards: list[str] = []
-    slot_elements: list[tuple[str, str, Element]] = []
+    lanes: list[Lane] = []
     hairpin = _hairpin(reachable, ctx.node.name)
 
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
@@ -855,17 +932,13 @@ def _render_service(
         (one range per endpoint, sized by weight); no per-endpoint chains."""
         kept_before = chain in slots.kept
         modulus, widths = lane_split(slot_counts(subset))
-        lane = slots.take(chain, lanes_for(modulus))
-        blocks[chain] = lane
-        shard = shard_of(lane[0], proto, ctx.counters)
-        shards.append(shard)
-        offset = (lane[0] % LANES_PER_MAP) * LANE
+        block = slots.take(chain, lanes_for(modulus))
+        shard = shard_of(block[0], proto, ctx.counters)
+        offset = (block[0] % LANES_PER_MAP) * LANE
         keys = range_keys(offset, widths)
-        values = [f"{ep.ip} . {ep.port}" for ep in subset]
         if not kept_before and chain in slots.kept and not weighted(subset):
-            values = slots.arrange(shard, keys, values)
-        # (shard, key, Element) per endpoint, iterated in C: 100 000 of them at 10 000 x 10.
-        slot_elements.extend(zip(repeat(shard), keys, map(Element, repeat(shard), keys, values)))
+            subset = slots.arrange(shard, keys, subset)
+        lanes.append(Lane(chain, block, shard, keys, subset))
         return f"meta l4proto {proto} dnat {ipx} to numgen random mod {modulus} offset {offset} map @{shard}"
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
@@ -953,10 +1026,10 @@ def _render_service(
     chains.update(ep_chains)
 
     # Map elements, in kube-proxy's order.
-    elements: list[tuple[str, str, Element]] = []
+    elements: list[Element] = []
 
     def element(map_name: str, key: str, value: str, note: str = "") -> None:
-        elements.append((map_name, key, Element(map_name, key, value, note)))
+        elements.append(Element(map_name, key, value, note))
 
     suffix = f" . {proto} . {port}"
     internal_no_endpoints = r.internal_no_endpoints
@@ -990,13 +1063,11 @@ def _render_service(
         if proto in ctx.localhost_rejects:
             element(localhost_reject_set(proto), str(svc.node_port), "")
 
-    elements.extend(slot_elements)
     return ServiceRules(
         chains=MappingProxyType(chains),
-        affinity_sets=MappingProxyType(affinity_sets),
+        affinity_sets=MappingProxyType(affinity_sets) if affinity_sets else _NO_SETS,
         elements=tuple(elements),
-        blocks=MappingProxyType(blocks),
-        shards=tuple(shards),
+        lanes=tuple(lanes),
         hairpin=hairpin,
         cluster_ip=cluster_ip,
     )
@@ -1023,9 +1094,9 @@ def render(
 def _kept_slots(keep: NftRuleset | None) -> _Slots:
     if keep is None or keep.allocator is None:
         return _Slots(SlotAllocator())
-    blocks = {chain: block for svc in keep.services.values() for chain, block in svc.blocks.items()}
-    held = [e for svc in keep.services.values() for e in svc.elements if e[0].startswith(SHARD_PREFIX)]
-    return _Slots(keep.allocator, MappingProxyType(blocks), held)
+    lanes = [lane for svc in keep.services.values() for lane in svc.lanes]
+    blocks = {lane.chain: lane.block for lane in lanes}
+    return _Slots(keep.allocator, MappingProxyType(blocks), lanes)
 
 
 class _Build:
@@ -1051,9 +1122,11 @@ class _Build:
             self.cluster_ip_refs[rules.cluster_ip] = self.cluster_ip_refs.get(rules.cluster_ip, 0) + 1
         for shard in rules.shards:
             self.shard_users[shard] = self.shard_users.get(shard, 0) + 1
-        for map_name, elem_key, element in rules.elements:
+        for element in rules.elements:
             # A key claimed twice (e.g. one external IP on two services) would make nft fail
-            # the whole transaction ("File exists"); the first service port keeps it.
+            # the whole transaction ("File exists"); the first service port keeps it. (Lanes
+            # never share a range: the allocator hands each chain its own.)
+            map_name, elem_key = element.set, element.key
             held = elements.get(map_name)
             if held is None:
                 held = elements[map_name] = {}
@@ -1119,7 +1192,7 @@ def _stub(hairpin: tuple[str, ...], cluster_ip: str) -> ServiceRules:
     DNATed it, and its cluster-ips-check runs first (it would drop what must be rejected: a
     port of the off table's cluster IPs that nobody serves). So a move between the tables
     touches neither set."""
-    return ServiceRules(MappingProxyType({}), MappingProxyType({}), (), hairpin=hairpin, cluster_ip=cluster_ip)
+    return ServiceRules(MappingProxyType({}), _NO_SETS, (), hairpin=hairpin, cluster_ip=cluster_ip)
 
 
 def empty_off(state: ClusterState, family: IPFamily, endpoint_counters: bool = True) -> NftRuleset:
@@ -1212,8 +1285,8 @@ def update_table(
         hairpin = Counts(previous.hairpin_refs)
         cluster_ips = Counts(previous.cluster_ip_refs)
         shard_users = previous.shard_users.copy()  # one entry per endpoint map: services / 64
-        removed: list[tuple[str, str, Element]] = []
-        added: list[tuple[str, str, Element]] = []
+        removed: list[Element] = []
+        added: list[Element] = []
         for key in sorted(routed, key=_service_order):
             old = services.get(key)
             now = routed[key]
@@ -1235,7 +1308,7 @@ def update_table(
                     shard_users[shard] -= 1
                     if not shard_users[shard]:
                         del shard_users[shard]
-            slots = _Slots(allocator, old_blocks, old.elements if old is not None else ())
+            slots = _Slots(allocator, old_blocks, old.lanes if old is not None else ())
             if now is not None or stub:
                 if now is not None:
                     rules = _render_service(ctx, now.service, now.endpoints, slots, now.routing)
@@ -1257,23 +1330,23 @@ def update_table(
             allocator = slots.allocator
         # Elements a changed port keeps as they were are left alone: copying a big map (the
         # service-ips map holds every service) costs more than the rest of a partial sync.
-        unchanged = {(m, k, el) for m, k, el in removed} & {(m, k, el) for m, k, el in added}
+        unchanged = set(removed) & set(added)
         if unchanged:
             removed = [r for r in removed if r not in unchanged]
             added = [a for a in added if a not in unchanged]
-        for map_name, elem_key, _el in removed:
+        for el in removed:
+            map_name, elem_key = el.set, el.key
             if (map_name, elem_key) in contested:
                 raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
             writable(map_name).pop(elem_key, None)
-        for map_name, elem_key, el in added:
+        for el in added:
+            map_name, elem_key = el.set, el.key
             if (map_name, elem_key) in contested:
                 raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
             target = writable(map_name)
             if elem_key in target:
                 raise NeedsFullSync(f"element {elem_key} of map {map_name} would be claimed twice")
             target[elem_key] = el
-        for name in [n for n, m in elements.items() if n.startswith(SHARD_PREFIX) and not m]:
-            del elements[name]
         return NftRuleset(
             family=family,
             table=previous.table,
@@ -1388,10 +1461,10 @@ def delta(
         hairpin_ips.update(old.hairpin)
         hairpin_ips.update(cur.hairpin)
         cluster_ips.update(ip for ip in (old.cluster_ip, cur.cluster_ip) if ip)
-        for map_name, elem_key, el in old.elements:
-            old_elements[(map_name, elem_key)] = el
-        for map_name, elem_key, el in cur.elements:
-            new_elements[(map_name, elem_key)] = el
+        for el in chained(old.elements, old.slot_elements()):
+            old_elements[(el.set, el.key)] = el
+        for el in chained(cur.elements, cur.slot_elements()):
+            new_elements[(el.set, el.key)] = el
     for obj in adds:
         tx.add(obj)
     for flush, obj in rules_out:
