@@ -24,8 +24,8 @@ past it (rule text generated here, in nfproxy's layout "s": docs/nft-layouts.md)
 Also (d): the same fact as a verdict-map element with `goto` (service-ips, no-endpoint-*) and as
 a plain set element looked up by one static rule.
 
-Every change is compiled by nfproxy's NetlinkNft (interval elements are encoded here: NetlinkNft
-has no interval vocabulary yet), encoded once, and sent as one nfnetlink batch on a bare netlink
+Every change is compiled by nfproxy's batch compiler (interval elements are encoded here, as they
+were before it had an interval vocabulary), encoded once, and sent as one nfnetlink batch on a bare netlink
 socket, so only the kernel's work is timed: median and min of --repeat, alternating the change
 and its undo (adds that mark the table for validation are timed without their undo). Connection
 cost: a listener on 10.99.0.1:8080 in the namespace, the probed services' endpoints pointed at
@@ -60,21 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # The synthetic cluster's addresses and chain names: the same as the layout bench's.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nft_layouts import ep_ip, svc_chain, vip  # noqa: E402
-from nfproxy.kernel import netns  # noqa: E402
-from nfproxy.kernel.nft_netlink import (  # noqa: E402
-    _FAMILIES,
-    Message,
-    NetlinkNft,
-    _data,
-    NFNL_MSG_BATCH_BEGIN,
-    NFNL_MSG_BATCH_END,
-    _ElemListMsg,
-    build,
-)
+from nfproxy.kernel import netns, nft_bulk, nft_wire  # noqa: E402
+from nfproxy.kernel.nfnetlink.messages import _FAMILIES, _data, _ElemListMsg, build  # noqa: E402
+from nfproxy.kernel.nfnetlink.values import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, Message  # noqa: E402
+from nfproxy.kernel.nft_netlink import NetlinkNft  # noqa: E402
 from nfproxy.nftables import Chain, Element, Rule, Transaction  # noqa: E402
 
 from pyroute2.netlink.nfnetlink.nftsocket import NFT_MSG_DELSETELEM, NFT_MSG_NEWSETELEM  # noqa: E402
-from pyroute2.netlink import NLM_F_CREATE, NLM_F_REQUEST, NLA_F_NESTED  # noqa: E402
+from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NLA_F_NESTED  # noqa: E402
 from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_NFTABLES, nfgen_msg  # noqa: E402
 
 MARK = 0x4000
@@ -308,6 +301,21 @@ def _prepared(messages: list[Message]) -> tuple[bytes, int]:
     return batch_bytes(messages), len(messages)
 
 
+def _compiled(nl: NetlinkNft, tx: Transaction) -> tuple[bytes, int]:
+    """`tx` as nfproxy's batch compiler writes it, every message asking for an ack (RawNetlink
+    counts them), framed once."""
+    batch = nft_bulk.compile_batch(tx, nl.declarations, lambda name: nl.set_type(tx.family, tx.table, name))
+    data = bytearray(batch.data)
+    at = 0
+    while at < len(data):
+        (length,) = struct.unpack_from("=I", data, at)
+        (flags,) = struct.unpack_from("=H", data, at + 6)
+        struct.pack_into("=H", data, at + 6, flags | NLM_F_ACK)
+        at += (length + 3) & ~3
+    count = len(batch.origins)
+    return bytes(nft_wire.batch_begin(0) + data + nft_wire.batch_end(count + 1)), count
+
+
 def _nft(ns: str, text: str) -> None:
     subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=text, text=True, check=True)
 
@@ -337,13 +345,13 @@ def child_change(shards: int, interval: bool, services: int, n: int, repeat: int
                 count = [_prepared(interval_change(lay, i, n, g)) for g in (True, False)]
                 elem = [_prepared(_interval_replace(lay, i, n, g)) for g in (1, 0)]
             else:
-                count = [_prepared(nl.compile(rule_change(lay, i, n, g))) for g in (True, False)]
-                elem = [_prepared(nl.compile(element_change(lay, i, g))) for g in (1, 0)]
+                count = [_compiled(nl, (rule_change(lay, i, n, g))) for g in (True, False)]
+                elem = [_compiled(nl, (element_change(lay, i, g))) for g in (1, 0)]
                 nl.apply(_scratch(lay, i, add_chain=True))
-                one_rule = _median_ms([_prepared(nl.compile(_scratch(lay, i)))], raw, repeat)
-                vmap_goto = _median_ms([_prepared(nl.compile(_goto_element(lay, i, adding))) for adding in (True, False)], raw, repeat, True)
+                one_rule = _median_ms([_compiled(nl, (_scratch(lay, i)))], raw, repeat)
+                vmap_goto = _median_ms([_compiled(nl, (_goto_element(lay, i, adding))) for adding in (True, False)], raw, repeat, True)
                 nl.apply(_plain_set(lay, i))
-                set_elem = _median_ms([_prepared(nl.compile(_set_element(lay, i, adding))) for adding in (True, False)], raw, repeat, True)
+                set_elem = _median_ms([_compiled(nl, (_set_element(lay, i, adding))) for adding in (True, False)], raw, repeat, True)
             count_ms = _median_ms(count, raw, repeat)
             elem_ms = _median_ms(elem, raw, repeat)
         finally:

@@ -11,7 +11,7 @@ import pytest
 from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel import netns, nft_bulk
 from nfproxy.kernel.nft import NftKernel
-from nfproxy.kernel.nft_netlink import TYPE_INET_SERVICE, TYPE_INTEGER, TYPE_IPV4, Field, SetType
+from nfproxy.kernel.nfnetlink.values import TYPE_INET_SERVICE, TYPE_INTEGER, TYPE_IPV4, Field, SetType
 from nfproxy.kernel.nft_rule_templates import RuleTemplates
 from nfproxy.nftables import Transaction
 from nfproxy.testing import random_cluster, uniform_cluster

@@ -41,9 +41,8 @@ from pyroute2.netlink.nlsocket import NetlinkRequest
 from nfproxy.backends.nft import render as nft_backend
 from nfproxy.core.changes import diff
 from nfproxy.core.model import ClusterState, Endpoint, IPFamily, sort_endpoints
-from nfproxy.kernel import nft_netlink as nn
-from nfproxy.kernel.nft_netlink import (
-    MAX_MESSAGES,
+from nfproxy.kernel.nfnetlink import messages as nn
+from nfproxy.kernel.nfnetlink.values import (
     TYPE_INET_PROTO,
     TYPE_INET_SERVICE,
     TYPE_INTEGER,
@@ -54,12 +53,13 @@ from nfproxy.kernel.nft_netlink import (
     Message,
     SetType,
     Unsupported,
-    compile_transaction,
 )
 from nfproxy.kernel.nfnetlink.values import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END
 from nfproxy.kernel.nft_wire import batch_begin, batch_end, encode_message
 from nfproxy.nftables import Chain, Element, Map, Rule, Set, Transaction, Verb
 from nfproxy.testing import random_cluster, uniform_cluster
+from tests import nft_oracle
+from tests.nft_oracle import MAX_MESSAGES, compile_transaction
 
 TABLE = nft_backend.TABLE
 FAMILIES = {IPFamily.V4: "ip", IPFamily.V6: "ip6"}
@@ -213,9 +213,9 @@ def delta_messages(seed: int, steps: int) -> Iterator[tuple[str, list[Message]]]
                 continue
             d = nft_backend.delta(applied[family], new, keys, delete_chains=chains, delete_sets=sets)
             tx = d.transaction
-            if tx and nn.unencodable(tx) is not None:
+            if tx and nft_oracle.unencodable(tx) is not None:
                 declared, tx = _declarations_apart(tx)
-                assert nn.unencodable(tx) is None, nn.unencodable(tx)
+                assert nft_oracle.unencodable(tx) is None, nft_oracle.unencodable(tx)
                 types_[family].update(declarations(declared))
             if tx:
                 yield fam, compile_transaction(tx, types_[family].__getitem__)

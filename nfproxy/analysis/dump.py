@@ -117,7 +117,7 @@ def read_nft_counted(netns: str | None, *, counters: bool = True) -> NftReading:
     from nfproxy.analysis import nft_elements
     from nfproxy.kernel.nft import NftSession
     from nfproxy.kernel.nft_elements import FAMILIES
-    from nfproxy.kernel.nft_netlink import Unsupported
+    from nfproxy.kernel.nfnetlink.values import Unsupported
 
     def tables(reader: Any) -> dict[tuple[str, str], Any]:
         # Tables of other families (netdev, bridge, arp) are not dumped: a set of theirs makes

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from nfproxy.analysis.ir import PROTOCOL_NAMES, Const, Element, Kind, Prefix, Range, Verdict, endpoint_text
 from nfproxy.analysis.nft_json import Memo, memo_canonical, memo_value
 from nfproxy.kernel.nft_elements import ElementReader, RawElement, SetElements
-from nfproxy.kernel.nft_netlink import TYPE_INTEGER, Unsupported
+from nfproxy.kernel.nfnetlink.values import TYPE_INTEGER, Unsupported
 from nfproxy.kernel.process import KernelError
 
 _ADDRESS_TYPES = (7, 8)  # ipv4_addr, ipv6_addr

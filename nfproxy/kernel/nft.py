@@ -162,14 +162,11 @@ def _named(listing: dict[str, Any], kinds: tuple[str, ...], table: str) -> set[s
 class NftKernel:
     """The nft Kernel (kernel/base.py) of one family in one namespace: applies Transactions.
 
-    Small transactions the netlink encoder can say (`nft_netlink.unencodable`) go as one
-    nfnetlink batch, without libnftables' cache dump; full syncs and other large ones as one
-    batch built from the objects (`nft_bulk`, which lets libnftables encode each declaration
-    once); what neither can say as text (nftables/text.py) through libnftables. Either way one
-    atomic batch. A partial sync that declares a set or map (a new endpoint map, an affinity
-    set) is said by the bulk compiler too: its declaration is one libnftables already encoded,
-    renamed, and libnftables itself would dump every element of every interval map first
-    (0.7 s at 10 000 services).
+    Every transaction, a full sync or a partial one, goes as one nfnetlink batch compiled from
+    the objects (kernel/nft_bulk.py, through NetlinkNft), which lets libnftables encode each
+    declaration once; what the compiler cannot say goes through libnftables as text
+    (nftables/text.py). Either way one atomic batch. (libnftables for a partial sync would first
+    dump every element of every interval map: 0.7 s at 10 000 services.)
     """
 
     def __init__(
@@ -183,10 +180,11 @@ class NftKernel:
         # The off table goes with nfproxy's (nftables.OFF_TABLE); another table stands alone.
         self.tables = (table, OFF_TABLE) if table == TABLE else (table,)
         self.session = NftSession(netns)
-        # Partial syncs as nfnetlink batches (no libnftables cache dump: docs/nft-layouts.md);
-        # None sends everything through libnftables.
-        self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
-        self._declared: Any = None  # nft_bulk.Declarations, made on the first full sync
+        # nfnetlink batches; None sends everything through libnftables.
+        self.fast: NetlinkNft | None = (
+            NetlinkNft(netns, apply_script=lambda text: self.session.apply(text), release=lambda: self.session.release())
+            if netlink else None
+        )
         self._reader: Any = None  # nft_elements.ElementReader, for the generation
 
     def generation(self) -> int:
@@ -213,12 +211,13 @@ class NftKernel:
 
     def apply(self, payload: object) -> None:
         """A Transaction atomically; a tuple of them in order, each atomically (a port moving
-        between nfproxy and the off table: backends/nft/backend.py)."""
-        from nfproxy.kernel.nft_netlink import Unsupported, unencodable
+        between nfproxy and the off table: backends/nft/backend.py), as one batch when neither
+        declares or deletes a table."""
+        from nfproxy.kernel.nfnetlink.values import Unsupported
 
         if isinstance(payload, tuple):
             txs = [tx for tx in payload if tx]
-            if self.fast is not None and len(txs) > 1 and all(unencodable(tx) is None for tx in txs):
+            if self.fast is not None and len(txs) > 1 and not any(type(o) is Table for tx in txs for _, o in tx.ops):
                 try:  # what a partial sync says of both tables: one batch, one commit
                     self.fast.apply(*txs)
                     return
@@ -234,10 +233,7 @@ class NftKernel:
             return
         if self.fast is not None:
             try:
-                if unencodable(payload) is None:
-                    self.fast.apply(payload)
-                else:  # a full sync, a large one, one that declares: one batch built from the objects
-                    self._bulk(payload)
+                self.fast.apply(payload)
                 return
             except Unsupported as exc:  # a rule body or declaration outside the vocabulary
                 log.debug("transaction through libnftables: %s", exc)
@@ -247,36 +243,6 @@ class NftKernel:
             self.session.release()  # libnftables' cache of what it just wrote
         if self.fast is not None:
             self.fast.forget(payload.family, payload.table)  # its set declarations may have changed
-
-    def _bulk(self, tx: Transaction) -> None:
-        from nfproxy.kernel import nft_bulk
-
-        assert self.fast is not None
-        fast = self.fast
-        batch = nft_bulk.compile_batch(tx, self._declarations(), lambda name: fast.set_type(tx.family, tx.table, name))
-        try:
-            with fast.raw_socket(len(batch.data) + 64) as sock:  # kept: see NetlinkNft._raw
-                nft_bulk.send(batch, tx, self.session.netns, sock)
-        except BaseException:
-            fast.forget(tx.family, tx.table)  # what the kernel holds is not known now
-            raise
-        if any(type(o) is Table for _, o in tx.ops):  # the table written anew: every set declared here
-            fast.forget(tx.family, tx.table)
-        # Committed: the sets it declared are as declared, so partial syncs need not ask the
-        # kernel for each one's type on first use (a round trip per endpoint map at 10 000
-        # services, ~1 ms, that a small cluster's two maps pay once). A partial sync's batch
-        # leaves the other sets' types as they were.
-        fast.know(tx.family, tx.table, batch.declared)
-
-    def _declarations(self) -> Any:
-        """What libnftables sends for each declaration, learned once per kernel (nft_bulk)."""
-        if self._declared is None:
-            from nfproxy.kernel import nft_bulk
-            from nfproxy.kernel.nft_elements import ElementReader
-
-            netns = self.session.netns
-            self._declared = nft_bulk.Declarations(self.session.apply, lambda: ElementReader(netns), self.session.release)
-        return self._declared
 
     def dump(self) -> str:
         """The table as nft lists it, chains and sets in name order, elements sorted (then the

@@ -48,7 +48,7 @@ from nfproxy.kernel.nfnetlink.values import (
 )
 from nfproxy.kernel.nft_elements import ElementReader
 from nfproxy.kernel.nfnetlink import sender
-from nfproxy.kernel.nft_netlink import rule_messages
+from nfproxy.kernel.nfnetlink.messages import rule_messages
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
@@ -370,7 +370,9 @@ class Batch:
 class _Compiler:
     """Turns one Transaction into one Batch. Messages are numbered from 1 (seq)."""
 
-    def __init__(self, tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType]) -> None:
+    def __init__(
+        self, tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType], first_set_id: int = 1
+    ) -> None:
         self.tx = tx
         self.family = _NFPROTO[tx.family]
         self.declarations = declarations
@@ -378,7 +380,7 @@ class _Compiler:
         self.parts: list[bytes] = []
         self.origins: list[tuple[int, int, int]] = []
         self.learned_rules: list[tuple[int, Rule]] = []  # (index in parts, rule): filled in last
-        self.set_ids = iter(range(1, 1 << 30))
+        self.set_ids = iter(range(first_set_id, 1 << 30))  # anonymous sets: ids apart per transaction of a batch
         self.table_attr = strz(1, tx.table)  # NFTA_{CHAIN,SET,OBJ,RULE,SET_ELEM_LIST}_TABLE are all 1
         self.new_sets: dict[str, SetType] = {}
         self.templates = RuleTemplates(self.rule_body, self.map_kind)
@@ -786,11 +788,13 @@ def _learned(obj: object) -> bool:
     return kind in (Set, Map, Counter) or (kind is Chain and (obj.hook is not None or obj.comment is not None))  # type: ignore[union-attr]
 
 
-def compile_batch(tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType]) -> Batch:
+def compile_batch(
+    tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType], first_set_id: int = 1
+) -> Batch:
     """The whole of `tx` as one batch's messages (BEGIN and END not included)."""
     if tx.family not in _NFPROTO:
         raise Unsupported(f"family {tx.family!r}")
-    compiler = _Compiler(tx, declarations, set_type)
+    compiler = _Compiler(tx, declarations, set_type, first_set_id)
     try:
         return compiler.compile()
     finally:
@@ -807,7 +811,37 @@ def compile_batch(tx: Transaction, declarations: Declarations, set_type: Callabl
 def send(batch: Batch, tx: Transaction, netns: str | None, sock: socket.socket | None = None) -> None:
     """Send the batch (kernel/nfnetlink/sender.py); a refusal names the command of `tx` its
     message came from. `sock`: the caller's raw socket (NetlinkNft.raw_socket), left open."""
-    sender.send(batch.data, batch.last, len(batch.origins), lambda seq: _command(tx, batch.origins[seq - 1]), netns, sock)
+    send_joined([(batch, tx)], netns, sock)
+
+
+def send_joined(batches: list[tuple[Batch, Transaction]], netns: str | None, sock: socket.socket | None = None) -> None:
+    """Several transactions' batches (of one family: nfproxy's table and the off table) as one
+    kernel batch, one commit; messages renumbered in order."""
+    batches = [(b, tx) for b, tx in batches if b.origins]
+    if not batches:
+        return
+    if len(batches) == 1:
+        (batch, tx), = batches
+        owners = [(tx, origin) for origin in batch.origins]
+        data, last = batch.data, batch.last
+    else:
+        data, owners, last = bytearray(), [], 0
+        for batch, tx in batches:
+            last = len(data) + batch.last
+            data += batch.data
+            owners += [(tx, origin) for origin in batch.origins]
+        _renumber_all(data)
+    sender.send(data, last, len(owners), lambda seq: _command(*owners[seq - 1]), netns, sock)
+
+
+def _renumber_all(data: bytearray) -> None:
+    """Number the messages of `data` 1, 2, 3 ... by walking their headers."""
+    at, seq = 0, 1
+    while at < len(data):
+        (length,) = struct.unpack_from("=I", data, at)
+        _SEQ.pack_into(data, at + 8, seq)
+        at += (length + 3) & ~3
+        seq += 1
 
 
 def _command(tx: Transaction, origin: tuple[int, int, int]) -> str:
