@@ -164,9 +164,8 @@ def test_deltas_through_netlink_leave_the_kernel_as_libnftables_does(seed: int) 
                     chains, sets = stale.get(family, ((), ()))
                     if not keys and not chains and not sets:
                         continue
-                    try:
-                        new = nft_backend.render_update(applied[family], new_state, keys)
-                    except nft_backend.NeedsFullSync:
+                    new = nft_backend.render_update(applied[family], new_state, keys)
+                    if isinstance(new, nft_backend.Cannot):
                         applied[family] = nft_backend.render(new_state, family)
                         for session in (slow_a, slow_b):
                             session.apply(applied[family].script())

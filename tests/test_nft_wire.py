@@ -204,9 +204,8 @@ def delta_messages(seed: int, steps: int) -> Iterator[tuple[str, list[Message]]]
         for family, fam in FAMILIES.items():
             keys = changes.of(family)
             chains, sets = stale.get(family, ((), ()))
-            try:
-                new = nft_backend.render_update(applied[family], new_state, keys)
-            except nft_backend.NeedsFullSync:
+            new = nft_backend.render_update(applied[family], new_state, keys)
+            if isinstance(new, nft_backend.Cannot):
                 applied[family] = nft_backend.render(new_state, family)
                 types_[family] = declarations(applied[family].transaction())
                 stale.pop(family, None)

@@ -111,20 +111,25 @@ class _Moves:
     created: bool  # off1 is a new table
 
     @staticmethod
-    def of(belief: _Belief, state: ClusterState, routed: dict, family: IPFamily) -> _Moves:
+    def of(belief: _Belief, state: ClusterState, routed: dict, family: IPFamily) -> _Moves | nft_render.Cannot:
         main0 = belief.ruleset
         off0 = main0.off
         entering = {k: r for k, r in routed.items() if r is not None and r.table == OFF_TABLE}
         leaving = {k: r for k, r in routed.items() if k not in entering and off0 is not None and k in off0.services}
-        off1 = off0
+        off1: NftRuleset | nft_render.Cannot | None = off0
         if entering:
             start = off0 if off0 is not None else nft_render.empty_off(state, family, main0.endpoint_counters)
             off1 = nft_render.update_table(start, state, entering)
         main1 = nft_render.update_table(main0, state, routed)
+        for made in (off1, main1):
+            if isinstance(made, nft_render.Cannot):
+                return made
         off2 = off1
         if leaving:
             assert off1 is not None
             off2 = nft_render.update_table(off1, state, leaving)
+            if isinstance(off2, nft_render.Cannot):
+                return off2
             off2 = off2 if off2.services else None
         return _Moves(tuple(entering), tuple(leaving), tuple(routed), off0, off1, main1, off2,
                       off0 is None and off1 is not None)
@@ -217,20 +222,22 @@ class NftBackend:
     ) -> Plan | None:
         belief = self._beliefs.get(family)
         if not full and belief is not None:
-            try:
-                return self._partial(belief, state, changes.of(family), family)
-            except nft_render.NeedsFullSync as exc:
-                log.info("IPv%d: partial sync impossible (%s): full sync", family.value, exc)
-                found = _held(belief)  # accurate: it is what the kernel accepted
+            partial = self._partial(belief, state, changes.of(family), family)
+            if not isinstance(partial, nft_render.Cannot):
+                return partial
+            log.info("IPv%d: partial sync impossible (%s): full sync", family.value, partial.reason)
+            found = _held(belief)  # accurate: it is what the kernel accepted
         return self._full(state, family, found, belief.ruleset if belief is not None else None)
 
     def _partial(
         self, belief: _Belief, state: ClusterState, keys: frozenset, family: IPFamily
-    ) -> Plan | None:
+    ) -> Plan | None | nft_render.Cannot:
         stale = _has_stale(belief) or (belief.off is not None and _has_stale(belief.off))
         if not keys and not stale:
             return None
         moved = _Moves.of(belief, state, nft_render.route(state, family, keys), family)
+        if isinstance(moved, nft_render.Cannot):
+            return moved
         plan = moved.plan(belief, cleanup=True)
         if not stale:
             return plan

@@ -1205,8 +1205,11 @@ def empty_off(state: ClusterState, family: IPFamily, endpoint_counters: bool = T
 # Partial syncs: re-render only what changed, and say it to the kernel as a delta.
 
 
-class NeedsFullSync(Exception):
-    """A partial update cannot be expressed safely; the caller must do a full sync instead."""
+@dataclass(frozen=True, slots=True)
+class Cannot:
+    """A partial update that cannot be expressed safely, and why: the caller syncs in full."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -1237,7 +1240,7 @@ def route(state: ClusterState, family: IPFamily, keys: Iterable[ServicePortKey])
 
 def render_update(
     previous: NftRuleset, state: ClusterState, keys: Iterable[ServicePortKey]
-) -> NftRuleset:
+) -> NftRuleset | Cannot:
     """`previous` with the service ports in `keys` (of this family) rendered again from `state`,
     in both tables (a port whose home changed leaves one and enters the other).
 
@@ -1245,19 +1248,23 @@ def render_update(
     not (the caller checks the node: a changed node means a full render); slot numbers may
     differ, since a port keeps its block while it fits. Contested element keys (an address
     claimed by two services) move between owners in ways only a full render gets right, so
-    touching one raises NeedsFullSync.
+    touching one answers Cannot.
     """
     routed = route(state, previous.family, keys)
     main = update_table(previous, state, routed)
+    if isinstance(main, Cannot):
+        return main
     off = previous.off
     if off is not None or any(r is not None and r.table == OFF_TABLE for r in routed.values()):
         off = update_table(off or empty_off(state, previous.family, previous.endpoint_counters), state, routed)
+        if isinstance(off, Cannot):
+            return off
     return dataclasses.replace(main, off=off if off is not None and off.services else None)
 
 
 def update_table(
     previous: NftRuleset, state: ClusterState, routed: Mapping[ServicePortKey, Route | None]
-) -> NftRuleset:
+) -> NftRuleset | Cannot:
     """One table's `render_update`: the ports of `routed` leave it, and those whose home it is
     are rendered into it again. Its `off` is left unset (render_update sets the main table's)."""
     with gc_paused():
@@ -1337,15 +1344,15 @@ def update_table(
         for el in removed:
             map_name, elem_key = el.set, el.key
             if (map_name, elem_key) in contested:
-                raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
+                return Cannot(f"element {elem_key} of map {map_name} is claimed by several services")
             writable(map_name).pop(elem_key, None)
         for el in added:
             map_name, elem_key = el.set, el.key
             if (map_name, elem_key) in contested:
-                raise NeedsFullSync(f"element {elem_key} of map {map_name} is claimed by several services")
+                return Cannot(f"element {elem_key} of map {map_name} is claimed by several services")
             target = writable(map_name)
             if elem_key in target:
-                raise NeedsFullSync(f"element {elem_key} of map {map_name} would be claimed twice")
+                return Cannot(f"element {elem_key} of map {map_name} would be claimed twice")
             target[elem_key] = el
         return NftRuleset(
             family=family,
