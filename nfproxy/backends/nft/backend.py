@@ -134,7 +134,7 @@ class _Moves:
         return _Moves(tuple(entering), tuple(leaving), tuple(routed), off0, off1, main1, off2,
                       off0 is None and off1 is not None)
 
-    def plan(self, belief: _Belief, *, cleanup: bool) -> Plan:
+    def plan(self, belief: _Belief, *, cleanup: bool) -> NftPlan:
         """The steps in order, the new home first (one batch, or each atomic in turn: see the
         module's docstring). Stale objects of the off table go with its first step."""
         txs: list[Transaction] = []
@@ -162,7 +162,17 @@ class _Moves:
                     _recount(off.owned, self.off1, self.off2, self.leaving),
                 )
         memo = dataclasses.replace(main, ruleset=dataclasses.replace(self.main1, off=self.off2), off=off)
-        return Plan(belief.ruleset.family, False, sum(len(t) for t in txs), _payload(txs), memo)
+        return NftPlan(belief.ruleset.family, False, sum(len(t) for t in txs), _payload(txs), memo)
+
+
+@dataclass(frozen=True, slots=True)
+class NftPlan(Plan):
+    """An nft sync, typed: one Transaction, or several applied in order, each atomically (a
+    port moving between nfproxy's table and the off table); what the backend believes after."""
+
+    payload: Transaction | tuple[Transaction, ...]
+    memo: _Belief | None = None
+    without_cleanup: NftPlan | None = None
 
 
 def _drop_off_table(family: str) -> Transaction:
@@ -231,7 +241,7 @@ class NftBackend:
 
     def _partial(
         self, belief: _Belief, state: ClusterState, keys: frozenset, family: IPFamily
-    ) -> Plan | None | nft_render.Cannot:
+    ) -> NftPlan | None | nft_render.Cannot:
         stale = _has_stale(belief) or (belief.off is not None and _has_stale(belief.off))
         if not keys and not stale:
             return None
@@ -241,11 +251,11 @@ class NftBackend:
         plan = moved.plan(belief, cleanup=True)
         if not stale:
             return plan
-        return Plan(plan.family, False, plan.operations, plan.payload, plan.memo, moved.plan(belief, cleanup=False))
+        return NftPlan(plan.family, False, plan.operations, plan.payload, plan.memo, moved.plan(belief, cleanup=False))
 
     def _full(
         self, state: ClusterState, family: IPFamily, found: Owned | None, kept: NftRuleset | None = None
-    ) -> Plan:
+    ) -> NftPlan:
         """`kept`: the ruleset the kernel accepted last; the endpoint maps are then diffed
         against it instead of flushed, so per-endpoint counters survive (render.transaction)."""
         new = nft_render.render(state, family, endpoint_counters=self.endpoint_counters, keep=kept)
@@ -260,7 +270,7 @@ class NftBackend:
             txs.append(_drop_off_table(new.nft_family))  # its last port left while nobody watched
         # nfproxy first: a port moving into the off table is missing for the off table's
         # transaction (small), not a port moving out for nfproxy's (the whole table).
-        return Plan(family, True, sum(len(t) for t in txs), _payload(txs) if len(txs) > 1 else tx, memo)
+        return NftPlan(family, True, sum(len(t) for t in txs), _payload(txs) if len(txs) > 1 else tx, memo)
 
     def accepted(self, plan: Plan) -> None:
         assert isinstance(plan.memo, _Belief)
