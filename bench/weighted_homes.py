@@ -23,12 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nfproxy.backends.nft import render  # noqa: E402
+from nfproxy.backends.nft import full, render, update  # noqa: E402
 from nfproxy.core.model import ClusterState  # noqa: E402
 from nfproxy.kernel import netns  # noqa: E402
 from nfproxy.testing import uniform_cluster  # noqa: E402
 
-from partial_encoder import Cluster  # noqa: E402  (one cluster, one service changed at a time)
+from one_change import Cluster  # noqa: E402  (one cluster, one service changed at a time)
 from sync import weighted  # noqa: E402
 
 
@@ -61,19 +61,19 @@ def main() -> int:
     args = ap.parse_args()
     plain = uniform_cluster(args.services, 10)
     heavy = weighted(plain, [1, 2, 7])
-    real = render.home
+    real = render.home  # used by the full render and by the partial syncs' routing: both are set
     print(f"# weighted ports kept off the lane's table: {args.services} x 10, one run")
     print("| shards T | ports in the shard | unweighted change (ms) | change in the shard, sum 31 -> 34 (ms) | ratio |")
     print("|---|---|---|---|---|")
     try:
         for shards in (int(t) for t in args.shards.split(",")):
-            render.home = sharded_home(shards)
+            full.home = update.home = sharded_home(shards)  # type: ignore[assignment]
             mine = sum(in_shard(heavy.endpoints[k][0].ip, shards) for k in heavy.services)
             base = statistics.median(changes(plain, args.repeat, lambda eps: True))
             moved = statistics.median(changes(heavy, args.repeat, lambda eps, t=shards: in_shard(eps[0].ip, t), added=3))
             print(f"| {shards} | {mine} | {base:.2f} | {moved:.2f} | {moved / base:.3f} |", flush=True)
     finally:
-        render.home = real
+        full.home = update.home = real  # type: ignore[assignment]
     return 0
 
 

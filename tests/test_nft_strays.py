@@ -187,8 +187,13 @@ def _lane_upgrade_state() -> ClusterState:
 
 
 def _old_lane(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nft_render, "LANE", 67_026_960)
-    monkeypatch.setattr(nft_render, "LANES_PER_MAP", 64)
+    """Every module of the backend that holds the lane's numbers, as an older release had them."""
+    from nfproxy.backends.nft import full, names, structure
+
+    for module in (names, structure, full, nft_render):
+        for name, value in (("LANE", 67_026_960), ("LANES_PER_MAP", 64)):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, value)
 
 
 def test_an_upgrade_to_another_lane_converges(monkeypatch: pytest.MonkeyPatch) -> None:
