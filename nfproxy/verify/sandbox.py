@@ -793,8 +793,8 @@ class Sandbox:
         # not rate limited: past a burst of six per peer a `reject` would turn into a timeout.
         # A client may reuse a port its own TIME_WAIT holds (tcp_tw_reuse, IPv4 and IPv6):
         # otherwise, some 10 000 connections into a run, connect() walks the port range past
-        # them (perf: __inet_hash_connect, tcp_twsk_unique; up to ms a connection on
-        # 2026-12-04), the client's cost and not the rules'. The node's conntrack entry for a
+        # them (perf: __inet_hash_connect, tcp_twsk_unique; docs/benchmarks.md), the client's
+        # cost and not the rules'. The node's conntrack entry for a
         # reused tuple is in TIME_WAIT, and the SYN reopens it as a new flow: a new DNAT choice.
         settings: dict[str, str | int] = {
             "net/ipv4/conf/all/rp_filter": 0,

@@ -188,7 +188,7 @@ _EXTERNAL_PORTALS = "kubernetes externally-visible service portals"
 # kube-proxy's iptablesJumpChains, in the order they end up in the kernel: kube-proxy prepends
 # each entry of its list in turn, so the last entry for a built-in chain ends up first in it.
 # kubelet's KUBE-FIREWALL jumps, which kube-proxy makes too (no comment), are ensured after its
-# own and so end up first (`iptables-save` of a kube-proxy v1.37.2 node, 2026-12-07).
+# own and so end up first (as `iptables-save` of a kube-proxy v1.37.2 node lists them).
 JUMPS: tuple[JumpRule, ...] = (
     JumpRule("filter", "INPUT", f"-j {KUBE_FIREWALL}"),
     JumpRule("filter", "OUTPUT", f"-j {KUBE_FIREWALL}"),
@@ -206,10 +206,10 @@ JUMPS: tuple[JumpRule, ...] = (
     _jump("nat", "POSTROUTING", KUBE_POSTROUTING, "kubernetes postrouting rules", False),
 )
 # The same jumps in the order a kernel inserts them, each at the top of its chain (kube-proxy's
-# own list order), so that they end up as JUMPS lists them. Until 2026-12-07 the kernels were
-# handed JUMPS and so left every built-in chain's jumps reversed: FORWARD's established packets
-# met both NEW-gated jumps before KUBE-FORWARD's ESTABLISHED accept, one conntrack match a
-# packet more than on a kube-proxy node (issue S).
+# own list order), so that they end up as JUMPS lists them: handed JUMPS itself, a kernel would
+# leave every built-in chain's jumps reversed, and FORWARD's established packets would meet both
+# NEW-gated jumps before KUBE-FORWARD's ESTABLISHED accept, one conntrack match a packet more
+# than on a kube-proxy node (docs/benchmarks.md, issue S).
 JUMPS_TO_PREPEND: tuple[JumpRule, ...] = tuple(reversed(JUMPS))
 
 
