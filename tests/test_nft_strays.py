@@ -236,3 +236,31 @@ def test_on_the_kernel_an_upgrade_to_another_lane_converges(netns: str, monkeypa
         Proxier("nft", kernels=lambda family: fresh.setdefault(family, NftKernel(family, netns=ref))).sync(state)
         assert kernels[V4].dump() == fresh[V4].dump()
         assert kernels[V4].owned() == fresh[V4].owned()
+
+
+@pytest.mark.kernel
+def test_a_stale_verdict_map_that_names_a_stale_chain_goes_with_it(netns: str) -> None:
+    """An older release's verdict map whose element jumps to a chain of that release: both are
+    strays; the chain is emptied by the full sync and both are deleted by the next, the map
+    first (the kernel refuses to delete a chain a map element still names: EBUSY)."""
+    from nfproxy.kernel.nft import NftKernel, NftSession
+
+    state = uniform_cluster(4, 2)
+    old = Transaction("ip", TABLE)
+    old.add(Map("old-dispatch", "ipv4_addr : verdict"))
+    old.add(Chain("old-target"))
+    old.add(Rule("old-target", "drop"))
+    old.add(Element("old-dispatch", "10.8.8.8", "goto old-target"))
+    old.add(Rule(nft_render.SERVICES_CHAIN, "ip daddr vmap @old-dispatch"))
+    kernels: dict[IPFamily, NftKernel] = {}
+
+    def make(family: IPFamily) -> NftKernel:
+        return kernels.setdefault(family, NftKernel(family, netns=netns))
+
+    Proxier("nft", kernels=make).sync(state)
+    kernels[V4].apply(old)
+    converge(Proxier("nft", kernels=make), state, full=True)  # a restart onto the same state
+    chains, sets, _ = NftSession(netns).object_names("ip", TABLE) or (set(), set(), set())
+    assert "old-target" not in chains and "old-dispatch" not in sets
+    want = nft_render.render(state, V4)
+    assert sets == set(want.sets) | set(want.shard_users)

@@ -247,18 +247,21 @@ def delta(
     """The transaction that turns the kernel's `previous` into `new`, for changed `keys` only.
 
     `delete_chains`/`delete_sets` are the stale objects an earlier delta left behind; they are
-    deleted first unless `new` uses those names again.
+    deleted first unless `new` uses those names again: the sets and maps before the chains, since
+    a stale chain was emptied when it went stale (nothing in it names a set any more) while a
+    stale verdict map's elements may still name a stale chain, which the kernel then refuses to
+    delete (EBUSY).
     """
     tx = nft.Transaction(new.nft_family, new.table)
     keys = tuple(keys)
     live_chains, live_sets = live_again(new, keys) if delete_chains or delete_sets else (set(), set())
-    for name in delete_chains:
-        if name not in live_chains:
-            tx.delete(nft.Chain(name))
     for name in delete_sets:
         if name not in live_sets:
             # Shard maps and affinity sets alike: nft deletes a map by `delete set` too.
             tx.delete(nft.Set(name))
+    for name in delete_chains:
+        if name not in live_chains:
+            tx.delete(nft.Chain(name))
 
     stale_chains: list[str] = []
     stale_sets: list[str] = [n for n in previous.shard_users if n not in new.shard_users]
