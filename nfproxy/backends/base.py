@@ -33,6 +33,7 @@ class Plan:
     payload: object
     memo: object = None
     without_cleanup: Plan | None = None
+    why: str = ""  # a full plan the backend chose itself (a partial one could not say it), why
 
 
 class Rendered(Protocol):

@@ -69,6 +69,7 @@ class FamilySync:
     seconds: float
     # Stale objects could not be deleted (the rest of the sync went through; retried next time).
     cleanup_failed: bool = False
+    why: str = ""  # why the backend made it full itself (Plan.why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,7 @@ class SyncResult:
                 servicesChanged=sum(1 for k in self.changes.services if k[1] is family),
                 endpointsChanged=sum(1 for k in self.changes.endpoints if k[1] is family),
                 operations=part.operations, elapsed=logs.Duration(part.seconds),
-                **({"reason": self.reason} if self.reason and part.kind == "full" else {}),
+                **({"reason": part.why or self.reason} if (part.why or self.reason) and part.kind == "full" else {}),
             )
 
 
@@ -301,7 +302,7 @@ class Proxier:
                 changes,
                 sum(f.operations for f in families.values()),
                 time.perf_counter() - start,
-                reason if kind == "full" else "",
+                (reason or next((f.why for f in families.values() if f.why), "")) if kind == "full" else "",
                 families,
                 skipped,
             )
@@ -361,7 +362,7 @@ class Proxier:
             self.backend.accepted(plan)
             self._synced.add(family)
             kind: SyncKind = "full" if plan.full else ("partial" if plan.operations else "noop")
-            done[family] = FamilySync(kind, plan.operations, time.perf_counter() - started, cleanup_failed)
+            done[family] = FamilySync(kind, plan.operations, time.perf_counter() - started, cleanup_failed, plan.why)
         return done
 
     def _write(self, kernel: Kernel, plan: Plan) -> tuple[Plan, bool]:

@@ -236,7 +236,8 @@ class NftBackend:
             if not isinstance(partial, nft_render.Cannot):
                 return partial
             log.info("IPv%d: partial sync impossible (%s): full sync", family.value, partial.reason)
-            found = _held(belief)  # accurate: it is what the kernel accepted
+            full_plan = self._full(state, family, _held(belief), belief.ruleset)  # held: what the kernel accepted
+            return dataclasses.replace(full_plan, why=f"partial sync impossible: {partial.reason}")
         return self._full(state, family, found, belief.ruleset if belief is not None else None)
 
     def _partial(
