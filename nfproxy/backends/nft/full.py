@@ -4,7 +4,6 @@ and elements), nfproxy's table and the off table."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import ipaddress
 import re
 from collections import Counter
@@ -15,7 +14,6 @@ from types import MappingProxyType
 from nfproxy import nftables as nft
 from nfproxy.backends.nft.names import (
     AFFINITY_PREFIX,
-    B32_PAIRS,
     CLUSTER_IPS_CHECK_CHAIN,
     CLUSTER_IPS_SET,
     ENDPOINT_PREFIX,
@@ -24,7 +22,6 @@ from nfproxy.backends.nft.names import (
     FIREWALL_CHECK_CHAIN,
     FIREWALL_IPS_MAP,
     FIREWALL_PREFIX,
-    FIRST_8_BYTES,
     HAIRPIN_SET,
     INVALID_DROP_COUNTER,
     IP_CHARS,
@@ -33,7 +30,6 @@ from nfproxy.backends.nft.names import (
     LOCAL_PREFIX,
     MARK_MASQ_CHAIN,
     MASQUERADING_CHAIN,
-    NAME_BASE_LENGTH_MAX,
     NODEPORT_ENDPOINTS_CHECK_CHAIN,
     NODEPORT_IPS_SET,
     NO_ENDPOINT_EXTERNAL_MAP,
@@ -52,6 +48,7 @@ from nfproxy.backends.nft.names import (
     nft_address,
     nft_comment,
     nft_name,
+    hash_and_truncate,
     service_chain_base,
 )
 from nfproxy.backends.nft.structure import (
@@ -502,17 +499,10 @@ def render_service(
     dnat_head = f"meta l4proto {proto} {'counter ' if ctx.counters else ''}dnat to "
     update = f" {{ {ipx} saddr }}"
     addr_type, timeout = ctx.addr_type, svc.affinity_timeout
-    sha256 = hashlib.sha256
-    pairs = B32_PAIRS
-    unpack = FIRST_8_BYTES
     for ep in reachable if affinity else ():
         ip = ep.ip
         ep_port = ep.port
-        text = f"{svc_part}{ip.replace(':', '.')}/{ep_port}"
-        n = unpack(sha256(text.encode()).digest())[0] >> 24
-        ep_base = f"{pairs[n >> 30]}{pairs[(n >> 20) & 1023]}{pairs[(n >> 10) & 1023]}{pairs[n & 1023]}-{text}"
-        if len(ep_base) > NAME_BASE_LENGTH_MAX:
-            ep_base = ep_base[: NAME_BASE_LENGTH_MAX - 3] + "..."
+        ep_base = hash_and_truncate(f"{svc_part}{ip.replace(':', '.')}/{ep_port}")  # endpoint_chain_base's text
         chain = ENDPOINT_PREFIX + ep_base
         if not ip or ip.strip(IP_CHARS):
             # The rest of the name is the already checked service part and an int: the

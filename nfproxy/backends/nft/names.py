@@ -82,7 +82,7 @@ ENDPOINT_PREFIX = "endpoint-"
 AFFINITY_PREFIX = "affinity-"
 
 NAME_LENGTH_MAX = nft.objects.NAME_LENGTH_MAX
-NAME_BASE_LENGTH_MAX = NAME_LENGTH_MAX - 16
+_NAME_BASE_LENGTH_MAX = NAME_LENGTH_MAX - 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,20 +129,20 @@ def nft_address(text: str) -> str:
 # Base32 (RFC 4648) of 10 bits at a time: four lookups encode the 40 bits the hash prefix
 # needs, where base64.b32encode (pure Python in 3.11) costs more than the sha256 itself.
 _B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
-B32_PAIRS = tuple(a + b for a in _B32 for b in _B32)
+_B32_PAIRS = tuple(a + b for a in _B32 for b in _B32)
 
 
-FIRST_8_BYTES = struct.Struct(">Q").unpack_from
+_FIRST_8_BYTES = struct.Struct(">Q").unpack_from
 
 
 def hash_and_truncate(name: str) -> str:
     """`HASH8-name`, cut to 240 characters: the hash keeps truncated names unique and makes
     neighbouring endpoint chains (differing in one digit) visually distinct."""
-    n = FIRST_8_BYTES(hashlib.sha256(name.encode()).digest())[0] >> 24
-    p = B32_PAIRS
+    n = _FIRST_8_BYTES(hashlib.sha256(name.encode()).digest())[0] >> 24
+    p = _B32_PAIRS
     name = f"{p[n >> 30]}{p[(n >> 20) & 1023]}{p[(n >> 10) & 1023]}{p[n & 1023]}-{name}"
-    if len(name) > NAME_BASE_LENGTH_MAX:
-        name = name[: NAME_BASE_LENGTH_MAX - 3] + "..."
+    if len(name) > _NAME_BASE_LENGTH_MAX:
+        name = name[: _NAME_BASE_LENGTH_MAX - 3] + "..."
     return name
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from nfproxy.backends.nft.names import (
     AFFINITY_PREFIX,
-    B32_PAIRS,
     CLUSTER_CIDRS_SET,
     CLUSTER_IPS_CHECK_CHAIN,
     CLUSTER_IPS_SET,
@@ -36,7 +35,6 @@ from nfproxy.backends.nft.names import (
     FIREWALL_CHECK_CHAIN,
     FIREWALL_IPS_MAP,
     FIREWALL_PREFIX,
-    FIRST_8_BYTES,
     HAIRPIN_SET,
     INVALID_DROP_COUNTER,
     IP_CHARS,
@@ -45,7 +43,6 @@ from nfproxy.backends.nft.names import (
     LOCAL_PREFIX,
     MARK_MASQ_CHAIN,
     MASQUERADING_CHAIN,
-    NAME_BASE_LENGTH_MAX,
     NAME_LENGTH_MAX,
     NODEPORT_ENDPOINTS_CHECK_CHAIN,
     NODEPORT_IPS_SET,
@@ -114,7 +111,6 @@ from nfproxy.backends.nft.update import (
 
 __all__ = [
     "AFFINITY_PREFIX",
-    "B32_PAIRS",
     "CLUSTER_CIDRS_SET",
     "CLUSTER_IPS_CHECK_CHAIN",
     "CLUSTER_IPS_SET",
@@ -124,7 +120,6 @@ __all__ = [
     "FIREWALL_CHECK_CHAIN",
     "FIREWALL_IPS_MAP",
     "FIREWALL_PREFIX",
-    "FIRST_8_BYTES",
     "HAIRPIN_SET",
     "INVALID_DROP_COUNTER",
     "IP_CHARS",
@@ -133,7 +128,6 @@ __all__ = [
     "LOCAL_PREFIX",
     "MARK_MASQ_CHAIN",
     "MASQUERADING_CHAIN",
-    "NAME_BASE_LENGTH_MAX",
     "NAME_LENGTH_MAX",
     "NODEPORT_ENDPOINTS_CHECK_CHAIN",
     "NODEPORT_IPS_SET",
