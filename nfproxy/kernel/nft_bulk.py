@@ -438,7 +438,7 @@ class _Compiler:
             self.declarations.retain(tx.family, [*declared, *(r for _, r in self.learned_rules)], tx.table)
         data = bytearray().join(self.parts) if self.parts else bytearray()
         if helper is not None:
-            _renumber(data, self.parts)
+            _renumber(data)
         batch = Batch(data, self.origins, len(data) - len(self.parts[-1]) if self.parts else 0,
                       {n: st if st.name == n else dataclasses.replace(st, name=n) for n, st in self.new_sets.items()})
         self.parts = []
@@ -771,17 +771,6 @@ def _count(obj: Elements | Element) -> int:
     return 1 if type(obj) is Element else len(obj)  # type: ignore[arg-type]
 
 
-def _renumber(data: bytearray, parts: list[bytes]) -> None:
-    """Each message's sequence number is its place in the batch (an error names the message
-    by it), written once the helper's messages are in."""
-    at = 0
-    pack = _SEQ.pack_into
-    for seq, part in enumerate(parts, 1):
-        if part:
-            pack(data, at + 8, seq)
-        at += len(part)
-
-
 def _learned(obj: object) -> bool:
     """Declarations whose attributes libnftables encodes (plain chains are said directly)."""
     kind = type(obj)
@@ -830,12 +819,14 @@ def send_joined(batches: list[tuple[Batch, Transaction]], netns: str | None, soc
             last = len(data) + batch.last
             data += batch.data
             owners += [(tx, origin) for origin in batch.origins]
-        _renumber_all(data)
+        _renumber(data)
     sender.send(data, last, len(owners), lambda seq: _command(*owners[seq - 1]), netns, sock)
 
 
-def _renumber_all(data: bytearray) -> None:
-    """Number the messages of `data` 1, 2, 3 ... by walking their headers."""
+def _renumber(data: bytearray) -> None:
+    """Number the messages of `data` 1, 2, 3 ... by walking their headers: an error names a
+    message by its place in the batch (after a helper's messages were spliced in, or batches
+    of several transactions were joined)."""
     at, seq = 0, 1
     while at < len(data):
         (length,) = struct.unpack_from("=I", data, at)
