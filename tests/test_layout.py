@@ -82,13 +82,18 @@ def imports(module: str, source: str, is_package: bool = False) -> Iterator[Impo
             for alias in node.names:
                 yield Import(module, alias.name, node.lineno)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package[: len(package) - (node.level - 1)]
-                base = ".".join([*up, *([node.module] if node.module else [])])
+            base = _from_base(package, node)
             for alias in node.names:
                 target = base if alias.name == "*" else f"{base}.{alias.name}"
                 yield Import(module, target, node.lineno)
+
+
+def _from_base(package: list[str], node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    up = package[: len(package) - (node.level - 1)]
+    return ".".join([*up, *([node.module] if node.module else [])])
 
 
 def layer(module: str) -> str | None:
@@ -219,10 +224,7 @@ def _bound_modules(module: str, tree: ast.AST, is_package: bool) -> dict[str, st
                     top = alias.name.split(".")[0]
                     bound[top] = top
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package[: len(package) - (node.level - 1)]
-                base = ".".join([*up, *([node.module] if node.module else [])])
+            base = _from_base(package, node)
             for alias in node.names:
                 bound[alias.asname or alias.name] = f"{base}.{alias.name}"
     return {k: v for k, v in bound.items() if v.split(".")[0] in ("nfproxy", "pyroute2")}
