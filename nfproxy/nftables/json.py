@@ -288,6 +288,8 @@ def set_(family: str, table: str, s: Set | Map, elements: list[Element], handle:
         type_field, data_field = "integer", " . ".join(data_types)
     out: dict[str, Any] = {"family": family, "name": s.name, "table": table, "type": type_field, "handle": handle}
     flags = list(s.flags)
+    if isinstance(s, Map) and s.size is not None:
+        out["size"] = s.size
     if "dynamic" in flags:
         out["size"] = 65535
         flags = [f for f in flags if f != "dynamic"]

@@ -103,6 +103,9 @@ class Map:
     flags: tuple[str, ...] = ()
     comment: str | None = None
     counter: bool = False  # a packet/byte counter on every element, updated by each lookup
+    # Elements the map may hold. With a size (and no interval flag) the kernel picks its fixed
+    # hash over the resizable one, and refuses an element past it (ENFILE).
+    size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,7 +115,9 @@ def _object(kind: str, family: str, table: str, rest: str, lineno: int, source: 
         flags = tuple(f for f in fields.get("flags", "").split(",") if f)
         comment = _comment(fields.get("comment"))
         if kind == "map":
-            return Map(name, fields.get("type"), fields.get("typeof"), flags, comment, "counter" in fields)
+            size = fields.get("size")
+            return Map(name, fields.get("type"), fields.get("typeof"), flags, comment, "counter" in fields,
+                       int(size) if size is not None else None)
         timeout = fields.get("timeout")
         return Set(name, fields.get("type"), fields.get("typeof"), flags, int(timeout.rstrip("s")) if timeout else None, comment)
     except ValueError as exc:

@@ -16,6 +16,8 @@ from nfproxy.nftables.transaction import Transaction, Verb
 def set_spec(obj: Set | Map) -> str:
     """What goes between the braces of `add set|map`."""
     parts = [f"type {obj.type}" if obj.type is not None else f"typeof {obj.typeof}"]
+    if isinstance(obj, Map) and obj.size is not None:
+        parts.append(f"size {obj.size}")
     if obj.flags:
         parts.append(f"flags {','.join(obj.flags)}")
     if isinstance(obj, Map) and obj.counter:
