@@ -207,9 +207,10 @@ def parse(text: str | Iterable[str], family: object = IPFamily.V4) -> Ruleset:
 # endpoint's `-s A/32 -j KUBE-MARK-MASQ` and `-p tcp -m tcp -j DNAT --to-destination A:P`, a
 # service's `-m statistic --mode random --probability P -j KUBE-SEP-...` and its last `-j ...`),
 # as iptables-save prints them, with or without a `-m comment`. One regular expression reads
-# them into the statements the general reader below makes (the whole save: 3.6-4.9 s -> 2.9-3.7
-# s; tests/test_analysis_parsers.py holds the two readings equal on whole saves); any other
-# line, or one of these the shortcut cannot finish, goes the general way.
+# them into the statements the general reader below makes (about a fifth off reading a whole
+# save: docs/benchmarks.md, "The commonest iptables lines read by one regular expression";
+# tests/test_analysis_parsers.py holds the two readings equal on whole saves); any other line,
+# or one of these the shortcut cannot finish, goes the general way.
 _COMMON = re.compile(
     r"-A (\S+)"
     r"(?: -s ((?:\d{1,3}\.){3}\d{1,3}/32)"

@@ -352,8 +352,8 @@ class _SignalWakeup:
 
     A signal's C-level handler may run on any thread (the sync thread, say). Python runs the
     Python handler on the main thread only, and a main thread blocked in a lock (an
-    `Event.wait()`) is not woken by a signal another thread took: the daemon then never saw
-    SIGTERM (2 runs in 60 under load). `signal.set_wakeup_fd` writes each signal's number to
+    `Event.wait()`) is not woken by a signal another thread took: the daemon would then miss
+    SIGTERM now and then under load. `signal.set_wakeup_fd` writes each signal's number to
     a pipe from whichever thread took it; the main thread waits in select() on that pipe.
     """
 

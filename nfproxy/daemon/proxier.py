@@ -477,9 +477,9 @@ class SyncSchedule:
 
     Apart from the loop's thread and events so it can be driven by a fake clock. After a failure
     nothing starts a sync before the retry time, neither a periodic sync nor a change:
-    a failing full sync of 10 000 services is seconds of rendering, and once the failures had
-    outlasted sync_period the periodic one used to run every min_sync_period, while the log
-    announced a backoff doubling to max_backoff.
+    a failing full sync of 10 000 services is seconds of rendering, and once the failures
+    outlast sync_period the periodic one would otherwise run every min_sync_period, while the
+    log announces a backoff doubling to max_backoff.
     """
 
     min_sync_period: float

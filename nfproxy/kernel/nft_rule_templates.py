@@ -3,7 +3,7 @@
 At 10 000 services a full sync sends 20 000 rules, and nearly all are two shapes per endpoint
 map: `ip daddr <A> ip saddr != <pods> jump mark-for-masquerade` and `meta l4proto tcp dnat ip to
 numgen random mod <N> offset <K> map @<map>`. Compiling each through nft_netlink's compiler and
-encoding it (kernel/nft_wire.py) cost 35-50 µs a rule, 0.7-1.0 s of a 3.5 s full sync. A shape
+encoding it (kernel/nft_wire.py) costs 35-50 µs a rule, most of a second of a full sync. A shape
 is compiled here once per transaction; later rules of that shape copy its bytes and write
 their own numbers in.
 
@@ -19,8 +19,8 @@ A map the batch declares (`@endpoints-tcp-ranges-12`) is a slot too, for names o
 and one element type: the compiler's output depends on the name only through that type and the
 name's own bytes, which the check above confirms (the rule compiled again with every character
 of the name changed, the changed name standing for the same map, must differ in exactly the
-name's bytes). Without it every endpoint map was a shape of its own, learned by compiling its
-rule three times: ~0.3 ms per map, and the maps are many when a map holds few lanes.
+name's bytes). Without it every endpoint map would be a shape of its own, learned by compiling
+its rule three times: ~0.3 ms per map, and the maps are many when a map holds few lanes.
 
 tests/test_nft_rule_templates.py holds the templated bytes equal to the compiler's for every rule
 the renderers write in the test clusters.

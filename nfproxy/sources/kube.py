@@ -23,7 +23,7 @@ Responses are read as JSON (`_preload_content=False`), never through the client'
 which drop fields they do not know and cost more than the parse itself. A Service or an
 EndpointSlice is parsed as it arrives (`manifests.parse_objects`, the same validation the
 manifest files get) and only that parse is kept (`_Record`), not the decoded JSON: at 10 000
-services x 10 endpoints the dicts were ~170 MiB of the daemon's RSS, and their parse shares its
+services x 10 endpoints the dicts would be ~170 MiB of the daemon's RSS, and their parse shares its
 endpoints with the state anyway (docs/design.md, "The API source's memory"). Snapshot cost
 matters at 10 000 services, so the state is assembled per *service group* (a Service with the
 EndpointSlices labelled for it, `manifests.assemble`): an event re-assembles only its group.

@@ -4,8 +4,9 @@ Each backend's full ruleset for both families is applied in its own throwaway ne
 and read back; the summary counts what the kernel holds. The root namespace is never touched.
 
 Bounded work: iptables-nft-restore's time grows faster than the square of the rules it is given
-(here: 7 020 rules 1.0 s, 14 020 rules 3-5 s, 28 020 rules 40 s; one Service of 20 000 ports,
-140 020 rules, did not finish in 300 s), where iptables-legacy-restore takes 2.8 s for 140 020.
+(seconds for 14 000 rules, most of a minute for 28 000; one Service of 20 000 ports, 140 000
+rules, does not finish in minutes), where iptables-legacy-restore takes seconds for 140 000
+(figures: docs/benchmarks.md, "Hostile inputs and faults, second round").
 So before anything is applied, a restore of more than `IPTABLES_NFT_RULE_LIMIT` rules in the
 nft flavour is refused (`TooManyRules`, naming the limit and the ways around it), as `check` and
 `trace` stop a walk over their budget instead of running for ever.
