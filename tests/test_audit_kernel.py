@@ -134,9 +134,9 @@ def _rogue_rule(backend: str, ns: str, endpoint_ip: str) -> None:
     # endpoint's slot of nfproxy's endpoint map, so the connection is counted where nfproxy
     # counts it (a DNAT in a table of its own would bypass nfproxy's rules and counters whole).
     listing = run(["nft", "list", "table", "ip", "nfproxy"], netns=ns)
-    dnat = re.search(r"chain service-\S+-audit/five/tcp/http \{[^}]*dnat ip to numgen random mod 223423200(?: offset \d+)? map @(\S+)", listing)
+    dnat = re.search(r"chain service-\S+-audit/five/tcp/http \{[^}]*dnat ip to numgen random mod \d+(?: offset \d+)? map @(\S+)", listing)
     assert dnat is not None
-    slot = re.search(rf"(\d+)-\d+ counter packets \d+ bytes \d+ : {re.escape(endpoint_ip)} \. 8080", listing)
+    slot = re.search(rf"(\d+)(?:-\d+)? counter packets \d+ bytes \d+ : {re.escape(endpoint_ip)} \. 8080", listing)
     assert slot is not None
     session = NftSession(ns)
     session._cmd("add chain ip nfproxy rogue")

@@ -144,15 +144,19 @@ def test_nft_numgen_slot_missing(nft: str) -> None:
     doc = NftSession(nft).list_table("ip", "nfproxy")
     rule = next(i["rule"] for i in doc["nftables"] if "rule" in i and i["rule"]["chain"] == chain and "numgen" in json.dumps(i["rule"]))
     text = json.dumps(rule["expr"])
-    if "@endpoints-" in text:  # shared interval map: delete the range of this chain's middle endpoint
+    if "@endpoints-" in text:  # shared map: delete the key (or range) of this chain's middle endpoint
         ng = json.loads(text)[-1]["dnat"]["addr"]["map"]["key"]["numgen"]
         middle = ng["offset"] % (1 << 32) + ng["mod"] // 2
         shard = json.loads(text)[-1]["dnat"]["addr"]["map"]["data"].lstrip("@")
         listed = next(i["map"] for i in doc["nftables"] if "map" in i and i["map"]["name"] == shard)
-        low, high = next(
-            r for key, _ in listed["elem"] for r in [key["elem"]["val"]["range"]] if r[0] <= middle <= r[1]
-        )
-        run(["nft", "delete", "element", "ip", "nfproxy", shard, f"{{ {low}-{high} }}"], netns=nft)
+        keys = [key["elem"]["val"] for key, _ in listed["elem"]]
+        if "-hash-" in shard:  # one key per endpoint
+            assert middle in keys
+            element = str(middle)
+        else:
+            low, high = next(r for r in (k["range"] for k in keys if isinstance(k, dict)) if r[0] <= middle <= r[1])
+            element = f"{low}-{high}"
+        run(["nft", "delete", "element", "ip", "nfproxy", shard, f"{{ {element} }}"], netns=nft)
     else:  # anonymous vmap: change the modulus
         _, handle = nft_rule_handle(nft, chain, "numgen")
         run(["nft", "replace", "rule", "ip", "nfproxy", chain, "handle", str(handle), "numgen random mod 4 vmap { 0 : accept }"], netns=nft)
@@ -165,9 +169,12 @@ def test_nft_numgen_modulus_too_small(nft: str) -> None:
     doc = NftSession(nft).list_table("ip", "nfproxy")
     rule = next(i["rule"] for i in doc["nftables"] if "rule" in i and i["rule"]["handle"] == handle)
     expr = rule["expr"]
-    # Same rule, two thirds of the lane instead of all of it (three endpoints, a range of a
-    # third each): the third endpoint can never be drawn.
-    text = json.dumps({"nftables": [{"replace": {"rule": {"family": "ip", "table": "nfproxy", "chain": chain, "handle": handle, "expr": json.loads(json.dumps(expr).replace('"mod": 223423200', '"mod": 148948800'))}}}]})
+    # Same rule, a modulus a third too small (three endpoints: `mod 3` into a hash map, or
+    # `mod LANE` over ranges of a third each): the third endpoint can never be drawn.
+    said = json.dumps(expr)
+    smaller = said.replace('"mod": 3,', '"mod": 2,') if '"mod": 3,' in said else said.replace('"mod": 223423200', '"mod": 148948800')
+    assert smaller != said
+    text = json.dumps({"nftables": [{"replace": {"rule": {"family": "ip", "table": "nfproxy", "chain": chain, "handle": handle, "expr": json.loads(smaller)}}}]})
     run(["nft", "-j", "-f", "-"], netns=nft, stdin=text)
     report = check(dump.read_live("nft", nft).ruleset)
     catalog = next(s for s in report.services if s.chain == chain)

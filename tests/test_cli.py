@@ -41,7 +41,7 @@ def test_render_examples(backend: str) -> None:
         assert "--probability 0.3333333333" in proc.stdout
     else:
         assert "add table ip nfproxy" in proc.stdout and "add table ip6 nfproxy" in proc.stdout
-        assert "dnat ip to numgen random mod 223423200 offset" in proc.stdout
+        assert "dnat ip to numgen random mod 3 offset" in proc.stdout and "map @endpoints-counted-tcp-hash-0" in proc.stdout
 
 
 def test_render_reports_bad_objects_and_keeps_the_rest(tmp_path: Path) -> None:

@@ -171,3 +171,35 @@ def test_real_kernel_dump_is_canonical() -> None:
         for blk in dump.removeprefix("table ip nfproxy {\n").split("\n}\n"):
             if blk.strip():
                 assert blk + "\n}\n" in dump_b, blk[:200]
+
+
+@pytest.mark.kernel
+def test_a_sized_map_refuses_an_element_past_its_size_as_the_kernel_does() -> None:
+    """An endpoint hash map declares `size 256`: the kernel refuses the 257th element (ENFILE)
+    and accepts a key deleted and added again at full size in one transaction (it counts the
+    deleted element as gone); the in-memory kernel must refuse and accept the same."""
+    from nfproxy.kernel.process import KernelError
+    from nfproxy.nftables import Element, Elements, Map, Table, Transaction
+
+    name = "endpoints-counted-tcp-hash-0"
+    spec = Map(name, typeof="numgen random mod 1 : ip daddr . tcp dport", counter=True, size=4)
+
+    def filled(keys: range) -> Transaction:
+        tx = Transaction("ip", nft_render.TABLE)
+        tx.add(Table("ip", nft_render.TABLE))
+        tx.add(spec)
+        tx.add(Elements(name, tuple(map(str, keys)), tuple(f"10.0.0.{k + 1} . 80" for k in keys)))
+        return tx
+
+    swap = Transaction("ip", nft_render.TABLE)
+    swap.delete(Element(name, "0"))
+    swap.add(Element(name, "0", "10.0.9.9 . 80"))
+    with netns.throwaway("nfp-memk-size") as ns:
+        real, fake = NftKernel(IPFamily.V4, netns=ns), MemoryNft(IPFamily.V4)
+        for kernel in (real, fake):
+            with pytest.raises(KernelError):
+                kernel.apply(filled(range(5)))
+            kernel.apply(filled(range(4)))
+            kernel.apply(swap)
+        assert comparable(fake.json()) == real_json(ns, IPFamily.V4)
+        assert "10.0.9.9" in json.dumps(fake.json())

@@ -31,7 +31,7 @@ from nfproxy.backends.nft.render import (
     render,
     service_chain_base,
 )
-from nfproxy.nftables import Map, Verb
+from nfproxy.nftables import Chain, Map, Rule, Verb
 from nfproxy.core.categorize import categorize
 from nfproxy.core.model import (
     ClusterState,
@@ -429,12 +429,12 @@ def test_structure_is_split_per_service() -> None:
         "external-42NFTM6N-ns2/svc2/tcp/p80",
         "firewall-42NFTM6N-ns2/svc2/tcp/p80",
     ]
-    # No endpoint chains: ranges in a shared interval data map, one lane per selecting chain.
+    # No endpoint chains: keys in a shared hash data map, one lane per selecting chain.
     assert dict(owned.blocks) == {
         "service-42NFTM6N-ns2/svc2/tcp/p80": (0, 1),
         "local-42NFTM6N-ns2/svc2/tcp/p80": (1, 1),
     }
-    assert owned.shards == ("endpoints-counted-tcp-ranges-0", "endpoints-counted-tcp-ranges-0")
+    assert owned.shards == ("endpoints-counted-tcp-hash-0", "endpoints-counted-tcp-hash-0")
     # Only the endpoint on this node: kube-proxy 1.37 nftables hairpins local endpoints only.
     assert set(owned.hairpin) == {"10.180.0.2"}
     assert rs.elements["service-nodeports"] == {
@@ -651,13 +651,15 @@ def _slots_of(rs: NftRuleset, key) -> list[str]:  # noqa: ANN001
 
 
 def test_partial_update_keeps_endpoints_on_their_ranges() -> None:
-    """A replaced endpoint changes one range; an endpoint more or fewer rewrites the lane's
-    ranges and nothing else: no rule, no chain (the kernel validates no table for that)."""
+    """An interval lane (here 21 endpoints, more than a hash map's chain holds): a replaced
+    endpoint changes one range; an endpoint more or fewer rewrites the lane's ranges and nothing
+    else: no rule, no chain (the kernel validates no table for that)."""
     import dataclasses
 
-    state = uniform_cluster(5, 10)
+    state = uniform_cluster(5, 21)
     rs = render(state, V4)
     key = sorted(state.services, key=str)[2]
+    assert rs.services[key].shards == ("endpoints-counted-tcp-ranges-0",)
     eps = list(state.endpoints[key])
     eps.pop(3)
     shrunk = dataclasses.replace(state, endpoints={**state.endpoints, key: tuple(eps)})
@@ -665,7 +667,7 @@ def test_partial_update_keeps_endpoints_on_their_ranges() -> None:
     d = nft.delta(rs, new, [key])
     ops = list(d.transaction.operations())
     assert ops and all(isinstance(o, Element) for _, o in ops), ops
-    assert len(_slot_ops(d)) == 10 + 9
+    assert len(_slot_ops(d)) == 21 + 20
     assert _slots_of(new, key) == [f"{e.ip} . {e.port}" for e in eps]
     assert new.services[key].chains == rs.services[key].chains  # mod LANE: the rule stays
 
@@ -679,3 +681,41 @@ def test_partial_update_keeps_endpoints_on_their_ranges() -> None:
     deleted, added = slot_ops[0][1], slot_ops[1][1]
     assert added.key == deleted.key and added.value == "10.0.0.0 . 8080"
     assert _slots_of(newer, key)[4] == "10.0.0.0 . 8080"  # it took the place of the one that went
+
+
+def test_partial_update_of_a_hash_chain() -> None:
+    """A hash-map chain (unweighted, at most 16 endpoints): a replaced endpoint is one key
+    deleted and added again, the rule kept; an endpoint fewer is the rule's modulus rewritten,
+    and the endpoints that stay keep their keys (the last one takes the key that went)."""
+    import dataclasses
+
+    state = uniform_cluster(5, 10)
+    rs = render(state, V4)
+    key = sorted(state.services, key=str)[2]
+    (chain,) = rs.services[key].blocks
+    assert rs.services[key].shards == ("endpoints-counted-tcp-hash-0",)
+    assert "numgen random mod 10 offset " in rs.services[key].chains[chain][-1]
+    eps = list(state.endpoints[key])
+    before = _slots_of(rs, key)
+    gone = eps.pop(3)
+    shrunk = dataclasses.replace(state, endpoints={**state.endpoints, key: tuple(eps)})
+    new = nft.render_update(rs, shrunk, [key])
+    d = nft.delta(rs, new, [key])
+    assert "numgen random mod 9 offset " in new.services[key].chains[chain][-1]
+    others = [(v, o) for v, o in d.transaction.operations() if not isinstance(o, Element)]
+    assert others[0] == (Verb.FLUSH, Chain(chain))
+    assert [o for _, o in others[1:]] == [Rule(chain, body) for body in new.services[key].chains[chain]]
+    after = _slots_of(new, key)
+    moved = before.index(f"{gone.ip} . {gone.port}")
+    assert after == [before[-1] if i == moved else v for i, v in enumerate(before[:-1])]
+    assert [v for v, _ in _slot_ops(d)] == [Verb.DELETE, Verb.DELETE, Verb.ADD]
+
+    replaced = Endpoint(ip="10.0.0.0", port=8080)
+    swapped = [*eps[:4], replaced, *eps[5:]]
+    other = dataclasses.replace(shrunk, endpoints={**shrunk.endpoints, key: tuple(swapped)})
+    newer = nft.render_update(new, other, [key])
+    d = nft.delta(new, newer, [key])
+    assert newer.services[key].chains == new.services[key].chains
+    slot_ops = _slot_ops(d)
+    assert [v for v, _ in slot_ops] == [Verb.DELETE, Verb.ADD], slot_ops
+    assert slot_ops[0][1].key == slot_ops[1][1].key and slot_ops[1][1].value == "10.0.0.0 . 8080"

@@ -143,20 +143,29 @@ def test_on_the_kernel_a_full_sync_removes_objects_no_state_renders(netns: str) 
 
 
 @pytest.mark.kernel
-def test_an_upgrade_from_the_single_slot_endpoint_maps_converges(netns: str) -> None:
-    """A node upgraded from a release with single-slot endpoint maps (`endpoints-counted-tcp-0`,
-    no interval flag, `numgen random mod n` in each service chain): the first full sync writes
-    the interval maps beside them (nft refuses to redeclare a map with other flags, hence other
-    names) and the old maps and chains go as strays."""
+@pytest.mark.parametrize(
+    "old_map, flags, keys",
+    [
+        ("endpoints-counted-tcp-0", (), ("0", "1")),  # single-slot maps, before the lanes
+        ("endpoints-counted-tcp-ranges-0", ("interval",), ("0-111711599", "111711600-223423199")),  # lanes only
+    ],
+)
+def test_an_upgrade_from_older_endpoint_maps_converges(netns: str, old_map: str, flags: tuple[str, ...], keys: tuple[str, str]) -> None:
+    """A node upgraded from a release with other endpoint maps (single-slot maps
+    `endpoints-counted-tcp-0`; or interval lanes `endpoints-counted-tcp-ranges-0` for every
+    chain, before unweighted chains drew into hash maps): the first full sync writes the new
+    maps beside them (nft refuses to redeclare a map with other flags, hence other names) and
+    the old maps and chains go as strays."""
     from nfproxy.kernel.nft import NftKernel, NftSession
 
     state = uniform_cluster(4, 2)
     old = Transaction("ip", TABLE)
-    old.add(Map("endpoints-counted-tcp-0", typeof="numgen random mod 1 : ip daddr . tcp dport", counter=True))
+    old.add(Map(old_map, typeof="numgen random mod 1 : ip daddr . tcp dport", flags=flags, counter=True))
     old.add(Chain("service-OLDHASH1-ns/old/tcp/p"))
-    old.add(Rule("service-OLDHASH1-ns/old/tcp/p", "meta l4proto tcp dnat ip to numgen random mod 2 offset 0 map @endpoints-counted-tcp-0"))
-    old.add(Element("endpoints-counted-tcp-0", "0", "10.9.0.1 . 80"))
-    old.add(Element("endpoints-counted-tcp-0", "1", "10.9.0.2 . 80"))
+    modulus = 2 if not flags else 223423200
+    old.add(Rule("service-OLDHASH1-ns/old/tcp/p", f"meta l4proto tcp dnat ip to numgen random mod {modulus} offset 0 map @{old_map}"))
+    old.add(Element(old_map, keys[0], "10.9.0.1 . 80"))
+    old.add(Element(old_map, keys[1], "10.9.0.2 . 80"))
     kernels: dict[IPFamily, NftKernel] = {}
 
     def make(family: IPFamily) -> NftKernel:
@@ -169,9 +178,9 @@ def test_an_upgrade_from_the_single_slot_endpoint_maps_converges(netns: str) -> 
     session = NftSession(netns)
     chains, sets, _ = session.object_names("ip", TABLE) or (set(), set(), set())
     want = nft_render.render(state, V4)
-    assert "endpoints-counted-tcp-0" not in sets and "service-OLDHASH1-ns/old/tcp/p" not in chains
+    assert old_map not in sets and "service-OLDHASH1-ns/old/tcp/p" not in chains
     assert sets == set(want.sets) | set(want.shard_users)
-    assert all("-ranges-" in name for name in want.shard_users)
+    assert want.shard_users and all("-hash-" in name for name in want.shard_users)
 
 
 def _lane_upgrade_state() -> ClusterState:

@@ -59,6 +59,7 @@ from nfproxy.backends.nft.structure import (
     NftRuleset,
     ServiceRules,
     SlotAllocator,
+    endpoint_choice,
     lane_split,
     lanes_for,
     range_keys,
@@ -476,12 +477,13 @@ def render_service(
     hairpin = hairpin_pairs(reachable, ctx.node.name)
 
     def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
-        """One random value of the chain's lane, looked up in a shared interval data map
-        (one range per endpoint, sized by weight); no per-endpoint chains."""
+        """One random value of the chain's lane, looked up in a shared data map (a key per
+        endpoint in a hash map, or a range per endpoint sized by weight in an interval map); no
+        per-endpoint chains."""
         kept_before = chain in slots.kept
-        modulus, widths = lane_split(slot_counts(subset))
+        modulus, widths, hashed = endpoint_choice(slot_counts(subset))
         block = slots.take(chain, lanes_for(modulus))
-        shard = shard_of(block[0], proto, ctx.counters)
+        shard = shard_of(block[0], proto, ctx.counters, hashed)
         offset = (block[0] % LANES_PER_MAP) * LANE
         keys = range_keys(offset, widths)
         if not kept_before and chain in slots.kept and not weighted(subset):

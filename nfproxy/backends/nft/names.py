@@ -67,10 +67,21 @@ def localhost_reject_counter(proto: str) -> str:
 # whole table as it does for a new rule. Weighted chains keep their rule while the weight sum
 # (over the gcd) divides LANE: 5^2 makes every percentage split such a sum. Why shards, lanes and
 # ranges, and why this LANE: docs/design.md ("The nft layout at scale"), bench/lane_coverage.py.
+#
+# An unweighted chain of at most HASH_ENDPOINTS_MAX endpoints draws `numgen random mod n offset
+# K` instead, into a plain hash map `endpoints-<proto>-hash-M` of the same lanes (one key per
+# endpoint, K + i): the lookup kube-proxy's layout makes, cheaper per new connection than a
+# range lookup, at the price of a rule change when its endpoint count changes. Why:
+# docs/design.md ("Endpoint choice: hash maps for the common case").
 SHARD_PREFIX = "endpoints-"
 LANE = 223_423_200  # 2^5 . 3^2 . 5^2 . 7 . 11 . 13 . 31
 LANES_PER_MAP = 16  # 16 lanes fit in 32 bits; a map bound by at most 16 rules
 RANGES = "-ranges"
+HASHED = "-hash"
+HASH_ENDPOINTS_MAX = 16
+# A hash map's declared size: every lane of it full. A size makes the kernel pick its fixed
+# hash (the lookup kube-proxy's anonymous maps get) over the resizable one.
+HASH_MAP_SIZE = LANES_PER_MAP * HASH_ENDPOINTS_MAX
 
 # Per service port / per endpoint name prefixes (kube-proxy's; none longer than 16 characters,
 # which is what keeps prefix + hashAndTruncate's 240-character base within nft's 256).

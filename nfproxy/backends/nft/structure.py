@@ -14,6 +14,9 @@ from nfproxy import nftables as nft
 from nfproxy.backends.nft.names import (
     CLUSTER_IPS_SET,
     HAIRPIN_SET,
+    HASHED,
+    HASH_ENDPOINTS_MAX,
+    HASH_MAP_SIZE,
     LANE,
     LANES_PER_MAP,
     RANGES,
@@ -118,6 +121,16 @@ def lane_split(units: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     return total, units
 
 
+def endpoint_choice(units: tuple[int, ...]) -> tuple[int, tuple[int, ...], bool]:
+    """(modulus, widths, hashed) of a chain whose endpoints hold `units` slots each: an
+    unweighted chain of at most HASH_ENDPOINTS_MAX endpoints draws `mod n` into a hash map (one
+    key per endpoint), every other chain its `lane_split` into an interval map."""
+    if len(units) <= HASH_ENDPOINTS_MAX and all(u == 1 for u in units):
+        return len(units), units, True
+    modulus, widths = lane_split(units)
+    return modulus, widths, False
+
+
 def lanes_for(modulus: int) -> int:
     """Lanes a chain drawing `mod modulus` needs: a power of two, so that aligned blocks of
     lanes never straddle a map (LANES_PER_MAP)."""
@@ -150,20 +163,30 @@ def range_keys(offset: int, widths: tuple[int, ...]) -> tuple[str, ...]:
 COUNTED = "counted-"
 
 
-def shard_of(lane: int, proto: str, counted: bool = True) -> str:
-    """The interval data map holding `lane`. One set of maps per protocol: a map's data type
-    names the port's protocol (`tcp dport`), and nft refuses a UDP rule reading a TCP port.
-    Maps with per-element counters are named apart (`endpoints-counted-tcp-ranges-0`), and so
-    are interval maps from the single-slot maps of older releases (`endpoints-counted-tcp-0`):
-    nft refuses to redeclare an existing map with another spec, so a change of either makes
-    new maps and leaves the old ones to the stray cleanup, instead of failing every full sync."""
+def shard_of(lane: int, proto: str, counted: bool = True, hashed: bool = False) -> str:
+    """The data map holding `lane`: an interval map, or a hash map for chains that draw `mod n`
+    (`hashed`). One set of maps per protocol: a map's data type names the port's protocol (`tcp
+    dport`), and nft refuses a UDP rule reading a TCP port. Maps with per-element counters are
+    named apart (`endpoints-counted-tcp-ranges-0`), as are the two forms, and interval maps from
+    the single-slot maps of older releases (`endpoints-counted-tcp-0`): nft refuses to redeclare
+    an existing map with another spec, so a change of either makes new maps and leaves the old
+    ones to the stray cleanup, instead of failing every full sync."""
+    form = HASHED if hashed else RANGES
     # Interned: 10 000 ports share a few hundred names.
-    return sys.intern(f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}{RANGES}-{lane // LANES_PER_MAP}")
+    return sys.intern(f"{SHARD_PREFIX}{COUNTED if counted else ''}{proto}{form}-{lane // LANES_PER_MAP}")
 
 
-def _shard_order(name: str) -> tuple[str, int]:
+def _shard_parts(name: str) -> tuple[str, bool, int]:
+    """(protocol, hashed, map index) of an endpoint map's name."""
     head, index = name[len(SHARD_PREFIX):].rsplit("-", 1)
-    return head.removeprefix(COUNTED).removesuffix(RANGES), int(index)
+    head = head.removeprefix(COUNTED)
+    hashed = head.endswith(HASHED)
+    return head.removesuffix(HASHED if hashed else RANGES), hashed, int(index)
+
+
+def _shard_order(name: str) -> tuple[str, int, bool]:
+    proto, hashed, index = _shard_parts(name)
+    return proto, index, hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,15 +259,16 @@ class NftRuleset:
         return "ip" if self.family is IPFamily.V4 else "ip6"
 
     def shard_map(self, name: str) -> nft.Map:
-        """Key: ranges of numgen values (a 32-bit integer: `type mark` is refused for a numgen
-        key); data: address . port of the shard's protocol."""
-        proto = _shard_order(name)[0]
+        """Key: numgen values, ranges of them or (a hash map) single ones (a 32-bit integer:
+        `type mark` is refused for a numgen key); data: address . port of the shard's protocol."""
+        proto, hashed, _ = _shard_parts(name)
         counted = name.startswith(SHARD_PREFIX + COUNTED)
         return nft.Map(
             name,
             typeof=f"numgen random mod 1 : {self.nft_family} daddr . {proto} dport",
-            flags=("interval",),
+            flags=() if hashed else ("interval",),
             counter=counted,
+            size=HASH_MAP_SIZE if hashed else None,
         )
 
     def slots(self) -> dict[str, dict[str, str]]:

@@ -56,7 +56,8 @@ class _Table:
 
 def _declaration(obj: Set | Map) -> tuple[object, ...]:
     """What must agree when an existing set is added again (the comment may differ)."""
-    return (type(obj), obj.type, obj.typeof, obj.flags, getattr(obj, "timeout", None), getattr(obj, "counter", False))
+    return (type(obj), obj.type, obj.typeof, obj.flags, getattr(obj, "timeout", None), getattr(obj, "counter", False),
+            getattr(obj, "size", None))
 
 
 def _owned(t: _Table | None) -> Owned | None:
@@ -309,6 +310,10 @@ def _element_op(t: _Table, verb: Verb, el: Element) -> None:
     old = held.elements.get(el.key)
     if old is not None and (verb is Verb.CREATE or old.value != el.value):
         raise _Refused(f"File exists (element {el.key} of {el.set})")
+    size = getattr(held.decl, "size", None)
+    if old is None and size is not None and len(held.elements) >= size:
+        # The kernel counts the elements this transaction deleted as gone (set->ndeact).
+        raise _Refused(f"Too many open files in system (set {el.set} holds its size, {size})")
     held.elements[el.key] = el
 
 
