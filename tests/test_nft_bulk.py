@@ -326,6 +326,54 @@ def test_nothing_in_the_scratch_table_hooks(monkeypatch: pytest.MonkeyPatch) -> 
             capture_output=True, text=True, check=True).stdout
 
 
+# The fixed rules of the base chains, in every form a node's configuration gives them.
+_FIXED_RULES = [
+    "ct state new jump marked",
+    "ct state established,related accept",
+    "ct state invalid counter name invalid-drops drop",
+    "ct status dnat {ip} saddr . {ip} daddr @pairs jump marked",
+    'iifname "cni0" goto marked comment "short-circuit pod traffic"',
+    '{ip} daddr {address} iifname != "veth*" jump marked',
+    "{ip} daddr {loopback} meta l4proto udp th dport @ports counter name invalid-drops reject",
+    "meta mark and 0x4000 == 0 return",
+    "meta mark and 0x4000 != 0 return",
+    "meta mark set meta mark or 0x4000",
+    "meta mark set meta mark xor 0x4000",
+    "masquerade fully-random",
+    "reject",
+    '{ip} daddr @addresses reject comment "Reject traffic to invalid ports of ClusterIPs"',
+]
+
+
+@pytest.mark.kernel
+def test_the_fixed_rules_leave_what_libnftables_leaves() -> None:
+    """The words the rule compiler has for the base chains' rules (connection tracking, marks,
+    interface names, named counters, reject, masquerade) leave the rules `nft -f` leaves."""
+    from nfproxy.kernel.nft import NftSession
+    from nfproxy.kernel.nft_netlink import NetlinkNft
+    from nfproxy.nftables import Counter, Set, Table
+    from nfproxy.nftables import text as nft_text
+
+    with netns.throwaway("nfp-bulk-fixed") as a, netns.throwaway("nfp-bulk-fixed") as b:
+        session = NftSession(a)
+        fast = NetlinkNft(a, apply_script=session.apply, release=session.release)
+        for family, address, loopback, addr in (("ip", "10.0.0.1", "127.0.0.0/8", "ipv4_addr"), ("ip6", "fd00::1", "::1", "ipv6_addr")):
+            tx = Transaction(family, "nfproxy")
+            tx.add(Table(family, "nfproxy"))
+            tx.add(Counter("invalid-drops"))
+            for obj in (Set("pairs", f"{addr} . {addr}"), Set("addresses", addr), Set("ports", "inet_service"), Chain("marked")):
+                tx.add(obj)
+            tx.add(Chain("fixed", "filter", "output", "0"))
+            tx.add(Chain("fixed-nat", "nat", "postrouting", "100"))  # masquerade's hook
+            for body in _FIXED_RULES:
+                chain = "fixed-nat" if "masquerade" in body else "fixed"
+                tx.add(Rule(chain, body.format(ip=family, address=address, loopback=loopback)))
+            fast.apply(tx)  # Unsupported fails the test
+            NftSession(b).apply(nft_text.script(tx))
+        fast.close()
+        assert kernel_view(a) == kernel_view(b)
+
+
 @pytest.mark.kernel
 def test_elements_encoded_by_a_forked_helper_are_the_same_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """A full sync's elements encoded in a forked child while the rules are compiled here, and

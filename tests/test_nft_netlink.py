@@ -289,8 +289,9 @@ def test_a_refused_transaction_raises_and_changes_nothing() -> None:
     [
         ("ip", "add", Map("endpoints-9", typeof="numgen random mod 1 : ip daddr . tcp dport")),
         ("ip", "add", Set("affinity-x", "ipv4_addr")),  # (deleting one is in the vocabulary)
-        ("ip", "add", Rule("services", "ct state new jump services")),
-        ("ip", "add", Rule("services", "masquerade fully-random")),
+        ("ip", "add", Rule("services", "ct state != new jump services")),
+        ("ip", "add", Rule("services", "masquerade")),
+        ("ip", "add", Rule("services", "reject with tcp reset")),
         ("ip", "add", Rule("services", "tcp dport 80 drop")),
         ("ip", "add", Rule("services", "ip saddr != { 10.0.0.1, 10.0.0.2 } drop")),
         ("ip", "add", Chain("x", "nat", "output", "-100")),

@@ -45,6 +45,7 @@ from nfproxy.kernel.nfnetlink.values import (
     TYPE_INTEGER,
     TYPE_IPV4,
     TYPE_IPV6,
+    TYPE_MARK,
     TYPE_VERDICT,
     VERDICT_CODES,
     Field,
@@ -216,7 +217,16 @@ def _meta(key: int) -> Callable[[int], dict[str, Any]]:
 
 
 _NETWORK, _TRANSPORT = 1, 2
-_META_L4PROTO = 16
+_META_MARK, _META_IIFNAME, _META_L4PROTO = 3, 6, 16
+_TYPE_IFNAME, _IFNAMSIZ = 41, 16
+_IFNAME = re.compile(r'"([A-Za-z0-9_.@-]{1,15})(\*?)"')
+# ct state and ct status bits (nf_conntrack_common.h): what `ct state new`, `ct status dnat` test.
+_CT_BITS = {
+    "state": (0, {"invalid": 1, "established": 2, "related": 4, "new": 8, "untracked": 64}),
+    "status": (2, {"expected": 1, "seen-reply": 2, "assured": 4, "confirmed": 8, "snat": 0x10, "dnat": 0x20}),
+}
+_REJECT_PORT_UNREACHABLE = {"ip": 3, "ip6": 4}  # ICMP and ICMPv6 codes: a bare `reject`
+_MARK = _Selector(Field(TYPE_MARK, 4, True), _meta(_META_MARK))
 
 
 @dataclass
@@ -251,6 +261,10 @@ class _RuleCompiler:
             return _Selector(f, _payload(_NETWORK, off, f.size), (_NETWORK, off), typeof), i + 2
         if t == "meta" and nxt == "l4proto":
             return _Selector(Field(TYPE_INET_PROTO, 1), _meta(_META_L4PROTO)), i + 2
+        if t == "meta" and nxt == "mark":
+            return _MARK, i + 2
+        if t == "iifname":
+            return _Selector(Field(_TYPE_IFNAME, _IFNAMSIZ), _meta(_META_IIFNAME)), i + 1
         if t == "th" and nxt == "dport":
             return _Selector(Field(TYPE_INET_SERVICE, 2), _payload(_TRANSPORT, 2, 2)), i + 2
         if t == "fib" and nxt in ("saddr", "daddr") and toks[i + 2 : i + 3] == ["type"]:
@@ -314,6 +328,11 @@ class _RuleCompiler:
             if text not in _ADDRTYPES:
                 raise self.fail(f"unknown address type {text!r}")
             return _ADDRTYPES[text].to_bytes(4, HOST)
+        if sel.field.type == _TYPE_IFNAME:  # "eth0": the whole padded name; "veth*": its prefix
+            m = _IFNAME.fullmatch(text)
+            if m is None:
+                raise self.fail(f"interface name {text!r}")
+            return m[1].encode() if m[2] else m[1].encode().ljust(_IFNAMSIZ, b"\0")
         return encode_value(text, sel.field, self.command)
 
     def cmp(self, op: int, value: bytes) -> None:
@@ -362,17 +381,7 @@ class _RuleCompiler:
                 self.cmp(op, net.network_address.packed[:n])
                 return
             self.load(sels)
-            size = sel.field.size
-            self.exprs.append(
-                _expr(
-                    "bitwise",
-                    ("NFTA_BITWISE_SREG", 1),
-                    ("NFTA_BITWISE_DREG", 1),
-                    ("NFTA_BITWISE_LEN", size),
-                    ("NFTA_BITWISE_MASK", _data(net.netmask.packed), NLA_F_NESTED),
-                    ("NFTA_BITWISE_XOR", _data(bytes(size)), NLA_F_NESTED),
-                )
-            )
+            self.bitwise(net.netmask.packed, bytes(sel.field.size))
             self.cmp(op, net.network_address.packed)
             return
         self.load(sels)
@@ -659,6 +668,65 @@ class _RuleCompiler:
         )
         return found[1] + 1
 
+    # -- the base chains' fixed words: connection tracking, marks, named counters, reject, masquerade
+    def fixed(self, toks: list[str], i: int) -> tuple[int, bool] | None:
+        """One of the words at toks[i] (where it ends, whether it ends the rule), or None."""
+        t, nxt = toks[i], toks[i + 1] if i + 1 < len(toks) else ""
+        if t == "ct" and nxt in _CT_BITS:
+            return self.ct_bits(toks, i + 1), False
+        if toks[i : i + 5] == ["meta", "mark", "set", "meta", "mark"] and i + 6 < len(toks):
+            op, value = toks[i + 5], int.from_bytes(self.literal(_MARK, toks[i + 6]), HOST)
+            if op not in ("and", "or", "xor"):
+                raise self.fail(f"meta mark set meta mark {op}")
+            mask, xor = {"and": (value, 0), "or": (~value, value), "xor": (-1, value)}[op]
+            self.exprs.append(_MARK.load(0))
+            self.bitwise((mask & 0xFFFFFFFF).to_bytes(4, HOST), xor.to_bytes(4, HOST), boolean=True)
+            self.exprs.append(_expr("meta", ("NFTA_META_KEY", _META_MARK), ("NFTA_META_SREG", 1)))
+            return i + 7, False
+        if t == "counter" and nxt == "name":
+            name = bare_name(toks[i + 2] if i + 2 < len(toks) else "", self.command)
+            self.exprs.append(_expr("objref", ("NFTA_OBJREF_IMM_TYPE", NFT_OBJECT_COUNTER), ("NFTA_OBJREF_IMM_NAME", name)))
+            return i + 3, False
+        if t == "reject" and nxt in ("", "comment"):
+            code = _REJECT_PORT_UNREACHABLE[self.family]
+            self.exprs.append(_expr("reject", ("NFTA_REJECT_TYPE", 0), ("NFTA_REJECT_ICMP_CODE", code)))  # ICMP_UNREACH
+            return i + 1, True
+        if t == "masquerade" and nxt == "fully-random":
+            self.exprs.append(_expr("masq", ("NFTA_MASQ_FLAGS", frozenset({"NF_NAT_RANGE_PROTO_RANDOM_FULLY"}))))
+            return i + 2, True
+        return None
+
+    def ct_bits(self, toks: list[str], i: int) -> int:
+        """`ct state new`, `ct status dnat`, `ct state established,related`: any of the bits set."""
+        key, bits = _CT_BITS[toks[i]]
+        names, i = toks[i + 1 : i + 2], i + 2
+        while toks[i : i + 1] == [","]:
+            names, i = names + toks[i + 1 : i + 2], i + 2
+        if not names or any(n not in bits for n in names):
+            raise self.fail(f"ct {' '.join(names)} outside the vocabulary")
+        self.exprs.append(_expr("ct", ("NFTA_CT_KEY", key), ("NFTA_CT_DREG", 1)))
+        self.bitwise(sum({bits[n] for n in names}).to_bytes(4, HOST), bytes(4))
+        self.cmp(1, bytes(4))  # != 0
+        return i
+
+    def masked(self, sels: list[_Selector], toks: list[str], i: int) -> int:
+        """`meta mark and 0x4000 == 0`, after its `and`."""
+        if len(sels) != 1 or sels[0].field.type != TYPE_MARK or i + 2 >= len(toks) or toks[i + 1] not in ("==", "!="):
+            raise self.fail("a bit operation outside the vocabulary")
+        self.load(sels)
+        self.bitwise(self.literal(sels[0], toks[i]), bytes(4), boolean=True)
+        self.cmp(int(toks[i + 1] == "!="), self.literal(sels[0], toks[i + 2]))
+        return i + 3
+
+    def bitwise(self, mask: bytes, xor: bytes, boolean: bool = False) -> None:
+        """reg 1 = (reg 1 & mask) ^ xor; nft names the operation (boolean) for a mark's
+        arithmetic, not for a prefix or a flag test."""
+        attrs: list[tuple[str, Any]] = [("NFTA_BITWISE_SREG", 1), ("NFTA_BITWISE_DREG", 1)]
+        attrs += [("NFTA_BITWISE_OP", 0)] if boolean else []  # NFT_BITWISE_BOOL
+        attrs += [("NFTA_BITWISE_LEN", len(mask)), ("NFTA_BITWISE_MASK", _data(mask), NLA_F_NESTED),
+                  ("NFTA_BITWISE_XOR", _data(xor), NLA_F_NESTED)]
+        self.exprs.append(_expr("bitwise", *attrs))
+
     def compile(self, toks: list[str]) -> None:
         i = 0
         terminal = False
@@ -689,6 +757,11 @@ class _RuleCompiler:
             if t == "update":
                 i = self.update(toks, i + 1)
                 continue
+            fixed = self.fixed(toks, i)
+            if fixed is not None:
+                i, ends = fixed
+                terminal = terminal or ends
+                continue
             if t == "counter":  # an anonymous rule counter (per-endpoint chains' DNAT)
                 self.exprs.append(_expr("counter", ("NFTA_COUNTER_BYTES", 0), ("NFTA_COUNTER_PACKETS", 0)))
                 i += 1
@@ -716,6 +789,9 @@ class _RuleCompiler:
                 else:
                     raise self.fail("vmap of something outside the vocabulary")
                 terminal = True
+                continue
+            if toks[i] == "and":
+                i = self.masked(sels, toks, i + 1)
                 continue
             negate = False
             if toks[i] in ("!=", "=="):
