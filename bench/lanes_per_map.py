@@ -8,9 +8,8 @@ measured, nothing is changed), taking turns:
 
 - cold full syncs at S x N, unweighted and with weights 1:2:7 cycled (wall and CPU seconds);
 - services added one at a time past a full map: the add that opens a new endpoint map (one
-  batch from the bulk compiler, the map's declaration derived from one learned at the full sync;
-  until 2026-12-04 declared through libnftables before a netlink batch) against the adds that do
-  not.
+  batch from the bulk compiler, the map's declaration written from the object; until 2026-12-04
+  declared through libnftables before a netlink batch) against the adds that do not.
 
     sudo .venv/bin/python bench/lanes_per_map.py [--services 10000] [--rounds 5]
 """

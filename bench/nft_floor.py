@@ -304,7 +304,7 @@ def _prepared(messages: list[Message]) -> tuple[bytes, int]:
 def _compiled(nl: NetlinkNft, tx: Transaction) -> tuple[bytes, int]:
     """`tx` as nfproxy's batch compiler writes it, every message asking for an ack (RawNetlink
     counts them), framed once."""
-    batch = nft_bulk.compile_batch(tx, nl.declarations, lambda name: nl.set_type(tx.family, tx.table, name))
+    batch = nft_bulk.compile_batch(tx, lambda name: nl.set_type(tx.family, tx.table, name))
     data = bytearray(batch.data)
     at = 0
     while at < len(data):

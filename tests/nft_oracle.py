@@ -109,7 +109,7 @@ def unencodable(tx: Transaction) -> str | None:
     added, elements added and deleted, sets and maps deleted (the stale ones a partial sync
     left), the transaction's table deleted (the off table, with its last port). Tables
     declared, set and map declarations, base chains and chain comments are said by the bulk
-    compiler (kernel/nft_bulk.py), from what libnftables encoded for them. Judged from the
+    compiler (kernel/nft_bulk.py, kernel/nfnetlink/declarations.py). Judged from the
     queue (an element batch is one entry), so a full sync (a table declaration first, 250 000
     operations) is turned away at once.
     """

@@ -287,15 +287,14 @@ def test_a_refused_transaction_raises_and_changes_nothing() -> None:
 @pytest.mark.parametrize(
     ("family", "verb", "obj"),
     [
-        ("ip", "add", Map("endpoints-9", typeof="numgen random mod 1 : ip daddr . tcp dport")),
-        ("ip", "add", Set("affinity-x", "ipv4_addr")),  # (deleting one is in the vocabulary)
+        ("ip", "add", Map("endpoints-9", typeof="numgen random mod 1 : meta l4proto")),
+        ("ip", "add", Set("affinity-x", "ether_addr")),
         ("ip", "add", Rule("services", "ct state != new jump services")),
         ("ip", "add", Rule("services", "masquerade")),
         ("ip", "add", Rule("services", "reject with tcp reset")),
         ("ip", "add", Rule("services", "tcp dport 80 drop")),
         ("ip", "add", Rule("services", "ip saddr != { 10.0.0.1, 10.0.0.2 } drop")),
-        ("ip", "add", Chain("x", "nat", "output", "-100")),
-        ("ip", "add", Chain("x", comment="a chain comment")),
+        ("ip", "add", Chain("x", "nat", "output", "dstnat")),
         ("ip", "create", Chain("x")),
         ("ip6", "add", Rule("services", "ip saddr 10.0.0.1 drop")),
     ],
@@ -530,9 +529,8 @@ def _one_more_service(full: ClusterState) -> ClusterState:
 def test_a_partial_sync_that_declares_sets_is_one_bulk_batch(case: str) -> None:
     """A partial sync that declares sets (two endpoints of an affinity port: a set each) or a
     map (the service that fills the lanes of the last endpoint map opens the next) goes as one
-    batch from the bulk compiler, its declarations those libnftables encoded for the full sync
-    under another name: no libnftables call, whose cache dump would list every element of every
-    interval map first, and one commit. The table ends as the same partial sync through
+    batch from the bulk compiler, its declarations written from the objects: no libnftables call,
+    whose cache dump would list every element of every interval map first, and one commit. The table ends as the same partial sync through
     libnftables alone leaves it, and the other sets' element types stay known (no round trip to
     ask the kernel again)."""
     from nfproxy.backends.nft.render import LANES_PER_MAP

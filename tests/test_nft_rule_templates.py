@@ -21,7 +21,7 @@ _SLOTS = SetType("slots", (Field(TYPE_INTEGER, 4, True),), (Field(TYPE_IPV4, 4),
 
 
 def _compiler() -> nft_bulk._Compiler:
-    return nft_bulk._Compiler(Transaction("ip", "nfproxy"), None, {"slots": _SLOTS}.__getitem__)  # type: ignore[arg-type]
+    return nft_bulk._Compiler(Transaction("ip", "nfproxy"), {"slots": _SLOTS}.__getitem__)  # type: ignore[arg-type]
 
 
 def _bodies(rng: random.Random) -> list[str]:

@@ -20,11 +20,13 @@ from nfproxy.backends.nft import render as nft_backend
 from nfproxy.daemon import logs
 from nfproxy.kernel.iptables import Flavour, IptablesRunner
 from nfproxy.kernel.nft import NftSession
-from nfproxy.kernel.nft_bulk import SCRATCH_TABLE
 from nfproxy.kernel.process import KernelError
 from nfproxy.core.model import ClusterState, IPFamily
 
 log = logging.getLogger("nfproxy.cleanup")
+# Earlier releases learned declarations through this table, for milliseconds of a first full
+# sync; one is left on a node only if such a daemon died in them.
+_SCRATCH_TABLE = "nfproxy-scratch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +91,7 @@ def cleanup_nft(netns: str | None) -> list[Removed]:
     session = NftSession(netns)
     removed = []
     for family in ("ip", "ip6"):
-        # The scratch table lives for milliseconds of a first full sync (kernel/nft_bulk.py);
-        # one is left only if the daemon died in them.
-        for table in (nft_backend.TABLE, nft_backend.OFF_TABLE, SCRATCH_TABLE):
+        for table in (nft_backend.TABLE, nft_backend.OFF_TABLE, _SCRATCH_TABLE):
             if session.delete_table(family, table):
                 removed.append(Removed(f"nft: table {family} {table}", 1))
     return removed

@@ -139,7 +139,7 @@ class NftSession:
     def delete_table(self, family: str, table: str) -> bool:
         """Delete a table if it exists; True when something was deleted. (Not by listing it
         first: that fetches every element, and nft 1.0.6 prints invalid JSON for a dormant
-        table, as a scratch table left by a crash is: kernel/nft_bulk.py.)"""
+        table.)"""
         try:
             self._cmd(f"delete table {family} {table}")
         except KernelError as exc:
@@ -163,9 +163,8 @@ class NftKernel:
     """The nft Kernel (kernel/base.py) of one family in one namespace: applies Transactions.
 
     Every transaction, a full sync or a partial one, goes as one nfnetlink batch compiled from
-    the objects (kernel/nft_bulk.py, through NetlinkNft), which lets libnftables encode each
-    declaration once; what the compiler cannot say goes through libnftables as text
-    (nftables/text.py). Either way one atomic batch. (libnftables for a partial sync would first
+    the objects (kernel/nft_bulk.py, through NetlinkNft); what the compiler cannot say goes
+    through libnftables as text (nftables/text.py). Either way one atomic batch. (libnftables for a partial sync would first
     dump every element of every interval map: 0.7 s at 10 000 services.)
     """
 
@@ -181,10 +180,7 @@ class NftKernel:
         self.tables = (table, OFF_TABLE) if table == TABLE else (table,)
         self.session = NftSession(netns)
         # nfnetlink batches; None sends everything through libnftables.
-        self.fast: NetlinkNft | None = (
-            NetlinkNft(netns, apply_script=lambda text: self.session.apply(text), release=lambda: self.session.release())
-            if netlink else None
-        )
+        self.fast: NetlinkNft | None = NetlinkNft(netns) if netlink else None
         self._reader: Any = None  # nft_elements.ElementReader, for the generation
 
     def generation(self) -> int:

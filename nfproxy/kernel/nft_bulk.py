@@ -5,16 +5,10 @@ script, its parse tree, its evaluated commands, its cache of the table, the batc
 sync at 10 000 services x 10 that is ~600 MiB on top of the daemon (docs/benchmarks.md), and
 the IPv6 table's few lines cost another 160 MiB and 0.4 s because libnftables first fetches
 the IPv4 table's 200 000 elements into its cache. This module sends the same transaction as
-one nfnetlink batch built straight from the objects: rules through nft_netlink's compiler,
-elements from their fields, each message encoded to bytes at once (kernel/nft_wire.py), so the
-batch is the only copy.
-
-Declarations (tables, sets and maps, chains with hooks or comments, counters) carry libnftnl's
-user data: comments, typeof expressions, key byte orders. Rather than a second encoder of those,
-libnftables encodes each declaration once, into a scratch table where nothing hooks (a base
-chain is learned as a plain chain; its hook is two numbers, said here), and its attributes, read
-back over netlink, are replayed into the real table: the kernel receives what `nft -f` would send, and `nft list` shows the same table. What
-was learned is kept for the life of the kernel object, so a daemon asks once per declaration.
+one nfnetlink batch built straight from the objects: declarations as libnftables writes them
+(kernel/nfnetlink/declarations.py), rules through the rule compiler, elements from their
+fields, each message encoded to bytes at once (kernel/nft_wire.py), so the batch is the only
+copy.
 
 One batch, so one transaction: the kernel commits all of it or none. A transaction this module
 cannot say raises `Unsupported` before anything is sent, and the caller uses libnftables.
@@ -33,7 +27,8 @@ from dataclasses import dataclass, field
 from nfproxy.core import forked
 from nfproxy.kernel import nft_wire
 from nfproxy.kernel.nft_rule_templates import RuleTemplates
-from nfproxy.kernel.nfnetlink.framing import attr, attributes, frame, strz
+from nfproxy.kernel.nfnetlink.declarations import declared
+from nfproxy.kernel.nfnetlink.framing import attr, frame, strz
 from nfproxy.kernel.nfnetlink.values import (
     TYPE_INTEGER,
     TYPE_IPV4,
@@ -46,7 +41,6 @@ from nfproxy.kernel.nfnetlink.values import (
     interval_bounds,
     verdict_of,
 )
-from nfproxy.kernel.nft_elements import ElementReader
 from nfproxy.kernel.nfnetlink import sender
 from nfproxy.kernel.nfnetlink.messages import rule_messages
 from nfproxy.kernel.process import KernelError
@@ -54,22 +48,13 @@ from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Tra
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import Elements, quote_comment
 
-SCRATCH_TABLE = "nfproxy-scratch"
 _NFPROTO = {"ip": 2, "ip6": 10}
 
 # Message types and attribute numbers: include/uapi/linux/netfilter/nf_tables.h.
-_NEWTABLE, _DELTABLE, _NEWCHAIN, _GETCHAIN, _DELCHAIN, _DELRULE = 0, 2, 3, 4, 5, 8
-_NEWSET, _GETSET, _DELSET, _NEWSETELEM, _DELSETELEM = 9, 10, 11, 12, 14
-_NEWOBJ, _GETOBJ, _DELOBJ = 18, 19, 20
-_TABLE_FLAGS, _TABLE_USERDATA = 2, 6
-_CHAIN_TABLE, _CHAIN_NAME, _CHAIN_HOOK, _CHAIN_TYPE, _CHAIN_FLAGS = 1, 3, 4, 7, 10
-_HOOK_NUM, _HOOK_PRIORITY = 1, 2
-_CHAIN_BASE = 0x1
-_RULE_TABLE, _RULE_CHAIN = 1, 2
-_NEWRULE, _GETRULE = 6, 7
-_SET_TABLE, _SET_NAME, _SET_ID = 1, 2, 10
-_OBJ_TABLE, _OBJ_NAME, _OBJ_TYPE = 1, 2, 3
-_OBJ_COUNTER = 1
+_DELTABLE, _NEWCHAIN, _DELCHAIN, _NEWRULE, _DELRULE = 2, 3, 5, 6, 8
+_DELSET, _NEWSETELEM, _DELSETELEM, _DELOBJ = 11, 12, 14, 20
+_CHAIN_NAME, _RULE_CHAIN, _SET_NAME = 3, 2, 2
+_OBJ_NAME, _OBJ_TYPE, _OBJ_COUNTER = 2, 3, 1
 _LIST_SET, _LIST_ELEMENTS = 2, 3  # after NFTA_SET_ELEM_LIST_TABLE, 1
 _NLA_F_NESTED = 0x8000
 _NLM_F_CREATE, _NLM_F_APPEND = 0x400, 0x800
@@ -79,276 +64,6 @@ _SEQ = struct.Struct("=I")
 # From this many elements a forked helper encodes them while the rules are compiled here
 # (core/forked.py): 200 000 at 10 000 x 10 take ~0.5 s; a fork of the daemon ~10 ms.
 _ELEMENTS_BESIDE = 20000
-# The attributes of a dumped object that say what it is, and so are sent back: not where it
-# lives (its table, its chain), its handle, use count or element count, padding, its backend,
-# a base chain's counters. A kernel that dumps more (newer attributes) still replays this.
-_REPLAYED = {
-    _GETCHAIN: frozenset({3, 4, 5, 7, _CHAIN_FLAGS, 12}),  # name, hook, policy, type, flags, userdata
-    _GETSET: frozenset({2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 17, 18}),  # NAME .. EXPRESSIONS, not ID, HANDLE
-    _GETOBJ: frozenset({2, 3, 4, 8}),  # name, type, data, userdata
-    _GETRULE: frozenset({4, 7}),  # expressions, userdata
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Declarations, encoded by libnftables once and replayed.
-
-
-@dataclass(frozen=True, slots=True)
-class Declared:
-    """A declaration as the kernel holds it: its message type and every attribute but its
-    table's (the table goes first when it is replayed); a set's element types too."""
-
-    msg_type: int
-    attrs: bytes
-    set_type: SetType | None = None
-
-
-Declaration = Chain | Set | Map | Counter
-
-
-class Declarations:
-    """What libnftables sends for each declaration, learned through a scratch table.
-
-    `apply_script` runs an nft script in the namespace (libnftables); `reader` opens a netlink
-    reader there; `release` drops libnftables' context once the scratch table is gone (one
-    context per learning: closing it after a commit waits out an RCU grace period in the
-    kernel, 10-20 ms). The scratch table exists only while a batch of declarations is learned.
-    """
-
-    def __init__(
-        self, apply_script: Callable[[str], None], reader: Callable[[], ElementReader], release: Callable[[], None] = lambda: None
-    ) -> None:
-        self._apply = apply_script
-        self._reader = reader
-        self._release = release
-        # Keyed by the declaration without its hook (`_unhooked`): a base chain's hook is said
-        # here, so nfproxy's and the off table's base chains share what was learned.
-        self._known: dict[tuple[str, object], Declared] = {}
-        self._kept: dict[tuple[str, str], set[tuple[str, object]]] = {}  # per (family, table)
-        # Kinds of set (a declaration without its name) whose pair proved that a new name is a
-        # renamed declaration, with the one it was proven on: a partial sync's new endpoint map
-        # is derived, not learned.
-        self._renamable: dict[tuple[str, Declaration], Declaration] = {}
-
-    def get(self, family: str, obj: Declaration) -> Declared:
-        got = self._known[(family, _unhooked(obj))]
-        if type(obj) is Chain and obj.hook is not None:
-            return Declared(got.msg_type, got.attrs + _hook(obj), None)
-        return got
-
-    def retain(self, family: str, objs: list[object], table: str = "") -> None:
-        """Forget what no full sync of a table of `family` declares any more (services come and
-        go; their affinity sets would pile up for the life of the daemon). Per table: a full
-        sync of nfproxy keeps what the off table's last one declared, and the other way."""
-        self._kept[(family, table)] = {(family, _unhooked(o) if type(o) is Chain else o) for o in objs}  # type: ignore[arg-type]
-        keep = set().union(*(k for (f, _), k in self._kept.items() if f == family))
-        self._known = {k: v for k, v in self._known.items() if k[0] != family or k in keep}
-
-    def learn(self, family: str, objs: list[Declaration]) -> None:
-        """Learn what is not known yet. Sets and maps alike but for their names (the endpoint
-        maps: one per 16 lanes) are learned two of a kind: when the second is the first with
-        its name attribute replaced, so is every other (else each is learned). A kind of one is
-        learned beside a twin of another name, so that the next of its kind (a partial sync's
-        new endpoint map) is derived too, not learned through the scratch table (~60 ms)."""
-        missing = [o for o in dict.fromkeys(_unhooked(o) for o in objs if (family, _unhooked(o)) not in self._known)
-                   if not self._derived(family, o)]
-        if not missing:
-            return
-        alike: dict[Declaration, list[Declaration]] = {}
-        for o in missing:
-            if type(o) in (Set, Map):
-                alike.setdefault(dataclasses.replace(o, name=""), []).append(o)  # type: ignore[type-var]
-        later = {id(o) for group in alike.values() for o in group[2:]}
-        taken = {o.name for o in missing}
-        twins = {kind: dataclasses.replace(group[0], name=_twin(group[0].name, taken))  # type: ignore[type-var]
-                 for kind, group in alike.items() if len(group) == 1}
-        self._learn_each(family, [o for o in missing if id(o) not in later] + list(twins.values()))
-        for kind, twin in twins.items():
-            alike[kind].append(twin)
-        unlike: list[Declaration] = []
-        for first, second, *rest in alike.values():
-            known = self._known[(family, first)]
-            proven = _renamed(known, first.name, second.name) == self._known[(family, second)]
-            if second in twins.values():
-                del self._known[(family, second)]
-            if not proven:
-                unlike += rest
-                continue
-            self._renamable[(family, dataclasses.replace(first, name=""))] = first  # type: ignore[type-var]
-            for o in rest:
-                self._known[(family, o)] = _renamed(known, first.name, o.name)  # type: ignore[assignment]
-        if unlike:
-            self._learn_each(family, unlike)
-
-    def _derived(self, family: str, obj: Declaration) -> bool:
-        """Whether `obj` was derived from a known one of its kind, renamed (a kind proven)."""
-        if type(obj) not in (Set, Map):
-            return False
-        kind = dataclasses.replace(obj, name="")  # type: ignore[type-var]
-        proven = self._renamable.get((family, kind))
-        if proven is None:
-            return False
-        if (family, proven) not in self._known:  # no full sync declares it now: another of its kind
-            proven = next((k for f, k in self._known if f == family and type(k) is type(obj)
-                           and dataclasses.replace(k, name="") == kind), None)  # type: ignore[type-var]
-            if proven is None:
-                return False
-            self._renamable[(family, kind)] = proven
-        got = _renamed(self._known[(family, proven)], proven.name, obj.name)
-        if got is None:
-            return False
-        self._known[(family, obj)] = got
-        return True
-
-    def _learn_each(self, family: str, objs: list[Declaration]) -> None:
-        found = self._scratch(family, [nft_text.command(Verb.ADD, o, _scratch(family)) for o in objs],
-                              {_dump_kind(o) for o in objs})
-        for o in objs:
-            self._known[(family, o)] = self._found(found, _dump_kind(o), o.name, o)
-
-    def rule(self, family: str, rule: Rule) -> Declared | None:
-        return self._known.get((family, rule))  # type: ignore[call-overload]
-
-    def learn_rules(self, family: str, rules: list[Rule], context: list[Declaration]) -> None:
-        """Rules the compiler has no words for (the few fixed rules of the base chains: `ct
-        state`, `masquerade`, `reject`, mark arithmetic), each in a plain chain of its own
-        beside the sets, counters and chains it names."""
-        missing = list(dict.fromkeys(r for r in rules if (family, r) not in self._known))
-        if not missing:
-            return
-        where = _scratch(family)
-        named = {o.name for o in context if type(o) is Chain}
-        targets = {t for r in missing for t in _chain_targets(r.body)} - named
-        script = [nft_text.command(Verb.ADD, _unhooked(o), where) for o in dict.fromkeys(context)]
-        script += [f"add chain {where} {name}" for name in sorted(targets)]
-        for i, r in enumerate(missing):
-            script += [f"add chain {where} rule-{i}", f"add rule {where} rule-{i} {r.body}"]
-        found = self._scratch(family, script, {_GETRULE})
-        for i, r in enumerate(missing):
-            got = self._found(found, _GETRULE, f"rule-{i}", r)
-            if b"__set" in got.attrs:  # an anonymous set lives and dies with its rule: not replayable
-                raise Unsupported(f"{r!r}: a rule with an anonymous set the compiler cannot say")
-            self._known[(family, r)] = got  # type: ignore[index]
-
-    @staticmethod
-    def _found(found: dict[tuple[int, str], Declared], kind: int, name: str, obj: object) -> Declared:
-        got = found.get((kind, name))
-        if got is None:
-            raise Unsupported(f"{obj!r}: not found in the scratch table")
-        return got
-
-    def _scratch(self, family: str, commands: list[str], kinds: set[int]) -> dict[tuple[int, str], Declared]:
-        """Run `commands` in a fresh scratch table, read its objects of `kinds` back (dump
-        types), remove it. A refusal sends the whole transaction to libnftables, which names
-        the fault itself. Only the kinds asked for are dumped: the kernel dumps chains of every
-        table (20 000 of nfproxy's at 10 000 services, 0.4 s), which a partial sync's new map
-        does not need."""
-        where = _scratch(family)
-        head = [f"add table {where}", f"delete table {where}", f"add table {where}"]
-        try:
-            try:
-                self._apply("\n".join(head + commands) + "\n")
-            except KernelError as exc:
-                raise Unsupported(f"a declaration the scratch table refused: {exc}") from None
-            try:
-                with self._reader() as reader:
-                    return _read_back(reader, family, kinds)
-            finally:
-                self._apply(f"delete table {where}\n")
-        finally:
-            self._release()
-
-
-def _renamed(known: Declared, old: str, new: str) -> Declared | None:
-    """A set's declaration under another name: its name attribute replaced, nothing else."""
-    before = strz(_SET_NAME, old)
-    if known.attrs.count(before) != 1:
-        return None
-    st = None if known.set_type is None else dataclasses.replace(known.set_type, name=new)
-    return Declared(known.msg_type, known.attrs.replace(before, strz(_SET_NAME, new)), st)
-
-
-def _dump_kind(obj: Declaration) -> int:
-    """The dump that lists `obj` back from the scratch table."""
-    return _GETCHAIN if type(obj) is Chain else _GETOBJ if type(obj) is Counter else _GETSET
-
-
-def _twin(name: str, taken: set[str]) -> str:
-    """A name for a set's twin in the scratch table: of another length, none of `taken`."""
-    twin = f"twin-{name}"
-    while twin in taken:
-        twin += "-"
-    return twin
-
-
-def _unhooked(obj: Declaration) -> Declaration:
-    """A base chain learns as a plain chain, so that nothing in the scratch table hooks: the
-    hook is said by `_hook`. (A dormant table would hook nothing either, but nft 1.0.6 lists a
-    dormant table as invalid JSON, which any `nft -j` reader on the node would meet.)"""
-    if type(obj) is Chain and obj.hook is not None:
-        return Chain(obj.name, comment=obj.comment)
-    return obj
-
-
-def _hook(chain: Chain) -> bytes:
-    """NFTA_CHAIN_HOOK { HOOKNUM, PRIORITY } and NFTA_CHAIN_TYPE, as libnftnl writes them."""
-    number = _HOOKS.get(chain.hook or "")
-    try:
-        priority = int(chain.priority or "")
-    except ValueError:
-        raise Unsupported(f"chain {chain.name}: priority {chain.priority!r} is not a number") from None
-    if number is None or chain.type not in ("filter", "nat", "route"):
-        raise Unsupported(f"chain {chain.name}: hook {chain.hook!r} of type {chain.type!r}")
-    hook = attr(_HOOK_NUM, struct.pack(">I", number)) + attr(_HOOK_PRIORITY, struct.pack(">i", priority))
-    return attr(_CHAIN_HOOK | _NLA_F_NESTED, hook) + strz(_CHAIN_TYPE, chain.type)
-
-
-_HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 4}
-
-
-def _scratch(family: str) -> str:
-    return f"{family} {SCRATCH_TABLE}"
-
-
-def _chain_targets(body: str) -> set[str]:
-    """Chains a rule body jumps or goes to."""
-    words = body.replace("{", " ").replace("}", " ").replace(",", " ").split()
-    return {words[i + 1] for i, w in enumerate(words[:-1]) if w in ("jump", "goto")}
-
-
-def _read_back(reader: ElementReader, family: str, kinds: set[int]) -> dict[tuple[int, str], Declared]:
-    """Every chain, set, counter and rule of the scratch table of `kinds`, by (dump kind, name)."""
-    table = SCRATCH_TABLE
-    sets = reader.sets(family, table) if _GETSET in kinds else {}
-    out: dict[tuple[int, str], Declared] = {}
-    filters = {
-        _GETCHAIN: (_CHAIN_TABLE, _CHAIN_NAME, b""),
-        _GETSET: (_SET_TABLE, _SET_NAME, strz(_SET_TABLE, table)),
-        _GETOBJ: (_OBJ_TABLE, _OBJ_NAME, strz(_OBJ_TABLE, table) + attr(_OBJ_TYPE, struct.pack(">I", _OBJ_COUNTER))),
-        _GETRULE: (_RULE_TABLE, _RULE_CHAIN, strz(_RULE_TABLE, table)),
-    }
-    for kind, (table_attr, name_attr, request) in filters.items():
-        if kind not in kinds:
-            continue
-        for buf, a, b in reader.replies(kind, family, request):
-            name, in_table, kept = "", False, []
-            for t, x, y in attributes(buf, a, b):
-                if t == table_attr:
-                    in_table = buf[x:y].rstrip(b"\0").decode() == table
-                elif t == name_attr:
-                    name = buf[x:y].rstrip(b"\0").decode()
-                if kind == _GETCHAIN and t == _CHAIN_FLAGS:
-                    flags = struct.unpack_from(">I", buf, x)[0] & ~_CHAIN_BASE  # a hook says base
-                    if flags:
-                        kept.append(attr(t, struct.pack(">I", flags)))
-                elif t in _REPLAYED[kind]:
-                    kept.append(buf[x - 4: x - 4 + ((y - x + 4 + 3) & ~3)])
-            if in_table and name:
-                st = sets[name][0] if kind == _GETSET and name in sets else None
-                new = {_GETCHAIN: _NEWCHAIN, _GETSET: _NEWSET, _GETOBJ: _NEWOBJ, _GETRULE: _NEWRULE}[kind]
-                out[(kind, name)] = Declared(new, b"".join(kept), st)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,25 +77,21 @@ class Batch:
     data: bytearray
     origins: list[tuple[int, int, int]]  # per message: (index in tx.ops, first element, last element)
     last: int = 0  # where the last message starts in `data`
-    # The element types of every set the batch declares, as the kernel reported them for the
-    # same declaration (Declarations): once it is committed, nft_netlink need not ask.
+    # The element types of every set the batch declares, as the kernel will report them: once
+    # it is committed, nft_netlink need not ask.
     declared: dict[str, SetType] = field(default_factory=dict)
 
 
 class _Compiler:
     """Turns one Transaction into one Batch. Messages are numbered from 1 (seq)."""
 
-    def __init__(
-        self, tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType], first_set_id: int = 1
-    ) -> None:
+    def __init__(self, tx: Transaction, set_type: Callable[[str], SetType], first_set_id: int = 1) -> None:
         self.tx = tx
         self.family = _NFPROTO[tx.family]
-        self.declarations = declarations
         self.outer_set_type = set_type
         self.parts: list[bytes] = []
         self.origins: list[tuple[int, int, int]] = []
-        self.learned_rules: list[tuple[int, Rule]] = []  # (index in parts, rule): filled in last
-        self.set_ids = iter(range(first_set_id, 1 << 30))  # anonymous sets: ids apart per transaction of a batch
+        self.set_ids = iter(range(first_set_id, 1 << 30))  # sets declared or anonymous: ids apart per transaction of a batch
         self.table_attr = strz(1, tx.table)  # NFTA_{CHAIN,SET,OBJ,RULE,SET_ELEM_LIST}_TABLE are all 1
         self.new_sets: dict[str, SetType] = {}
         self.templates = RuleTemplates(self.rule_body, self.map_kind)
@@ -407,8 +118,6 @@ class _Compiler:
 
     def compile(self) -> Batch:
         tx = self.tx
-        declared = [o for verb, o in tx.ops if verb is Verb.ADD and _learned(o)]
-        self.declarations.learn(tx.family, declared)  # type: ignore[arg-type]
         many = sum(_count(o) for _, o in tx.ops if type(o) in (Elements, Element)) >= _ELEMENTS_BESIDE  # type: ignore[arg-type]
         jobs = self.element_jobs() if many else []  # typed ahead only for a helper to take them
         helper = forked.beside(lambda: self.encode(jobs)) if jobs else None
@@ -430,17 +139,13 @@ class _Compiler:
                 self.rule(i, obj)  # type: ignore[arg-type]
             else:
                 self.other(i, verb, obj)
-        self.fill_learned_rules(declared)  # type: ignore[arg-type]
         if helper is not None:
             encoded = helper.result(max(5.0, 4 * (time.monotonic() - started)))
             self.splice(pending, encoded if encoded is not None and len(encoded) == len(jobs) else self.encode(jobs))
-        if any(type(o) is Table for _, o in tx.ops):  # a full sync: all it declares is here
-            self.declarations.retain(tx.family, [*declared, *(r for _, r in self.learned_rules)], tx.table)
         data = bytearray().join(self.parts) if self.parts else bytearray()
         if helper is not None:
             _renumber(data)
-        batch = Batch(data, self.origins, len(data) - len(self.parts[-1]) if self.parts else 0,
-                      {n: st if st.name == n else dataclasses.replace(st, name=n) for n, st in self.new_sets.items()})
+        batch = Batch(data, self.origins, len(data) - len(self.parts[-1]) if self.parts else 0, dict(self.new_sets))
         self.parts = []
         return batch
 
@@ -450,14 +155,11 @@ class _Compiler:
         helper can encode them all; [] when a type is not known yet (the loop then says why)."""
         new_sets: dict[str, SetType] = {}
         jobs: list[tuple[int, Verb, Elements | Element, SetType]] = []
-        family = self.tx.family
         try:
             for i, (verb, obj) in enumerate(self.tx.ops):
                 kind = type(obj)
-                if verb is Verb.ADD and _learned(obj):
-                    known = self.declarations.get(family, obj)  # type: ignore[arg-type]
-                    if known.set_type is not None:
-                        new_sets[obj.name] = known.set_type  # type: ignore[union-attr]
+                if verb is Verb.ADD and (kind is Set or kind is Map):
+                    new_sets[obj.name] = declared(obj).set_type  # type: ignore[arg-type, assignment, union-attr]
                 elif kind is Elements or kind is Element:
                     name = obj.set  # type: ignore[union-attr]
                     jobs.append((i, verb, obj, new_sets.get(name) or self.outer_set_type(name)))  # type: ignore[arg-type]
@@ -491,36 +193,15 @@ class _Compiler:
         self.parts = parts + self.parts[last:]
         self.origins = origins + self.origins[last:]
 
-    def fill_learned_rules(self, declared: list[Declaration]) -> None:
-        if not self.learned_rules:
-            return
-        family = self.tx.family
-        self.declarations.learn_rules(family, [r for _, r in self.learned_rules], declared)
-        for at, r in self.learned_rules:
-            known = self.declarations.rule(family, r)
-            assert known is not None
-            payload = self.table_attr + strz(_RULE_CHAIN, r.chain) + known.attrs
-            self.parts[at] = frame(_NEWRULE, _NLM_F_CREATE | _NLM_F_APPEND, self.family, at + 1, payload)
-
     def other(self, i: int, verb: Verb, obj: object) -> None:
         kind, t, origin = type(obj), self.table_attr, (i, 0, 0)
-        if kind is Table:
-            if verb is Verb.DELETE:
-                self.emit(frame(_DELTABLE, 0, self.family, self.seq(), t), origin)
-                return
-            comment = obj.comment  # type: ignore[union-attr]
-            payload = t + attr(_TABLE_FLAGS, b"\0\0\0\0")
-            if comment:
-                text = comment.encode() + b"\0"
-                payload += attr(_TABLE_USERDATA, bytes((0, len(text))) + text)  # NFTNL_UDATA_TABLE_COMMENT
-            self.emit(frame(_NEWTABLE, _NLM_F_CREATE, self.family, self.seq(), payload), origin)
-        elif verb is Verb.ADD and _learned(obj):
-            known = self.declarations.get(self.tx.family, obj)  # type: ignore[arg-type]
-            payload = t + known.attrs
-            if known.set_type is not None:
-                payload += attr(_SET_ID, struct.pack(">I", next(self.set_ids)))
-                self.new_sets[obj.name] = known.set_type  # type: ignore[union-attr]
-            self.emit(frame(known.msg_type, _NLM_F_CREATE, self.family, self.seq(), payload), origin)
+        if kind is Table and verb is Verb.DELETE:
+            self.emit(frame(_DELTABLE, 0, self.family, self.seq(), t), origin)
+        elif verb is Verb.ADD and _declared_whole(obj):
+            made = declared(obj, next(self.set_ids) if kind is Set or kind is Map else 0)  # type: ignore[arg-type]
+            if made.set_type is not None:
+                self.new_sets[obj.name] = made.set_type  # type: ignore[union-attr]
+            self.emit(frame(made.msg_type, _NLM_F_CREATE, self.family, self.seq(), t + made.attrs), origin)
         elif kind is Chain:
             name = strz(_CHAIN_NAME, obj.name)  # type: ignore[union-attr]
             if verb is Verb.ADD:
@@ -548,13 +229,7 @@ class _Compiler:
             self.emit(frame(_NEWRULE, _NLM_F_CREATE | _NLM_F_APPEND, self.family, self.seq(), payload), (i, 0, 0))
             return
         command = f"add rule {self.tx.family} {self.tx.table} {rule.chain} {rule.body}"
-        try:
-            messages = rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids)
-        except Unsupported:  # words the compiler lacks: libnftables encodes it, once
-            self.learned_rules.append((len(self.parts), rule))
-            self.emit(b"", (i, 0, 0))
-            return
-        for message in messages:
+        for message in rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids):
             self.emit(nft_wire.encode_message(message, self.family, self.seq(), ack=False), (i, 0, 0))
 
     def rule_body(self, body: str, aliases: Mapping[str, str] | None = None) -> bytes:
@@ -771,19 +446,18 @@ def _count(obj: Elements | Element) -> int:
     return 1 if type(obj) is Element else len(obj)  # type: ignore[arg-type]
 
 
-def _learned(obj: object) -> bool:
-    """Declarations whose attributes libnftables encodes (plain chains are said directly)."""
+def _declared_whole(obj: object) -> bool:
+    """Declarations with more to say than a name (kernel/nfnetlink/declarations.py); a plain
+    chain, 20 000 of them at 10 000 x 10, is said directly."""
     kind = type(obj)
-    return kind in (Set, Map, Counter) or (kind is Chain and (obj.hook is not None or obj.comment is not None))  # type: ignore[union-attr]
+    return kind in (Table, Set, Map, Counter) or (kind is Chain and (obj.hook is not None or obj.comment is not None))  # type: ignore[union-attr]
 
 
-def compile_batch(
-    tx: Transaction, declarations: Declarations, set_type: Callable[[str], SetType], first_set_id: int = 1
-) -> Batch:
+def compile_batch(tx: Transaction, set_type: Callable[[str], SetType], first_set_id: int = 1) -> Batch:
     """The whole of `tx` as one batch's messages (BEGIN and END not included)."""
     if tx.family not in _NFPROTO:
         raise Unsupported(f"family {tx.family!r}")
-    compiler = _Compiler(tx, declarations, set_type, first_set_id)
+    compiler = _Compiler(tx, set_type, first_set_id)
     try:
         return compiler.compile()
     finally:

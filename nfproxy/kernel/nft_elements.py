@@ -173,11 +173,6 @@ class ElementReader:
                         return
                 at += (length + 3) & ~3
 
-    def replies(self, kind: int, family: str, attrs: bytes) -> Iterator[tuple[bytes, int, int]]:
-        """The replies to one dump request of message type `kind` (NFT_MSG_GET*), filtered by
-        `attrs` (encoded attributes): (buffer, attributes' start, stop) of each."""
-        return self._dump(kind, family, attrs)
-
     def generation(self) -> int:
         for buf, a, b in self._dump(_GETGEN, "ip", b"", dump=False):
             for kind, x, y in attributes(buf, a, b):

@@ -31,10 +31,6 @@ from nfproxy.nftables import Table, Transaction
 # The socket side.
 
 
-def _no_script(script: str) -> None:
-    raise Unsupported("a declaration the batch compiler has not learned, and no libnftables to learn it")
-
-
 def _close_all(*held: list[Any]) -> None:
     for sockets in held:
         for sock in sockets:
@@ -49,13 +45,7 @@ class NetlinkNft:
     netlink socket keeps the namespace it was created in) on first use and used under one lock:
     the proxier syncs in one thread while the metrics read counters in another."""
 
-    def __init__(
-        self, netns: str | None = None, *,
-        apply_script: Callable[[str], None] | None = None, release: Callable[[], None] = lambda: None,
-    ) -> None:
-        """`apply_script` runs an nft script through libnftables in the namespace: how the batch
-        compiler learns a declaration's bytes once (nft_bulk.Declarations); without it a
-        transaction that needs one is Unsupported."""
+    def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
         self._set_types: dict[tuple[str, str, str], SetType] = {}
         self._lock = threading.RLock()
@@ -64,8 +54,6 @@ class NetlinkNft:
         self._raw: list[Any] = []  # none or one socket; closed with this object, at the latest
         self._raw_size = 0
         weakref.finalize(self, _close_all, self._reader, self._raw)
-        self.declarations = nft_bulk.Declarations(
-            apply_script or _no_script, lambda: ElementReader(netns), release)
 
     # -- sockets -----------------------------------------------------------------------------
     def _request(self) -> ElementReader:
@@ -136,7 +124,7 @@ class NetlinkNft:
             if one.family != tx.family:
                 raise Unsupported(f"one batch of families {tx.family} and {one.family}")
         batches = [  # Unsupported here: nothing sent
-            nft_bulk.compile_batch(one, self.declarations, self._types_of(one), first_set_id=1 + (k << 20))
+            nft_bulk.compile_batch(one, self._types_of(one), first_set_id=1 + (k << 20))
             for k, one in enumerate(txs)
         ]
         count = sum(len(b.origins) for b in batches)
