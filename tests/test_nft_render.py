@@ -455,16 +455,15 @@ def test_forward_and_input_test_new_connections_once(drop_invalid: bool) -> None
     rs = render(ClusterState(node=node, services={}, endpoints={}), IPFamily.V4)
     invalid = ("ct state invalid counter name ct_state_invalid_dropped_pkts drop",) if drop_invalid else ()
     assert rs.chains["filter-forward"] == (*invalid, "ct state new jump forward-new")
-    assert rs.chains["forward-new"] == (
-        "jump external-endpoints-check", "jump service-endpoints-check", "jump cluster-ips-check",
-    )
+    # kube-proxy's two forward checks: one no-endpoint map for cluster, external and LB IPs.
+    assert rs.chains["forward-new"] == ("jump service-endpoints-check", "jump cluster-ips-check")
     assert rs.chains["filter-input"] == ("ct state new jump input-new",)
-    assert rs.chains["input-new"] == (
-        "jump nodeport-endpoints-check", "jump service-endpoints-check", "jump external-endpoints-check",
-    )
-    # Output's checks sit on either side of the node's own DNAT: they stay inline.
+    assert rs.chains["input-new"] == ("jump nodeport-endpoints-check", "jump service-endpoints-check")
+    # Output's checks sit on either side of the node's own DNAT: they stay inline, the
+    # no-endpoint check after it (as kube-proxy's filter-output, priority filter).
+    assert rs.chains["filter-output"] == ("ct state new jump firewall-check",)
     assert rs.chains["filter-output-post-dnat"] == (
-        "ct state new jump external-endpoints-check", "ct state new jump cluster-ips-check",
+        "ct state new jump service-endpoints-check", "ct state new jump cluster-ips-check",
     )
 
 def test_duplicate_element_key_first_service_wins() -> None:

@@ -183,6 +183,36 @@ def test_an_upgrade_from_older_endpoint_maps_converges(netns: str, old_map: str,
     assert want.shard_users and all("-hash-" in name for name in want.shard_users)
 
 
+def test_an_upgrade_from_the_separate_external_no_endpoint_map_converges(netns: str) -> None:
+    """Releases before issue S kept external and LoadBalancer IPs without endpoints in a map of
+    their own, `no-endpoint-external-ips`, checked by `external-endpoints-check` from input-new,
+    forward-new and filter-output-post-dnat. The upgraded daemon's first full sync rewrites the
+    base and new-connection chains without the jumps, and the old chain and map go as strays."""
+    from nfproxy.kernel.nft import NftKernel, NftSession
+
+    state = uniform_cluster(4, 2)
+    old = Transaction("ip", TABLE)
+    old.add(Map("no-endpoint-external-ips", type="ipv4_addr . inet_proto . inet_service : verdict"))
+    old.add(Chain("external-endpoints-check"))
+    old.add(Rule("external-endpoints-check", "ip daddr . meta l4proto . th dport vmap @no-endpoint-external-ips"))
+    old.add(Element("no-endpoint-external-ips", "203.0.113.7 . tcp . 80", "drop"))
+    old.add(Rule("forward-new", "jump external-endpoints-check"))
+    old.add(Rule("filter-output-post-dnat", "ct state new jump external-endpoints-check"))
+    kernels: dict[IPFamily, NftKernel] = {}
+
+    def make(family: IPFamily) -> NftKernel:
+        return kernels.setdefault(family, NftKernel(family, netns=netns))
+
+    Proxier("nft", kernels=make).sync(state)
+    kernels[V4].apply(old)
+    converge(Proxier("nft", kernels=make), state, full=True)  # the upgraded daemon starts
+    chains, sets, _ = NftSession(netns).object_names("ip", TABLE) or (set(), set(), set())
+    want = nft_render.render(state, V4)
+    assert "external-endpoints-check" not in chains and "no-endpoint-external-ips" not in sets
+    assert chains == set(want.chains) | {c for svc in want.services.values() for c in svc.chains}
+    assert sets == set(want.sets) | set(want.shard_users)
+
+
 def _lane_upgrade_state() -> ClusterState:
     """Ports whose weight sums sit on one side of the lane change of 2026-12-03 (LANE 67 026 960
     with 64 lanes per map before, 223 423 200 with 16 after): 25 and 32 only on the new lane,

@@ -17,7 +17,6 @@ from nfproxy.backends.nft.names import (
     CLUSTER_IPS_CHECK_CHAIN,
     CLUSTER_IPS_SET,
     ENDPOINT_PREFIX,
-    EXTERNAL_ENDPOINTS_CHECK_CHAIN,
     EXTERNAL_PREFIX,
     FIREWALL_CHECK_CHAIN,
     FIREWALL_IPS_MAP,
@@ -32,7 +31,6 @@ from nfproxy.backends.nft.names import (
     MASQUERADING_CHAIN,
     NODEPORT_ENDPOINTS_CHECK_CHAIN,
     NODEPORT_IPS_SET,
-    NO_ENDPOINT_EXTERNAL_MAP,
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
     OFF_TABLE,
@@ -119,14 +117,11 @@ OFF_BASE_CHAINS = tuple(
 _JUMPS = (
     (NODEPORT_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
-    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
-    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
     (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
-    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output", "ct state new "),
-    # kube-proxy's nftables mode checks external and LB IPs on output too (its one
-    # service-endpoints-check runs from input, forward and output, after DNAT): the node's own packet to an
-    # external address no DNAT took is rejected or dropped there, not let out.
-    (EXTERNAL_ENDPOINTS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
+    # As kube-proxy's nftables mode, one no-endpoint map for cluster, external and LB IPs,
+    # checked on output after the node's own DNAT: a node's packet to an external address that
+    # its short-circuit DNATs is not rejected, and one no DNAT took is rejected or dropped.
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
     (FIREWALL_CHECK_CHAIN, "filter-prerouting", "ct state new "),
     (FIREWALL_CHECK_CHAIN, "filter-output", "ct state new "),
     (SERVICES_CHAIN, "nat-output", ""),
@@ -226,7 +221,6 @@ def _static(
     for name in (
         NODEPORT_ENDPOINTS_CHECK_CHAIN,
         SERVICE_ENDPOINTS_CHECK_CHAIN,
-        EXTERNAL_ENDPOINTS_CHECK_CHAIN,
         FIREWALL_CHECK_CHAIN,
         SERVICES_CHAIN,
         MASQUERADING_CHAIN,
@@ -263,7 +257,6 @@ def _static(
     dispatch = f"{ipx} daddr . meta l4proto . th dport vmap"
     chains[FIREWALL_CHECK_CHAIN].append(f"{dispatch} @{FIREWALL_IPS_MAP}")
     chains[SERVICE_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_SERVICES_MAP}")
-    chains[EXTERNAL_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_EXTERNAL_MAP}")
     chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(
         f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}"
     )
@@ -287,9 +280,6 @@ def _static(
         ),
         NO_ENDPOINT_SERVICES_MAP: ip_map(
             NO_ENDPOINT_SERVICES_MAP, ip_key, comment="vmap to drop or reject packets to services with no endpoints"
-        ),
-        NO_ENDPOINT_EXTERNAL_MAP: ip_map(
-            NO_ENDPOINT_EXTERNAL_MAP, ip_key, comment="vmap to drop or reject packets to external IPs with no endpoints"
         ),
         SERVICE_IPS_MAP: ip_map(SERVICE_IPS_MAP, ip_key, comment="ClusterIP, ExternalIP and LoadBalancer IP traffic"),
         SERVICE_NODEPORTS_MAP: ip_map(SERVICE_NODEPORTS_MAP, port_key, comment="NodePort traffic"),
@@ -588,7 +578,7 @@ def render_service(
         if r.has_endpoints:
             element(SERVICE_IPS_MAP, key, to_external)
         if no_external is not None:
-            element(NO_ENDPOINT_EXTERNAL_MAP, key, no_external, comment)
+            element(NO_ENDPOINT_SERVICES_MAP, key, no_external, comment)
     for ip in svc.load_balancer_ips:
         key = nft_address(ip) + suffix
         if r.has_endpoints:
@@ -596,7 +586,7 @@ def render_service(
         if r.fenced:
             element(FIREWALL_IPS_MAP, key, f"goto {firewall_chain}", comment)
         if no_external is not None:
-            element(NO_ENDPOINT_EXTERNAL_MAP, key, no_external, comment)
+            element(NO_ENDPOINT_SERVICES_MAP, key, no_external, comment)
     if svc.node_port:
         key = f"{proto} . {svc.node_port}"
         if r.has_endpoints:

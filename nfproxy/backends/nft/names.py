@@ -27,12 +27,6 @@ SERVICE_ENDPOINTS_CHECK_CHAIN = "service-endpoints-check"
 NODEPORT_ENDPOINTS_CHECK_CHAIN = "nodeport-endpoints-check"
 NO_ENDPOINT_SERVICES_MAP = "no-endpoint-services"
 NO_ENDPOINT_NODEPORTS_MAP = "no-endpoint-nodeports"
-# External and LoadBalancer IPs without endpoints, checked on input and forward only: the node's
-# own traffic to them is left alone, as kube-proxy's iptables mode (KUBE-EXTERNAL-SERVICES is not
-# hooked on OUTPUT) leaves it, so that both backends agree and the eTP=Local short-circuit for
-# the node's own traffic still works. Upstream's nftables mode checks them on output too.
-NO_ENDPOINT_EXTERNAL_MAP = "no-endpoint-external-ips"
-EXTERNAL_ENDPOINTS_CHECK_CHAIN = "external-endpoints-check"
 REJECT_CHAIN = "reject-chain"
 FIREWALL_IPS_MAP = "firewall-ips"
 FIREWALL_CHECK_CHAIN = "firewall-check"
