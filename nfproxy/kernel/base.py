@@ -31,7 +31,7 @@ class Kernel(Protocol):
         and filter."""
 
     def close(self) -> None:
-        """Let go of sockets and their event loops (the rules stay); a later call opens anew."""
+        """Let go of sockets (the rules stay); a later call opens anew."""
 
 
 # One family's kernel, for a proxier: how tests hand it the in-memory kernels.

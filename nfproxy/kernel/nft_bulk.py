@@ -1,4 +1,4 @@
-"""Full syncs as one nfnetlink batch, without libnftables.
+"""Every nft transaction, full or partial, as one nfnetlink batch, without libnftables.
 
 libnftables holds a whole transaction in memory several times over before it sends a byte: the
 script, its parse tree, its evaluated commands, its cache of the table, the batch. For a full

@@ -11,11 +11,11 @@ the listing they replace).
 
 What comes back is values, not presentation: each element's key (and, for an interval set,
 the flag that marks a range's end), its data and comment, each field decoded by the datatype
-the kernel declares for it (`nft_netlink.set_type_from_kernel`), and, when asked, its counter's
+the kernel declares for it (`nfnetlink.values.set_type_from_kernel`), and, when asked, its counter's
 packets (the endpoint counters read them). Turning them into rule IR is the analysis's business
 (analysis/nft_elements.py). What the analysis never reads of an element (other per-element
 expressions, timeouts) is skipped. A set whose types
-or element attributes fall outside this vocabulary (a datatype nft_netlink does not list,
+or element attributes fall outside this vocabulary (a datatype nfnetlink/values.py does not list,
 stateful object maps, concatenated ranges) raises `Unsupported`, and the caller lists the
 ruleset through libnftables instead: correctness never depends on the vocabulary.
 

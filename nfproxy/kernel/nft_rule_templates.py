@@ -2,7 +2,7 @@
 
 At 10 000 services a full sync sends 20 000 rules, and nearly all are two shapes per endpoint
 map: `ip daddr <A> ip saddr != <pods> jump mark-for-masquerade` and `meta l4proto tcp dnat ip to
-numgen random mod <N> offset <K> map @<map>`. Compiling each through nft_netlink's compiler and
+numgen random mod <N> offset <K> map @<map>`. Compiling each through the rule compiler (kernel/nfnetlink/messages.py) and
 encoding it (kernel/nft_wire.py) costs 35-50 µs a rule, most of a second of a full sync. A shape
 is compiled here once per transaction; later rules of that shape copy its bytes and write
 their own numbers in.

@@ -1,4 +1,4 @@
-"""nft_netlink Messages as netlink bytes, without pyroute2's generic encoder.
+"""The rule compiler's messages (kernel/nfnetlink/messages.py) as netlink bytes, without pyroute2's generic encoder.
 
 pyroute2 encodes a message by building an object per attribute and introspecting its class at
 every level: ~400 µs per message. A full sync is a quarter million operations (rules, chains,
@@ -7,7 +7,7 @@ with precompiled per-attribute encoders, struct and bytes joins: 5 to 15 µs for
 number of expressions), about 2 µs for an element of an element list.
 
 The truth is still pyroute2's: attribute numbers, nesting, array cell numbering and every value's
-wire format are read from the very classes nft_netlink hands to pyroute2 (`Message.msg_class`
+wire format are read from the very classes the rule compiler hands to pyroute2 (`Message.msg_class`
 and the classes its `nla_map` names, recursively), compiled lazily once per class the way
 pyroute2's `compile_nla_table` compiles them. Nothing is typed here by hand but the small set of
 value formats pyroute2 has (integers, strings, binary, flag sets, libnftnl user data, the be16
@@ -16,17 +16,17 @@ compiler makes from rendered rulesets, and over hand-made messages of every clas
 
 pyroute2's quirks are kept, because the bytes must be its bytes:
 - a `(NAME, value, flags)` triple ORs its flags into the type only at the message's top level;
-  below it pyroute2 rebuilds attributes as pairs, so the NLA_F_NESTED nft_netlink puts on nested
+  below it pyroute2 rebuilds attributes as pairs, so the NLA_F_NESTED the rule compiler puts on nested
   attributes never reaches the wire (the kernel does not require it);
 - array cells are numbered 1, 2, 3 ... with the array's flags, unless the cell class has a fixed
-  `header_type` (an expression: 1 | NLA_F_NESTED in nft_netlink's `_Expr`);
+  `header_type` (an expression: 1 | NLA_F_NESTED in the rule compiler's `_Expr`);
 - NFTA_EXPR_DATA takes its class from the sibling NFTA_EXPR_NAME (`nft_<name>`);
 - the `comment` user data of rules, chains and tables is a big-endian u16 length, the text and a
   NUL (the same bytes as libnftnl's one-byte type 0, one-byte length below 256).
 
 Where pyroute2 would write something that is not what was asked (an unknown attribute name it
 silently drops, None it writes as an empty attribute, a flag name it ignores, non-ASCII text it
-truncates) or would fail, this raises nft_netlink.Unsupported instead: never wrong bytes.
+truncates) or would fail, this raises `Unsupported` instead: never wrong bytes.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _chooser(owner: type, name: str, spec: _Spec) -> Callable[[Sequence[Any]], E
 
     def choose(attrs: Sequence[Any]) -> Encoder:
         first = attrs[0]
-        if first[0] == _KEY_OF_CHOOSER:  # where nft_netlink puts it
+        if first[0] == _KEY_OF_CHOOSER:  # where the rule compiler puts it
             expr = first[1]
         else:
             expr = next((a[1] for a in attrs if a[0] == _KEY_OF_CHOOSER), None)
@@ -566,7 +566,7 @@ def _top(table: _Table, attr: Any) -> Encoder:
 
 
 def encode_message(message: Message, family: int, seq: int, *, ack: bool = True, pid: int = 0) -> bytes:
-    """The netlink message pyroute2 would write for `nft_netlink.build(message, family, seq)`.
+    """The netlink message pyroute2 would write for `messages.build(message, family, seq)` (kernel/nfnetlink).
 
     `pid` is the header's port id (0, as build() leaves it; pyroute2's NetlinkRequest writes
     the socket's). Raises Unsupported for an attribute or value outside pyroute2's classes.

@@ -52,11 +52,12 @@ def slot_value(ep: Endpoint) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Lane:
-    """One endpoint-selecting chain's ranges in its endpoint map (`shard`): `keys[i]` is the
-    range of `endpoints[i]`. The map elements are derived from it when a sync needs them, not
-    kept: at 10 000 services x 10 endpoints the kept elements were 100 000 Elements with their
-    `address . port` strings, ~19 MiB of an idle daemon, where a lane holds the render's
-    shared keys (range_keys) and the model's own endpoints."""
+    """One endpoint-selecting chain's keys in its endpoint map (`shard`): `keys[i]` is the key
+    or range of `endpoints[i]`. The map elements are derived from it when a sync needs them, not
+    kept: an idle daemon would otherwise hold an Element and an `address . port` string per
+    endpoint (tens of MiB at 10 000 services x 10; docs/benchmarks.md, "The nft belief without
+    its endpoint elements"), where a lane holds the render's shared keys (range_keys) and the
+    model's own endpoints."""
 
     chain: str
     block: tuple[int, int]  # (first lane, number of lanes)

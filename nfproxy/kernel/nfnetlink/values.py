@@ -116,7 +116,7 @@ def fields_of(composite: int, total: int, host_order: bool, what: str) -> tuple[
 
 
 def set_type_from_kernel(name: str, attrs: dict[str, Any]) -> SetType:
-    """Decode a GETSET reply (pyroute2 attributes) into the types elements are encoded with."""
+    """Decode a GETSET reply (its attributes by name) into the types elements are encoded with."""
     flags = attrs.get("NFTA_SET_FLAGS") or frozenset()
     udata = attrs.get("NFTA_SET_USERDATA") or []
     key_host = False
