@@ -14,7 +14,7 @@ runs. The sandbox's namespaces now reuse those ports (tcp_tw_reuse, verify/sandb
 - `--compare weights` (default): the cluster unweighted, with 1:2:7 cycled over each service's
   endpoints, and with nine of weight 1 and one of weight 2 (weighted rules, traffic nearly even);
 - `--compare lanes`: the lane before 2026-12-03 (67 026 960, 64 per map) against today's, for the
-  cluster unweighted and with 1:2:7 (render.LANE/LANES_PER_MAP set for this process only);
+  cluster unweighted and with 1:2:7 (LANE/LANES_PER_MAP set for this process only, `layout`);
 - `--compare kube-proxy --kube-proxy-dumps DIR` (issue S): the real kube-proxy's rules for the
   same cluster (bench/kube_rules.py dumps them: `nft list table` in nftables mode,
   `iptables-legacy-save` in iptables mode) loaded by `nft -f` / `iptables-legacy-restore` in
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nfproxy.backends import registry as backend_registry  # noqa: E402
 from nfproxy.backends.iptables.render import JUMPS  # noqa: E402
-from nfproxy.backends.nft import render  # noqa: E402
+from nfproxy.backends.nft import full as nft_full, render, structure as nft_structure  # noqa: E402
 from nfproxy.core.model import ClusterState, IPFamily, Protocol, ServicePort, ServicePortName, ServiceType  # noqa: E402
 from nfproxy.daemon.proxier import Proxier  # noqa: E402
 from nfproxy.kernel import netns as netns_mod  # noqa: E402
@@ -82,7 +82,8 @@ from sync import weighted  # noqa: E402
 
 MED = statistics.median
 TODAY = (render.LANE, render.LANES_PER_MAP)
-NEW_CONNECTION_CHAINS = render.NEW_CONNECTION_CHAINS
+NEW_CONNECTION_CHAINS = nft_full.NEW_CONNECTION_CHAINS
+ENDPOINT_CHOICE = nft_structure.endpoint_choice
 BEFORE = (67_026_960, 64)
 SAMPLE_HZ = 20_000
 IDLE = ("pv_native_safe_halt", "default_idle", "cpuidle_enter", "do_idle")
@@ -192,22 +193,37 @@ def clear(sb: Sandbox) -> None:
         _in_node(sb, "iptables-legacy", "-t", table, "-X")
 
 
+@contextlib.contextmanager
+def layout(lane: tuple[int, int] = TODAY, inline_checks: bool = False, lanes_only: bool = False):  # noqa: ANN201
+    """The nft renderer's constants and endpoint choice for one render, set in the modules that
+    read them (backends/nft/full.py and structure.py, not the render.py facade):
+    `lane` (LANE, LANES_PER_MAP); `inline_checks`: each new-connection check its own `ct state
+    new` rule in filter-input and filter-forward (the layout before the morning of 2026-12-07);
+    `lanes_only`: every chain in the interval lanes (before the hash maps of the afternoon)."""
+    saved = [(m, name, getattr(m, name)) for m in (nft_full, nft_structure)
+             for name in ("LANE", "LANES_PER_MAP", "NEW_CONNECTION_CHAINS", "endpoint_choice") if hasattr(m, name)]
+    values = {"LANE": lane[0], "LANES_PER_MAP": lane[1],
+              "NEW_CONNECTION_CHAINS": {} if inline_checks else NEW_CONNECTION_CHAINS,
+              "endpoint_choice": (lambda units: (*nft_structure.lane_split(units), False)) if lanes_only else ENDPOINT_CHOICE}
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, values[name])
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
 def nfproxy_install(state: ClusterState, backend: str, lane: tuple[int, int] = TODAY,
-                    inline_checks: bool = False) -> Callable[[Sandbox], None]:
-    """`inline_checks`: the nft layout before 2026-12-07, each new-connection check its own
-    `ct state new` rule in filter-input and filter-forward (render.NEW_CONNECTION_CHAINS
-    emptied for this render only)."""
+                    inline_checks: bool = False, lanes_only: bool = False) -> Callable[[Sandbox], None]:
+    """A restarted nfproxy's full sync of `state`, in the `layout` given."""
     def install(sb: Sandbox) -> None:
         clear(sb)
-        render.LANE, render.LANES_PER_MAP = lane
-        render.NEW_CONNECTION_CHAINS = {} if inline_checks else NEW_CONNECTION_CHAINS
         flavour = Flavour.LEGACY if backend == "iptables" else None
-        try:
+        with layout(lane, inline_checks, lanes_only):
             proxier = Proxier(backend, netns=sb.node_ns, families=(IPFamily.V4,), flavour=flavour)  # a restart
             proxier.sync(state, full=True)
             proxier.sync(state)  # what the first one left for cleanup
-        finally:
-            render.NEW_CONNECTION_CHAINS = NEW_CONNECTION_CHAINS
     return install
 
 
@@ -273,7 +289,7 @@ def kube_cases(services: int, dumps: Path, modes: list[str], before: bool = Fals
             cases["kube-proxy nftables"] = Case(dump_install(dump), middle)
             cases["nfproxy nft"] = Case(nfproxy_install(state, "nft"), middle)
             if before:
-                cases["nfproxy nft, checks inline (before)"] = Case(nfproxy_install(state, "nft", inline_checks=True), middle)
+                cases["nfproxy nft, interval lanes (before)"] = Case(nfproxy_install(state, "nft", lanes_only=True), middle)
         else:
             ours = backend_registry.backend("iptables").render(state, IPFamily.V4)
             cases["kube-proxy iptables"] = Case(dump_install(dump), target_of(state, middle_jump(dump.read_text())),
@@ -372,8 +388,8 @@ def main() -> int:
     ap.add_argument("--kube-proxy-dumps", type=Path, help="bench/kube_rules.py's output (--compare kube-proxy)")
     ap.add_argument("--modes", default="nftables,iptables", help="--compare kube-proxy: nftables, iptables or both")
     ap.add_argument("--before", action="store_true",
-                    help="--compare kube-proxy: also nfproxy's layouts before 2026-12-07 (nft: checks inline; "
-                         "iptables: built-in chains' jumps reversed)")
+                    help="--compare kube-proxy: also nfproxy's layouts before 2026-12-07 (nft: every chain in the "
+                         "interval lanes; iptables: built-in chains' jumps reversed)")
     ap.add_argument("--services", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--connections", type=int, default=300)
@@ -399,23 +415,20 @@ def main() -> int:
     version = (args.kube_proxy_dumps / "kube-proxy.version").read_text().strip() if args.kube_proxy_dumps else ""
     print(f"# first connections: {args.services} x 10, {args.compare} {version}, {args.rounds} rounds of "
           f"{args.connections}, one run, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    try:
-        with netns_mod.interruptible(), contextlib.ExitStack() as stack:
-            boxes = {group: stack.enter_context(Sandbox(spec)) for group, spec in groups.items()}
-            for r in range(args.rounds):
-                order: Callable = (lambda x: x) if r % 2 == 0 else reversed  # type: ignore[assignment]
-                for name in order(list(cases)):
-                    outcomes, got = probe(boxes[cases[name].group], cases[name], args)
-                    rounds[name].append(MED(o.seconds for o in outcomes) * 1e6)
-                    for o in outcomes:
-                        per_endpoint[name][o.endpoint or "?"].append(o.seconds * 1e6)
-                    if got is not None:
-                        cpu[name].append(got)
-                    print(f"round {r + 1} {name}: {rounds[name][-1]:.1f} µs"
-                          + (f", rules {got[0]:.2f} µs CPU per connection, {got[1]:.2%} of busy CPU" if got else ""),
-                          flush=True)
-    finally:
-        render.LANE, render.LANES_PER_MAP = TODAY
+    with netns_mod.interruptible(), contextlib.ExitStack() as stack:
+        boxes = {group: stack.enter_context(Sandbox(spec)) for group, spec in groups.items()}
+        for r in range(args.rounds):
+            order: Callable = (lambda x: x) if r % 2 == 0 else reversed  # type: ignore[assignment]
+            for name in order(list(cases)):
+                outcomes, got = probe(boxes[cases[name].group], cases[name], args)
+                rounds[name].append(MED(o.seconds for o in outcomes) * 1e6)
+                for o in outcomes:
+                    per_endpoint[name][o.endpoint or "?"].append(o.seconds * 1e6)
+                if got is not None:
+                    cpu[name].append(got)
+                print(f"round {r + 1} {name}: {rounds[name][-1]:.1f} µs"
+                      + (f", rules {got[0]:.2f} µs CPU per connection, {got[1]:.2%} of busy CPU" if got else ""),
+                      flush=True)
     report(cases, rounds, cpu, per_endpoint, args)
     return 0
 
