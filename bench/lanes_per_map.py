@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nfproxy.backends.nft import render  # noqa: E402
+from nfproxy.backends.nft import full as nft_full, render, structure as nft_structure  # noqa: E402
 
 LAYOUTS = {
     "before 2026-12-03: 67 026 960 x 64": (67_026_960, 64),
@@ -103,7 +103,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         layout, what, services = args.child
-        render.LANE, render.LANES_PER_MAP = LAYOUTS[layout]
+        for module in (render, nft_full, nft_structure):  # the modules that read them, not only the facade
+            module.LANE, module.LANES_PER_MAP = LAYOUTS[layout]
         got = child_adds(int(services)) if what == "adds" else child_full(int(services), what == "weighted")
         print(json.dumps(got))
         return 0
