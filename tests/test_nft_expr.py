@@ -58,6 +58,9 @@ def test_text_is_nfts_syntax() -> None:
         x.body(x.SetUpdate("aff", x.payload("ip6", "saddr"))): "update @aff { ip6 saddr }",
         x.body(x.Masquerade(fully_random=True)): "masquerade fully-random",
         x.body(x.Match(x.CT_STATE, "invalid"), x.Counter("dropped"), x.DROP): "ct state invalid counter name dropped drop",
+        x.body(x.Match(x.CT_STATE, "established,related"), x.ACCEPT): "ct state established,related accept",
+        x.body(x.Dnat("fd00::2")): "dnat to fd00::2",
+        x.body(x.Dnat("10.0.0.2", family="ip")): "dnat ip to 10.0.0.2",
         x.raw("tcp dport 80 log"): "tcp dport 80 log",
     }
     for b, text in cases.items():

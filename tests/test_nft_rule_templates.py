@@ -14,6 +14,7 @@ from nfproxy.kernel.nft import NftKernel
 from nfproxy.kernel.nfnetlink.values import TYPE_INET_SERVICE, TYPE_INTEGER, TYPE_IPV4, Field, SetType
 from nfproxy.kernel.nft_rule_templates import RuleTemplates
 from nfproxy.nftables import Transaction
+from nfproxy.nftables import expr as x
 from nfproxy.testing import random_cluster, uniform_cluster
 from tests.test_nft_bulk import capture_sends
 
@@ -77,38 +78,42 @@ def test_maps_of_one_type_share_a_template() -> None:
     assert len(templates._known) == 4
 
 
+def _port(n: int) -> x.Body:
+    return x.body(x.Match(x.TH_DPORT, n))
+
+
 def test_a_name_the_compiler_does_not_copy_is_not_templated() -> None:
     """A compiler whose bytes depend on a map's name other than by copying it: compiled every time."""
-    hashed = RuleTemplates(lambda body, aliases=None: str(hash(body.split("@")[1])).encode(), lambda name: "maps")
-    assert hashed.body("lookup @abc") is None
-    assert hashed.body("lookup @abd") is None
+    hashed = RuleTemplates(lambda body, aliases=None: str(hash(body[0].set)).encode(), lambda name: "maps")
+    assert hashed.body(x.body(x.Lookup(x.TH_DPORT, "abc"))) is None
+    assert hashed.body(x.body(x.Lookup(x.TH_DPORT, "abd"))) is None
 
 
 def test_a_number_that_is_not_one_plain_field_is_not_templated() -> None:
     """A compiler that writes the number twice, or as text: the shape is compiled every time."""
-    twice = RuleTemplates(lambda body: (int(body.split()[-1]) * 2).to_bytes(4, "big") + int(body.split()[-1]).to_bytes(4, "big"))
-    assert twice.body("x 300") is None
-    assert twice.body("x 301") is None
-    text = RuleTemplates(lambda body: body.encode())
-    assert text.body("x 300") is None
+    twice = RuleTemplates(lambda body: (body[0].right * 2).to_bytes(4, "big") + body[0].right.to_bytes(4, "big"))
+    assert twice.body(_port(300)) is None
+    assert twice.body(_port(301)) is None
+    text = RuleTemplates(lambda body: str(body[0].right).encode())
+    assert text.body(_port(300)) is None
 
 
 def test_zero_is_part_of_the_shape() -> None:
     """`offset 0` may be said without the attribute: it is never written into a template made
     from another value (and the other way round)."""
-    calls: list[str] = []
+    calls: list[int] = []
 
-    def compile_body(body: str) -> bytes:
-        calls.append(body)
-        n = int(body.split()[-1])
+    def compile_body(body: tuple[x.Match]) -> bytes:
+        n = body[0].right
+        calls.append(n)
         return b"" if n == 0 else n.to_bytes(4, "big")
 
     templates = RuleTemplates(compile_body)
-    assert templates.body("offset 7") == (7).to_bytes(4, "big")
-    assert templates.body("offset 0") == b""
-    assert templates.body("offset 9") == (9).to_bytes(4, "big")
-    assert templates.body("offset 300") == (300).to_bytes(4, "big")  # two bytes: a shape of its own
-    assert calls == ["offset 7", "offset 93", "offset 0", "offset 300", "offset 374"]
+    assert templates.body(_port(7)) == (7).to_bytes(4, "big")
+    assert templates.body(_port(0)) == b""
+    assert templates.body(_port(9)) == (9).to_bytes(4, "big")
+    assert templates.body(_port(300)) == (300).to_bytes(4, "big")  # two bytes: a shape of its own
+    assert calls == [7, 93, 0, 300, 374]
 
 
 @pytest.mark.kernel

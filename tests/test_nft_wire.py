@@ -56,7 +56,8 @@ from nfproxy.kernel.nfnetlink.values import (
 )
 from nfproxy.kernel.nfnetlink.values import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END
 from nfproxy.kernel.nft_wire import batch_begin, batch_end, encode_message
-from nfproxy.nftables import Chain, Element, Map, Rule, Set, Transaction, Verb
+from nfproxy.nftables import Chain, Element, Map, Rule, Set, Transaction, Verb, script
+from nfproxy.nftables import expr as x
 from nfproxy.testing import random_cluster, uniform_cluster
 from tests import nft_oracle
 from tests.nft_oracle import MAX_MESSAGES, compile_transaction
@@ -248,6 +249,23 @@ def test_partial_sync_deltas_are_pyroute2s_bytes() -> None:
             assert_same(messages, NFPROTO[fam])
             count += len(messages)
     assert count > 50, count
+
+
+def test_typed_bodies_are_the_messages_of_their_text() -> None:
+    """The compiler reads a body's typed statements (nftables/expr.py); a body still held as
+    text is read into them first, so both are one rule's messages. Raw text is refused."""
+    count = 0
+    for family, fam in FAMILIES.items():
+        full = nft_backend.render(random_cluster(random.Random(4), 10), family).transaction()
+        types_ = declarations(full)
+        for verb, obj in full.operations():
+            if type(obj) is Rule:
+                typed = Rule(obj.chain, script.rule_body(obj.body))
+                assert _compiled(fam, [(verb, typed)], types_) == _compiled(fam, [(verb, obj)], types_), obj
+                count += 1
+    assert count > 100, count
+    with pytest.raises(Unsupported):
+        nn.rule_messages(Rule("c", x.raw("tcp dport 80 drop")), "ip", TABLE, V4_TYPES.__getitem__, "raw", iter(range(9)))
 
 
 # --------------------------------------------------------------------------------------------

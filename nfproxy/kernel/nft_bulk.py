@@ -21,7 +21,7 @@ import functools
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from nfproxy.core import forked
@@ -45,6 +45,7 @@ from nfproxy.kernel.nfnetlink import sender
 from nfproxy.kernel.nfnetlink.messages import rule_messages
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
+from nfproxy.nftables import expr as x
 from nfproxy.nftables import text as nft_text
 from nfproxy.nftables.objects import Elements, quote_comment
 
@@ -228,14 +229,14 @@ class _Compiler:
             payload = self.table_attr + strz(_RULE_CHAIN, rule.chain) + body
             self.emit(frame(_NEWRULE, _NLM_F_CREATE | _NLM_F_APPEND, self.family, self.seq(), payload), (i, 0, 0))
             return
-        command = f"add rule {self.tx.family} {self.tx.table} {rule.chain} {rule.body}"
+        command = f"add rule {self.tx.family} {self.tx.table} {rule.chain} {_text(rule.body)}"
         for message in rule_messages(rule, self.tx.family, self.tx.table, self.set_type, command, self.set_ids):
             self.emit(nft_wire.encode_message(message, self.family, self.seq(), ack=False), (i, 0, 0))
 
-    def rule_body(self, body: str, aliases: Mapping[str, str] | None = None) -> bytes:
+    def rule_body(self, body: str | tuple[x.Statement, ...], aliases: Mapping[str, str] | None = None) -> bytes:
         """A rule of one message, its attributes after table and chain (for RuleTemplates; an
         alias names a map by another name)."""
-        command = f"add rule {self.tx.family} {self.tx.table} - {body}"
+        command = f"add rule {self.tx.family} {self.tx.table} - {_text(body)}"
         set_type = self.set_type
         if aliases:
             def set_type(name: str) -> SetType:
@@ -440,6 +441,11 @@ def _element_rows(obj: Elements | Element) -> Iterator[Row]:
         return iter(((obj.key, obj.value, obj.comment),))
     n = len(obj.keys)  # type: ignore[union-attr]
     return zip(obj.keys, obj.values or ("",) * n, obj.comments or ("",) * n)  # type: ignore[union-attr]
+
+
+def _text(body: str | Iterable[x.Statement]) -> str:
+    """A body as nft text, for an error's command."""
+    return body if isinstance(body, str) else x.text(body)
 
 
 def _count(obj: Elements | Element) -> int:

@@ -7,6 +7,9 @@ encoding it (kernel/nft_wire.py) costs 35-50 µs a rule, most of a second of a f
 is compiled here once per transaction; later rules of that shape copy its bytes and write
 their own numbers in.
 
+A shape is read from the rule's typed statements (nftables/expr.py), not from its text: the
+statements in order, each number and IPv4 address they hold replaced by its kind.
+
 Where a number's bytes are is not assumed, it is found: the rule is compiled again with that
 one number changed, and the bytes that differ must be exactly the number's encoding (the
 address's four bytes, an integer's low bytes in either byte order), everything else equal.
@@ -28,15 +31,23 @@ the renderers write in the test clusters.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
-from nfproxy.kernel.nfnetlink.values import Unsupported, tokens
+from nfproxy.kernel.nfnetlink.messages import statements
+from nfproxy.kernel.nfnetlink.values import Unsupported
+from nfproxy.nftables import expr as x
 
 _IPV4 = re.compile(r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
-_INT = re.compile(r"[1-9]\d{0,18}")
+_INT_LIMIT = 10**19  # numbers of up to 19 digits, as a template's slot holds at most 8 bytes
+# Values written whole into a shape: no number of theirs is a slot (a counter's or a chain's name).
+_ATOMS = frozenset({x.Payload, x.Meta, x.Ct, x.Fib, x.Verdict, x.Counter, x.Comment, x.Raw, x.Reject, x.Masquerade})
+# The field that names a set or map, per statement.
+_NAMED = {x.Lookup: "set", x.SetUpdate: "set", x.MapLookup: "map", x.VerdictMap: "map"}
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,46 +86,49 @@ class Template:
         return bytes(out)
 
 
-# A rule body -> its attributes after table and chain; may raise Unsupported. Called with a second
-# argument, {changed name: map} (see _MapName), only when `map_kind` is given.
+# A rule body (its statements) -> its attributes after table and chain; may raise Unsupported.
+# Called with a second argument, {changed name: map} (see _MapName), only when `map_kind` is given.
 Compile = Callable[..., bytes]
 MapKind = Callable[[str], Hashable | None]  # a map's name -> what its rules' bytes depend on, or None
+Body = tuple[x.Statement, ...]
 
 
 class RuleTemplates:
-    """The shapes of one transaction's rules, learned as they come (their words, and the kind of
-    each map they name, are part of the shape, so a template never outlives what it was checked
-    against)."""
+    """The shapes of one transaction's rules, learned as they come (their statements, and the
+    kind of each map they name, are part of the shape, so a template never outlives what it was
+    checked against)."""
 
     def __init__(self, compile_body: Compile, map_kind: MapKind | None = None) -> None:
         self._compile = compile_body
         self._map_kind = map_kind
         self._known: dict[tuple[Hashable, ...], Template | None] = {}
 
-    def body(self, text: str) -> bytes | None:
+    def body(self, body: str | Iterable[x.Statement]) -> bytes | None:
         """The rule's attributes after table and chain, or None: compile it the usual way."""
-        toks = tokens(text)
-        shape, values, where = _shape(toks, self._map_kind)
+        try:
+            typed = statements(body, "")
+        except Unsupported:
+            return None
+        shape, values = _shape(typed, self._map_kind)
         known = self._known.get(shape, False)
         if known is False:
-            known = self._known[shape] = self._learn(toks, values, where)
+            known = self._known[shape] = self._learn(typed, values)
         if known is None:
             return None
         return known.fill(values)
 
-    def _learn(self, toks: list[str], values: list[Value], where: list[int]) -> Template | None:
+    def _learn(self, typed: Body, values: list[Value]) -> Template | None:
         try:
-            body = self._compile(" ".join(toks))
+            body = self._compile(typed)
             slots: list[_Slot] = []
-            for value, at in zip(values, where):
-                changed = list(toks)
+            for n, value in enumerate(values):
                 if isinstance(value, _MapName):
                     other = _changed_name(value.name)
-                    changed[at] = "@" + other
-                    slot = _locate_name(body, self._compile(" ".join(changed), {other: value.name}), value.name)
+                    changed = _replaced(typed, n, other, self._map_kind)
+                    slot = _locate_name(body, self._compile(changed, {other: value.name}), value.name)
                 else:
-                    changed[at] = _changed(value)
-                    slot = _locate(body, self._compile(" ".join(changed)), value)
+                    changed = _replaced(typed, n, _changed(value), self._map_kind)
+                    slot = _locate(body, self._compile(changed), value)
                 if slot is None:
                     return None
                 slots.append(slot)
@@ -123,43 +137,93 @@ class RuleTemplates:
         return Template(body, tuple(slots))
 
 
-def _shape(toks: list[str], map_kind: MapKind | None) -> tuple[tuple[Hashable, ...], list[Value], list[int]]:
-    """The rule's words with each number (and declared map) replaced by its kind, the values,
-    their places."""
+def _fields(kind: type) -> tuple[str, ...]:
+    found = _FIELDS.get(kind)
+    if found is None:
+        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return found
+
+
+def _is_value(leaf: object) -> bool:
+    """A number or an address: a slot of the shape. Zero stays a word (it may be said differently)."""
+    if type(leaf) is int:
+        return 0 < leaf < _INT_LIMIT  # type: ignore[operator]
+    return type(leaf) is str and leaf[:1] in "123456789" and _IPV4.fullmatch(leaf) is not None  # type: ignore[index]
+
+
+def _shape(typed: Body, map_kind: MapKind | None) -> tuple[tuple[Hashable, ...], list[Value]]:
+    """A body's shape: its objects flattened in order (as _rebuild walks them), each number,
+    address and declared map replaced by its kind; and the values so replaced."""
     shape: list[Hashable] = []
     values: list[Value] = []
-    where: list[int] = []
-    for i, tok in enumerate(toks):
-        if tok[0] == "@" and map_kind is not None:
-            kind = map_kind(tok[1:])
-            if kind is not None:
-                shape.append(("\0map", len(tok), kind))
-                values.append(_MapName(tok[1:]))
-                where.append(i)
-                continue
-        if tok[0] in "123456789":  # zero stays a word: it may be said differently
-            if _INT.fullmatch(tok):
-                value = int(tok)
-                shape.append(f"\0int{(value.bit_length() + 7) // 8}")
-                values.append(value)
-                where.append(i)
-                continue
-            if _IPV4.fullmatch(tok):
-                shape.append("\0ipv4")
-                values.append(tok)
-                where.append(i)
-                continue
-        shape.append(tok)
-    return tuple(shape), values, where
+    _flatten(typed, map_kind, shape, values)
+    return tuple(shape), values
 
 
-def _changed(value: int | str) -> str:
+def _flatten(obj: object, map_kind: MapKind | None, shape: list[Hashable], values: list[Value]) -> None:
+    """_shape's walk: a module function, not a closure, so that it makes no cycle holding the
+    batch compiler (`map_kind` is its bound method) for a cyclic collection to free."""
+    kind = type(obj)
+    if kind is tuple or kind is x.Body:
+        shape.append(len(obj))  # type: ignore[arg-type]
+        for item in obj:  # type: ignore[attr-defined]
+            _flatten(item, map_kind, shape, values)
+    elif (kind is int or kind is str) and _is_value(obj):
+        shape.append(f"\0int{(obj.bit_length() + 7) // 8}" if kind is int else "\0ipv4")  # type: ignore[union-attr]
+        values.append(obj)  # type: ignore[arg-type]
+    elif kind in _ATOMS or kind is int or kind is str or kind is bool or obj is None:
+        shape.append(obj)  # type: ignore[arg-type]
+    else:
+        shape.append(kind)
+        named = _NAMED.get(kind)
+        for name in _fields(kind):
+            value = getattr(obj, name)
+            found = map_kind(value) if name == named and type(value) is str and map_kind is not None else None
+            if found is not None:
+                shape.append(("\0map", len(value), found))
+                values.append(_MapName(value))
+            else:
+                _flatten(value, map_kind, shape, values)
+
+
+def _replaced(typed: Body, n: int, new: str | int, map_kind: MapKind | None) -> Body:
+    """`typed` with its n-th value (in _shape's order) replaced by `new`."""
+    seen = [0]
+
+    def leaf(value: object) -> object:
+        seen[0] += 1
+        return new if seen[0] == n + 1 else value
+
+    return tuple(_rebuild(s, leaf, map_kind) for s in typed)
+
+
+def _rebuild(obj: object, leaf: Callable[[object], object], map_kind: MapKind | None) -> object:
+    """`obj` with each value _shape counts passed through `leaf`, in _shape's order."""
+    kind = type(obj)
+    if kind is tuple or kind is x.Body:
+        return tuple(_rebuild(item, leaf, map_kind) for item in obj)  # type: ignore[attr-defined]
+    if kind is int or kind is str:
+        return leaf(obj) if _is_value(obj) else obj
+    if kind in _ATOMS or kind is bool or obj is None:
+        return obj
+    changes = {}
+    named = _NAMED.get(kind)
+    for name in _fields(kind):
+        value = getattr(obj, name)
+        if name == named and type(value) is str and map_kind is not None and map_kind(value) is not None:
+            changes[name] = leaf(value)
+        else:
+            changes[name] = _rebuild(value, leaf, map_kind)
+    return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+
+
+def _changed(value: int | str) -> int | str:
     """Another value of the same kind and size, differing in every byte that is written."""
     if isinstance(value, str):
         return ".".join(str(int(octet) ^ 0x5A or 0xA5) for octet in value.split("."))
     low = value & 0xFF
     other = low ^ 0x5A if low ^ 0x5A else low ^ 0xA5
-    return str(value - low + other)
+    return value - low + other
 
 
 def _changed_name(name: str) -> str:

@@ -330,9 +330,11 @@ class _Body:
                 raise self.fail("dnat map")
             return x.Dnat(x.MapLookup(key, self.name()), family=family)
         dest = self.take()
-        m = re.fullmatch(r"\[(.+)\]:(\d+)|([^:]+):(\d+)", dest)
+        m = re.fullmatch(r"\[(.+)\]:(\d+)|([^:]+):(\d+)|([^\[\]]+)", dest)  # an address alone: no port
         if m is None:
             raise self.fail("dnat destination")
+        if m.group(5):
+            return x.Dnat(m.group(5), None, family)
         addr, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
         return x.Dnat(addr, int(port), family)
 
@@ -353,7 +355,11 @@ class _Body:
             return x.Match(left, self.anon_set(), op)
         if t is not None and t.startswith("@") and op == "==" and type(left) is not x.Bitwise:
             return x.Lookup(left, self.name())
-        return x.Match(left, _constant(self.take()), op)
+        value = _constant(self.take())
+        while type(left) is x.Ct and self.peek() == ",":  # a flag list is one constant: `ct state established,related`
+            self.i += 1
+            value = f"{value},{self.take()}"
+        return x.Match(left, value, op)
 
 
 def _constant(token: str) -> x.Value:

@@ -1,5 +1,5 @@
 """The nfnetlink room's foundations (issue Q): `values` (datatypes, literals as bytes, set
-types, tokens, one batch message) and `framing` (attributes, messages, the batch socket, the
+types, names, one batch message) and `framing` (attributes, messages, the batch socket, the
 walk over a reply). Imports go one way: these two import nothing else of the room; the encoders
 (`declarations` for tables, chains, sets, maps and counters, `messages` for rules), the sender,
 the batch compiler (kernel/nft_bulk.py) and the dump reader (kernel/nft_elements.py) build on

@@ -1,8 +1,8 @@
 """nft rules as nfnetlink messages: the rule compiler and pyroute2's message classes it fills.
 
-A rule body is read as nft reads it (selectors, relations, statements), not matched against
-the shapes nfproxy happens to render today; `rule_messages` turns one Rule into the messages of
-a batch (an anonymous set's declaration and elements first, then the rule), which nft_wire
+A rule body is the typed statements of nftables/expr.py (selectors, relations, statements),
+compiled as nft compiles them, not matched against the shapes nfproxy happens to render today;
+`rule_messages` turns one Rule into the messages of a batch (an anonymous set's declaration and elements first, then the rule), which nft_wire
 encodes and the batch compiler (kernel/nft_bulk.py) places. A body outside the vocabulary
 raises `Unsupported` before a byte is sent, and the caller hands the whole transaction to
 libnftables instead: correctness never depends on the vocabulary being complete.
@@ -10,15 +10,14 @@ libnftables instead: correctness never depends on the vocabulary being complete.
 The encodings follow `nft --debug=netlink` / `--debug=mnl` of nft 1.0.6 (payload loads shrunk to
 a byte-aligned prefix, bitwise masks otherwise, registers numbered as libnftables numbers them,
 comments as libnftnl user data), so that nft lists the result exactly as it lists what it wrote
-itself; tests/test_nft_netlink.py checks that against the kernel. (Issue Q replaces the text
-this reads with typed expressions.)
+itself; tests/test_nft_netlink.py checks that against the kernel.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +53,10 @@ from nfproxy.kernel.nfnetlink.values import (
     Unsupported,
     bare_name,
     encode_value,
-    tokens,
-    verdict_of,
 )
 from nfproxy.nftables import Rule
+from nfproxy.nftables import expr as x
+from nfproxy.nftables.script import rule_body
 
 _FAMILIES = {"ip": NFPROTO_IPV4, "ip6": NFPROTO_IPV6}
 _INTERVAL_END = ("NFTA_SET_ELEM_FLAGS", 1)  # NFT_SET_ELEM_INTERVAL_END
@@ -163,7 +162,8 @@ _ADDRTYPES = {"unicast": 1, "local": 2, "broadcast": 3, "anycast": 4, "multicast
 
 
 # --------------------------------------------------------------------------------------------
-# Text: nft's tokens. Names are bare (nfproxy never quotes one), strings are double-quoted.
+# Expressions as pyroute2's encoder takes them.
+
 
 def _data(value: bytes) -> dict[str, Any]:
     return {"attrs": [("NFTA_DATA_VALUE", value)]}
@@ -186,7 +186,7 @@ def _reg(k: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Rules: selectors, relations and statements, compiled to expressions.
+# Rules: the typed statements of nftables/expr.py, compiled to expressions.
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +216,15 @@ def _meta(key: int) -> Callable[[int], dict[str, Any]]:
     return lambda slot: _expr("meta", ("NFTA_META_KEY", key), ("NFTA_META_DREG", _reg(slot)))
 
 
+def _address(family: str, field_: str, size: int, offset: int, typeof: tuple[int, int]) -> _Selector:
+    f = Field(TYPE_IPV4 if family == "ip" else TYPE_IPV6, size)
+    return _Selector(f, _payload(_NETWORK, offset, size), (_NETWORK, offset), typeof)
+
+
 _NETWORK, _TRANSPORT = 1, 2
 _META_MARK, _META_IIFNAME, _META_L4PROTO = 3, 6, 16
-_TYPE_IFNAME, _IFNAMSIZ = 41, 16
-_IFNAME = re.compile(r'"([A-Za-z0-9_.@-]{1,15})(\*?)"')
+_TYPE_IFNAME, _TYPE_ADDRTYPE, _IFNAMSIZ = 41, -1, 16
+_IFNAME = re.compile(r"([A-Za-z0-9_.@-]{1,15})(\*?)")
 # ct state and ct status bits (nf_conntrack_common.h): what `ct state new`, `ct status dnat` test.
 _CT_BITS = {
     "state": (0, {"invalid": 1, "established": 2, "related": 4, "new": 8, "untracked": 64}),
@@ -227,6 +232,51 @@ _CT_BITS = {
 }
 _REJECT_PORT_UNREACHABLE = {"ip": 3, "ip6": 4}  # ICMP and ICMPv6 codes: a bare `reject`
 _MARK = _Selector(Field(TYPE_MARK, 4, True), _meta(_META_MARK))
+# The selectors that are the same in every rule; nft's proto_desc ids (ip 12, ip6 13) and header
+# field indexes are what a set's user data says its key is.
+_SELECTORS = {
+    x.payload("ip", "saddr"): _address("ip", "saddr", 4, 12, (12, 11)),
+    x.payload("ip", "daddr"): _address("ip", "daddr", 4, 16, (12, 12)),
+    x.payload("ip6", "saddr"): _address("ip6", "saddr", 16, 8, (13, 8)),
+    x.payload("ip6", "daddr"): _address("ip6", "daddr", 16, 24, (13, 9)),
+    x.TH_DPORT: _Selector(Field(TYPE_INET_SERVICE, 2), _payload(_TRANSPORT, 2, 2)),
+    x.L4PROTO: _Selector(Field(TYPE_INET_PROTO, 1), _meta(_META_L4PROTO)),
+    x.MARK: _MARK,
+    x.Meta("iifname"): _Selector(Field(_TYPE_IFNAME, _IFNAMSIZ), _meta(_META_IIFNAME)),
+}
+
+
+def _fib(flag: int) -> _Selector:
+    def load(slot: int) -> dict[str, Any]:
+        return _expr("fib", ("NFTA_FIB_FLAGS", flag), ("NFTA_FIB_RESULT", 3), ("NFTA_FIB_DREG", _reg(slot)))  # ADDRTYPE
+
+    return _Selector(Field(_TYPE_ADDRTYPE, 4, True), load)
+
+
+_FIBS = {x.Fib("saddr"): _fib(1), x.Fib("daddr"): _fib(2)}  # NFTA_FIB_F_SADDR / _DADDR
+
+
+def _numgen(ng: x.Numgen) -> _Selector:
+    def load(slot: int) -> dict[str, Any]:
+        return _expr(
+            "numgen",
+            ("NFTA_NG_DREG", _reg(slot)),
+            ("NFTA_NG_MODULUS", ng.mod),
+            ("NFTA_NG_TYPE", 1),  # NFT_NG_RANDOM
+            ("NFTA_NG_OFFSET", ng.offset or 0),
+        )
+
+    return _Selector(Field(TYPE_INTEGER, 4, True), load)
+
+
+def _lookup(sreg: int, name: str, dreg: int | None = None, set_id: int | None = None, invert: bool = False) -> dict[str, Any]:
+    """A lookup, its attributes in nft's order."""
+    attrs: list[tuple[str, Any]] = [("NFTA_LOOKUP_SREG", sreg)]
+    attrs += [("NFTA_LOOKUP_DREG", dreg)] if dreg is not None else []
+    attrs += [("NFTA_LOOKUP_SET", name)]
+    attrs += [("NFTA_LOOKUP_SET_ID", set_id)] if set_id is not None else []
+    attrs += [("NFTA_LOOKUP_FLAGS", 1)] if invert else []  # NFT_LOOKUP_F_INV
+    return _expr("lookup", *attrs)
 
 
 @dataclass
@@ -245,76 +295,68 @@ class _RuleCompiler:
     def fail(self, why: str) -> Unsupported:
         return Unsupported(f"{why}: {self.command}")
 
-    # -- selectors -------------------------------------------------------------------------
-    def selector(self, toks: list[str], i: int) -> tuple[_Selector, int] | None:
-        """Parse one selector at toks[i]; None when toks[i] does not start one."""
-        t = toks[i]
-        nxt = toks[i + 1] if i + 1 < len(toks) else ""
-        if t in ("ip", "ip6") and nxt in ("saddr", "daddr"):
-            if t != self.family:
-                raise self.fail(f"{t} {nxt} in an {self.family} table")
-            # nft's proto_desc ids (ip 12, ip6 13) and header field indexes, for set user data.
-            if t == "ip":
-                f, off, typeof = Field(TYPE_IPV4, 4), 12 if nxt == "saddr" else 16, (12, 11 if nxt == "saddr" else 12)
+    def name(self, name: str) -> str:
+        return bare_name(name, self.command)
+
+    def compile(self, body: tuple[x.Statement, ...]) -> None:
+        """The statements in order; a verdict (or NAT, reject) ends the rule, bar its comment."""
+        terminal = False
+        for n, s in enumerate(body):
+            if type(s) is x.Comment:
+                if n != len(body) - 1:
+                    raise self.fail("a comment that is not last")
+                self.comment = s.text
+            elif terminal:
+                raise self.fail("statements after a verdict")
             else:
-                f, off, typeof = Field(TYPE_IPV6, 16), 8 if nxt == "saddr" else 24, (13, 8 if nxt == "saddr" else 9)
-            return _Selector(f, _payload(_NETWORK, off, f.size), (_NETWORK, off), typeof), i + 2
-        if t == "meta" and nxt == "l4proto":
-            return _Selector(Field(TYPE_INET_PROTO, 1), _meta(_META_L4PROTO)), i + 2
-        if t == "meta" and nxt == "mark":
-            return _MARK, i + 2
-        if t == "iifname":
-            return _Selector(Field(_TYPE_IFNAME, _IFNAMSIZ), _meta(_META_IIFNAME)), i + 1
-        if t == "th" and nxt == "dport":
-            return _Selector(Field(TYPE_INET_SERVICE, 2), _payload(_TRANSPORT, 2, 2)), i + 2
-        if t == "fib" and nxt in ("saddr", "daddr") and toks[i + 2 : i + 3] == ["type"]:
-            flag = 1 if nxt == "saddr" else 2  # NFTA_FIB_F_SADDR / _DADDR
+                terminal = self.statement(s)
+        if not self.exprs:
+            raise self.fail("an empty rule")
 
-            def load(slot: int, flag: int = flag) -> dict[str, Any]:
-                return _expr(
-                    "fib",
-                    ("NFTA_FIB_FLAGS", flag),
-                    ("NFTA_FIB_RESULT", 3),  # NFT_FIB_RESULT_ADDRTYPE
-                    ("NFTA_FIB_DREG", _reg(slot)),
-                )
+    def statement(self, s: x.Statement) -> bool:
+        """Compile one statement; whether it ends the rule."""
+        kind = type(s)
+        if kind is x.Match:
+            self.match(s)  # type: ignore[arg-type]
+        elif kind is x.Lookup:
+            self.load(self.selectors(s.key))  # type: ignore[union-attr]
+            self.exprs.append(_lookup(1, self.name(s.set)))  # type: ignore[union-attr]
+        elif kind is x.Verdict:
+            self.verdict(s)  # type: ignore[arg-type]
+        elif kind is x.VerdictMap:
+            self.vmap(s)  # type: ignore[arg-type]
+        elif kind is x.Dnat:
+            self.dnat(s)  # type: ignore[arg-type]
+        elif kind is x.Counter:
+            self.counter(s.name)  # type: ignore[union-attr]
+        elif kind is x.MetaSet:
+            self.mark_set(s)  # type: ignore[arg-type]
+        elif kind is x.SetUpdate:
+            self.update(s)  # type: ignore[arg-type]
+        elif kind is x.Reject:
+            code = _REJECT_PORT_UNREACHABLE[self.family]
+            self.exprs.append(_expr("reject", ("NFTA_REJECT_TYPE", 0), ("NFTA_REJECT_ICMP_CODE", code)))  # ICMP_UNREACH
+        elif kind is x.Masquerade and s.fully_random:  # type: ignore[union-attr]
+            self.exprs.append(_expr("masq", ("NFTA_MASQ_FLAGS", frozenset({"NF_NAT_RANGE_PROTO_RANDOM_FULLY"}))))
+        else:
+            raise self.fail(f"{s!s} is outside the netlink vocabulary")
+        return kind in (x.Verdict, x.VerdictMap, x.Dnat, x.Reject, x.Masquerade)
 
-            return _Selector(Field(-1, 4, True), load), i + 3
-        if t == "numgen" and nxt == "random" and toks[i + 2 : i + 3] == ["mod"]:
-            try:
-                mod = int(toks[i + 3])
-                j = i + 4
-                offset = 0
-                if toks[j : j + 1] == ["offset"]:
-                    offset = int(toks[j + 1])
-                    j += 2
-            except (IndexError, ValueError):
-                raise self.fail("numgen without a modulus") from None
+    # -- selectors -------------------------------------------------------------------------
+    def selector(self, e: x.Expr) -> _Selector:
+        kind = type(e)
+        if kind is x.Numgen:
+            return _numgen(e)  # type: ignore[arg-type]
+        found = (_FIBS if kind is x.Fib else _SELECTORS).get(e)  # type: ignore[call-overload]
+        if found is None:
+            raise self.fail(f"{e!s} is outside the netlink vocabulary")
+        if kind is x.Payload and e.protocol in _FAMILIES and e.protocol != self.family:  # type: ignore[union-attr]
+            raise self.fail(f"{e!s} in an {self.family} table")
+        return found
 
-            def load_ng(slot: int, mod: int = mod, offset: int = offset) -> dict[str, Any]:
-                return _expr(
-                    "numgen",
-                    ("NFTA_NG_DREG", _reg(slot)),
-                    ("NFTA_NG_MODULUS", mod),
-                    ("NFTA_NG_TYPE", 1),  # NFT_NG_RANDOM
-                    ("NFTA_NG_OFFSET", offset),
-                )
-
-            return _Selector(Field(TYPE_INTEGER, 4, True), load_ng), j
-        return None
-
-    def selectors(self, toks: list[str], i: int) -> tuple[list[_Selector], int] | None:
-        """A selector or a concatenation `a . b . c`."""
-        first = self.selector(toks, i)
-        if first is None:
-            return None
-        sels, i = [first[0]], first[1]
-        while i < len(toks) and toks[i] == ".":
-            nxt = self.selector(toks, i + 1)
-            if nxt is None:
-                raise self.fail("concatenation of something outside the vocabulary")
-            sels.append(nxt[0])
-            i = nxt[1]
-        return sels, i
+    def selectors(self, e: x.Expr) -> list[_Selector]:
+        """A selector, or the parts of a concatenation."""
+        return [self.selector(p) for p in e.parts] if type(e) is x.Concat else [self.selector(e)]  # type: ignore[union-attr]
 
     def load(self, sels: list[_Selector]) -> None:
         slot = 0
@@ -322,9 +364,10 @@ class _RuleCompiler:
             self.exprs.append(s.load(slot))
             slot += -(-s.field.size // 4) if len(sels) > 1 else 0
 
-    # -- literals ----------------------------------------------------------------------------
-    def literal(self, sel: _Selector, text: str) -> bytes:
-        if sel.field.type == -1:  # fib address type
+    # -- relations ---------------------------------------------------------------------------
+    def literal(self, sel: _Selector, value: x.Value) -> bytes:
+        text = str(value)
+        if sel.field.type == _TYPE_ADDRTYPE:
             if text not in _ADDRTYPES:
                 raise self.fail(f"unknown address type {text!r}")
             return _ADDRTYPES[text].to_bytes(4, HOST)
@@ -336,77 +379,132 @@ class _RuleCompiler:
         return encode_value(text, sel.field, self.command)
 
     def cmp(self, op: int, value: bytes) -> None:
-        self.exprs.append(
-            _expr(
-                "cmp",
-                ("NFTA_CMP_SREG", 1),
-                ("NFTA_CMP_OP", op),
-                ("NFTA_CMP_DATA", _data(value), NLA_F_NESTED),
-            )
-        )
+        self.exprs.append(_expr("cmp", ("NFTA_CMP_SREG", 1), ("NFTA_CMP_OP", op), ("NFTA_CMP_DATA", _data(value), NLA_F_NESTED)))
 
-    def relation(self, sels: list[_Selector], negate: bool, rhs: str) -> None:
-        """`sels [!=] rhs` where rhs is a literal, a prefix or @set."""
-        if rhs.startswith("@"):
-            name = bare_name(rhs[1:], self.command)
-            self.load(sels)
-            attrs: list[tuple[str, Any]] = [("NFTA_LOOKUP_SREG", 1), ("NFTA_LOOKUP_SET", name)]  # nft's order
-            if negate:
-                attrs.append(("NFTA_LOOKUP_FLAGS", 1))  # NFT_LOOKUP_F_INV
-            self.exprs.append(_expr("lookup", *attrs))
-            return
+    def match(self, m: x.Match) -> None:
+        """`left [!=] right`: a literal, a prefix, an anonymous set, a set (`!= @s`), flags."""
+        if m.op not in ("==", "!="):
+            raise self.fail(f"operator {m.op}")
+        negate, left, right = m.op == "!=", m.left, m.right
+        if type(left) is x.Ct:
+            self.ct_bits(left, right, negate)
+        elif type(left) is x.Bitwise:
+            self.masked(left, right, negate)
+        elif type(right) is x.AnonSet:
+            self.anon_set_relation(self.selectors(left), negate, right.items)
+        elif type(right) is str and right.startswith("@"):  # `!= @set`: the reader's negated lookup
+            self.load(self.selectors(left))
+            self.exprs.append(_lookup(1, self.name(right[1:]), invert=negate))
+        else:
+            self.relation(self.selectors(left), negate, right)
+
+    def relation(self, sels: list[_Selector], negate: bool, rhs: x.Value) -> None:
+        """`sel [!=] rhs` where rhs is a literal or a prefix."""
         if len(sels) != 1:
             raise self.fail("a concatenation compared with a literal")
         sel = sels[0]
         op = 1 if negate else 0
-        if "/" in rhs and sel.payload is not None:
-            try:
-                net = ipaddress.ip_network(rhs, strict=True)
-            except ValueError:
-                raise self.fail(f"{rhs!r} is not a network") from None
-            bits = net.max_prefixlen
-            if sel.field.size * 8 != bits:
-                raise self.fail(f"{rhs} compared with a {sel.field.size}-byte field")
-            plen = net.prefixlen
-            if plen == bits:
-                self.load(sels)
-                self.cmp(op, net.network_address.packed)
-                return
-            if plen == 0:
-                raise self.fail("a /0 prefix")
-            base, offset = sel.payload
-            if plen % 8 == 0:
-                n = plen // 8
-                self.exprs.append(_payload(base, offset, n)(0))
-                self.cmp(op, net.network_address.packed[:n])
-                return
-            self.load(sels)
-            self.bitwise(net.netmask.packed, bytes(sel.field.size))
-            self.cmp(op, net.network_address.packed)
+        if type(rhs) is str and "/" in rhs and sel.payload is not None:
+            self.prefix(sel, op, rhs)
             return
         self.load(sels)
         self.cmp(op, self.literal(sel, rhs))
 
+    def prefix(self, sel: _Selector, op: int, rhs: str) -> None:
+        """An address prefix as nft compiles it: the whole address, a shorter load for whole
+        bytes, a mask otherwise."""
+        try:
+            net = ipaddress.ip_network(rhs, strict=True)
+        except ValueError:
+            raise self.fail(f"{rhs!r} is not a network") from None
+        bits = net.max_prefixlen
+        if sel.field.size * 8 != bits:
+            raise self.fail(f"{rhs} compared with a {sel.field.size}-byte field")
+        plen = net.prefixlen
+        if plen == 0:
+            raise self.fail("a /0 prefix")
+        if plen == bits:
+            self.exprs.append(sel.load(0))
+            self.cmp(op, net.network_address.packed)
+        elif plen % 8 == 0:
+            n = plen // 8
+            self.exprs.append(_payload(*sel.payload, n)(0))  # type: ignore[misc]
+            self.cmp(op, net.network_address.packed[:n])
+        else:
+            self.exprs.append(sel.load(0))
+            self.bitwise(net.netmask.packed, bytes(sel.field.size))
+            self.cmp(op, net.network_address.packed)
+
+    def ct_bits(self, ct: x.Ct, value: x.Value | x.AnonSet, negate: bool) -> None:
+        """`ct state new`, `ct status dnat`, `ct state established,related`: any of the bits set."""
+        if ct.key not in _CT_BITS or negate or type(value) is not str:
+            raise self.fail(f"{ct!s} {value!s} outside the vocabulary")
+        key, bits = _CT_BITS[ct.key]
+        names = value.split(",")  # a flag list is one constant
+        if any(n not in bits for n in names):
+            raise self.fail(f"{ct!s} {value} outside the vocabulary")
+        self.exprs.append(_expr("ct", ("NFTA_CT_KEY", key), ("NFTA_CT_DREG", 1)))
+        self.bitwise(sum({bits[n] for n in names}).to_bytes(4, HOST), bytes(4))
+        self.cmp(1, bytes(4))  # != 0
+
+    def masked(self, bw: x.Bitwise, value: x.Value | x.AnonSet, negate: bool) -> None:
+        """`meta mark and 0x4000 == 0`."""
+        if bw.left != x.MARK or bw.op != "and" or type(value) is x.AnonSet:
+            raise self.fail("a bit operation outside the vocabulary")
+        self.load([_MARK])
+        self.bitwise(self.literal(_MARK, bw.value), bytes(4), boolean=True)
+        self.cmp(int(negate), self.literal(_MARK, value))  # type: ignore[arg-type]
+
+    def bitwise(self, mask: bytes, xor: bytes, boolean: bool = False) -> None:
+        """reg 1 = (reg 1 & mask) ^ xor; nft names the operation (boolean) for a mark's
+        arithmetic, not for a prefix or a flag test."""
+        attrs: list[tuple[str, Any]] = [("NFTA_BITWISE_SREG", 1), ("NFTA_BITWISE_DREG", 1)]
+        attrs += [("NFTA_BITWISE_OP", 0)] if boolean else []  # NFT_BITWISE_BOOL
+        attrs += [("NFTA_BITWISE_LEN", len(mask)), ("NFTA_BITWISE_MASK", _data(mask), NLA_F_NESTED),
+                  ("NFTA_BITWISE_XOR", _data(xor), NLA_F_NESTED)]
+        self.exprs.append(_expr("bitwise", *attrs))
+
     # -- anonymous sets --------------------------------------------------------------------------
-    def anon_set_relation(self, sels: list[_Selector], negate: bool, items: list[list[str]]) -> None:
+    def anon_set_relation(self, sels: list[_Selector], negate: bool, items: tuple[x.Value, ...]) -> None:
         """`sel [!=] { a/p, b, ... }` of addresses: as nft compiles it.
 
         One item is a plain relation; items with a prefix among them make an anonymous interval
         set whose ranges nft merges (overlapping or adjacent) before sending; sets of plain
         addresses only (a hash set) are left to libnftables.
         """
-        if len(sels) != 1 or sels[0].typeof is None or any(len(x) != 1 for x in items) or not items:
+        if len(sels) != 1 or sels[0].typeof is None or not items:
             raise self.fail("anonymous set outside the vocabulary")
-        sel = sels[0]
         if len(items) == 1:
-            self.relation(sels, negate, items[0][0])
+            self.relation(sels, negate, items[0])
             return
-        if not any("/" in x[0] for x in items):
+        texts = [str(item) for item in items]
+        if not any("/" in text for text in texts):
             raise self.fail("anonymous set without ranges")
-        size = sel.field.size
-        top = (1 << (8 * size)) - 1
+        sel = sels[0]
+        merged = self.merged(texts, sel.field.size)
+        set_id = self.next_set_id()
+        self.set_messages.append((
+            (
+                ("NFTA_SET_TABLE", self.table),
+                ("NFTA_SET_NAME", "__set%d"),
+                ("NFTA_SET_FLAGS", frozenset({"NFT_SET_ANONYMOUS", "NFT_SET_CONSTANT", "NFT_SET_INTERVAL"})),
+                ("NFTA_SET_KEY_TYPE", sel.field.type),
+                ("NFTA_SET_KEY_LEN", sel.field.size),
+                ("NFTA_SET_ID", set_id),
+                ("NFTA_SET_DESC", {"attrs": [("NFTA_SET_DESC_SIZE", 2 * len(merged) + (merged[0][0] != 0))]}, NLA_F_NESTED),
+                ("NFTA_SET_USERDATA", _interval_set_udata(*sel.typeof)),  # type: ignore[misc]
+            ),
+            "__set%d",
+            set_id,
+            _interval_elements(merged, sel.field.size),
+        ))
+        self.load(sels)
+        self.exprs.append(_lookup(1, "__set%d", set_id=set_id, invert=negate))
+
+    def merged(self, texts: list[str], size: int) -> list[tuple[int, int]]:
+        """The addresses and prefixes as ranges, overlapping or adjacent ones merged."""
         ranges: list[tuple[int, int]] = []
-        for (text,) in items:
+        for text in texts:
             try:
                 net = ipaddress.ip_network(text, strict=True)
             except ValueError:
@@ -421,75 +519,40 @@ class _RuleCompiler:
                 merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
             else:
                 merged.append((lo, hi))
-        elements: list[dict[str, Any]] = []
-        if merged[0][0] != 0:
-            elements.append({"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data(bytes(size)), NLA_F_NESTED)]})
-        for lo, hi in merged:
-            start: list[Any] = [("NFTA_SET_ELEM_KEY", _data(lo.to_bytes(size, "big")), NLA_F_NESTED)]
-            if hi == top:  # open interval: no end element fits; libnftnl flags it instead
-                start.append(("NFTA_SET_ELEM_USERDATA", bytes((1, 4)) + (1).to_bytes(4, HOST)))
-            elements.append({"attrs": start})
-            if hi != top:
-                elements.append(
-                    {"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(size, "big")), NLA_F_NESTED)]}
-                )
-        desc, fld = sel.typeof
-        typeof = _udata(0, (7).to_bytes(4, HOST)) + _udata(
-            1, _udata(0, desc.to_bytes(4, HOST)) + _udata(1, fld.to_bytes(4, HOST))
-        )
-        udata = (
-            _udata(0, (2).to_bytes(4, HOST))  # key byte order: big endian
-            + _udata(2, (1).to_bytes(4, HOST))  # merge elements
-            + _udata(3, typeof)  # key typeof: a payload expression
-        )
-        set_id = self.next_set_id()
-        self.set_messages.append((
-            (
-                ("NFTA_SET_TABLE", self.table),
-                ("NFTA_SET_NAME", "__set%d"),
-                ("NFTA_SET_FLAGS", frozenset({"NFT_SET_ANONYMOUS", "NFT_SET_CONSTANT", "NFT_SET_INTERVAL"})),
-                ("NFTA_SET_KEY_TYPE", sel.field.type),
-                ("NFTA_SET_KEY_LEN", size),
-                ("NFTA_SET_ID", set_id),
-                ("NFTA_SET_DESC", {"attrs": [("NFTA_SET_DESC_SIZE", 2 * len(merged) + (merged[0][0] != 0))]}, NLA_F_NESTED),
-                ("NFTA_SET_USERDATA", udata),
-            ),
-            "__set%d",
-            set_id,
-            elements,
-        ))
-        self.load(sels)
-        attrs: list[tuple[str, Any]] = [
-            ("NFTA_LOOKUP_SREG", 1),
-            ("NFTA_LOOKUP_SET", "__set%d"),
-            ("NFTA_LOOKUP_SET_ID", set_id),
-        ]
-        if negate:
-            attrs.append(("NFTA_LOOKUP_FLAGS", 1))
-        self.exprs.append(_expr("lookup", *attrs))
+        return merged
 
-    # -- anonymous verdict maps ------------------------------------------------------------------
-    def anon_vmap(self, sels: list[_Selector], toks: list[str], i: int) -> int:
+    # -- verdicts and verdict maps -----------------------------------------------------------------
+    def verdict_code(self, v: x.Verdict) -> tuple[int, str | None]:
+        if v.chain is None and v.kind in VERDICT_CODES:
+            return VERDICT_CODES[v.kind], None
+        if v.chain is not None and v.kind in CHAIN_VERDICTS:
+            return CHAIN_VERDICTS[v.kind], self.name(v.chain)
+        raise self.fail(f"verdict {v!s}")
+
+    def verdict(self, v: x.Verdict) -> None:
+        data = _verdict_data(*self.verdict_code(v))
+        self.exprs.append(_expr("immediate", ("NFTA_IMMEDIATE_DREG", 0), ("NFTA_IMMEDIATE_DATA", data, NLA_F_NESTED)))
+
+    def vmap(self, vm: x.VerdictMap) -> None:
+        sels = self.selectors(vm.key)
+        if type(vm.map) is x.AnonMap:
+            self.anon_vmap(sels, vm.map)
+        else:
+            self.load(sels)
+            self.exprs.append(_lookup(1, self.name(vm.map), dreg=0))  # type: ignore[arg-type]
+
+    def anon_vmap(self, sels: list[_Selector], amap: x.AnonMap) -> None:
         """`numgen ... vmap { 0 : goto a , 1 : goto b }`: an anonymous constant map; with
         ranges (`0-6 : goto a , 7-9 : goto b`, a weighted choice) an interval one."""
         if len(sels) != 1 or sels[0].field.type != TYPE_INTEGER:
             raise self.fail("anonymous vmap keyed by something other than numgen")
-        try:
-            end = toks.index("}", i)
-        except ValueError:
-            raise self.fail("unterminated anonymous vmap") from None
-        items: list[tuple[str, int, str | None]] = []
-        for item in _split_commas(toks[i + 1 : end]):
-            if len(item) < 3 or item[1] != ":":
-                raise self.fail("anonymous vmap element")
-            code, chain = verdict_of(item[2:], self.command)
-            items.append((item[0], code, chain))
-        if not items:
+        if not amap.items:
             raise self.fail("empty anonymous vmap")
-        interval = any("-" in key for key, _, _ in items)
-        elements = self._interval_vmap(items) if interval else [
+        items = [(key, *self.verdict_code(v)) for key, v in amap.items]
+        interval = any(type(key) is x.Range for key, _, _ in items)
+        elements = self.interval_vmap(items) if interval else [
             {"attrs": [
-                ("NFTA_SET_ELEM_KEY", _data(self.literal(sels[0], key)), NLA_F_NESTED),
+                ("NFTA_SET_ELEM_KEY", _data(self.literal(sels[0], key)), NLA_F_NESTED),  # type: ignore[arg-type]
                 ("NFTA_SET_ELEM_DATA", _verdict_data(code, chain), NLA_F_NESTED),
             ]} for key, code, chain in items]
         flags = {"NFT_SET_ANONYMOUS", "NFT_SET_CONSTANT", "NFT_SET_MAP"} | ({"NFT_SET_INTERVAL"} if interval else set())
@@ -515,34 +578,18 @@ class _RuleCompiler:
         self.load(sels)
         if interval:  # the keys are big-endian: the draw is byte-swapped first, as nft does
             self.hton()
-        self.exprs.append(
-            _expr(
-                "lookup",
-                ("NFTA_LOOKUP_SREG", 1),
-                ("NFTA_LOOKUP_DREG", 0),
-                ("NFTA_LOOKUP_SET", "__map%d"),
-                ("NFTA_LOOKUP_SET_ID", set_id),  # the kernel names it at commit: find it by id
-            )
-        )
-        return end + 1
+        self.exprs.append(_lookup(1, "__map%d", dreg=0, set_id=set_id))  # the kernel names it at commit: find it by id
 
-    def _interval_vmap(self, items: list[tuple[str, int, str | None]]) -> list[dict[str, Any]]:
+    def interval_vmap(self, items: list[tuple[int | x.Range, int, str | None]]) -> list[dict[str, Any]]:
         """Elements of an anonymous interval vmap as libnftables sends them: each range's start
         (big-endian key, the verdict), and an end marker (the value after the range) only where
         the next range does not start there, and after the last one."""
-        ranges: list[tuple[int, int, int, str | None]] = []
-        for key, code, chain in items:
-            low, _, high = key.partition("-")
-            try:
-                lo, hi = int(low), int(high or low)
-            except ValueError:
-                raise self.fail(f"anonymous vmap key {key!r}") from None
-            if not 0 <= lo <= hi < 1 << 32:
-                raise self.fail(f"anonymous vmap key {key!r}")
-            ranges.append((lo, hi, code, chain))
-        ranges.sort()
+        ranges = sorted((k.low, k.high, code, chain) if type(k) is x.Range else (k, k, code, chain)  # type: ignore[union-attr]
+                        for k, code, chain in items)
         out: list[dict[str, Any]] = []
         for n, (lo, hi, code, chain) in enumerate(ranges):
+            if not 0 <= lo <= hi < 1 << 32:
+                raise self.fail(f"anonymous vmap key {lo}-{hi}")
             if n and lo <= ranges[n - 1][1]:
                 raise self.fail("overlapping ranges in an anonymous vmap")
             out.append({"attrs": [
@@ -553,13 +600,6 @@ class _RuleCompiler:
             if following != hi + 1 and hi + 1 < 1 << 32:
                 out.append({"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(4, "big")), NLA_F_NESTED)]})
         return out
-
-    def interval_key(self, sels: list[_Selector], st: SetType) -> None:
-        """An interval set holds its keys in network order: a host-order key (numgen) is
-        byte-swapped first, as nft does (`byteorder reg 1 = hton(reg 1, 4, 4)`)."""
-        if len(sels) != 1 or not sels[0].field.host_order or sels[0].field.size != 4:
-            raise self.fail(f"interval map {st.name} keyed by something other than a 32-bit host-order value")
-        self.hton()
 
     def hton(self) -> None:
         """`byteorder reg 1 = hton(reg 1, 4, 4)`: a 32-bit host-order value to network order."""
@@ -575,242 +615,70 @@ class _RuleCompiler:
         )
 
     # -- statements ----------------------------------------------------------------------------
-    def verdict(self, code: int, chain: str | None) -> None:
-        self.exprs.append(
-            _expr(
-                "immediate",
-                ("NFTA_IMMEDIATE_DREG", 0),
-                ("NFTA_IMMEDIATE_DATA", _verdict_data(code, chain), NLA_F_NESTED),
-            )
-        )
-
-    def dnat(self, toks: list[str], i: int) -> int:
+    def dnat(self, d: x.Dnat) -> None:
         """`dnat [ip|ip6] to ADDR[:PORT]`, `dnat to [ADDR6]:PORT`, `dnat ip to <sel> map @M`."""
-        fam = NFPROTO_IPV4 if self.family == "ip" else NFPROTO_IPV6
-        if toks[i : i + 1] == [self.family]:
-            i += 1
-        if toks[i : i + 1] != ["to"]:
-            raise self.fail("dnat without `to`")
-        i += 1
+        if d.family not in (None, self.family):
+            raise self.fail(f"dnat {d.family} in an {self.family} table")
         addr_field = Field(TYPE_IPV4, 4) if self.family == "ip" else Field(TYPE_IPV6, 16)
-        found = self.selectors(toks, i)
-        if found is not None:
-            sels, i = found
-            if toks[i : i + 1] != ["map"] or not toks[i + 1 : i + 2] or not toks[i + 1].startswith("@"):
-                raise self.fail("dnat to an expression that is not a map lookup")
-            st = self.set_type(bare_name(toks[i + 1][1:], self.command))
-            if st.data is None or st.verdict or not st.data or st.data[0] != addr_field:
-                raise self.fail(f"dnat through map {st.name} whose data is not an address")
-            if len(st.data) not in (1, 2) or (len(st.data) == 2 and st.data[1].type != TYPE_INET_SERVICE):
-                raise self.fail(f"dnat through map {st.name} of unexpected data")
-            self.load(sels)
-            if st.interval:
-                self.interval_key(sels, st)
-            self.exprs.append(
-                _expr("lookup", ("NFTA_LOOKUP_SREG", 1), ("NFTA_LOOKUP_DREG", 1), ("NFTA_LOOKUP_SET", st.name))
-            )
-            attrs: list[tuple[str, int]] = [
-                ("NFTA_NAT_TYPE", 1),
-                ("NFTA_NAT_FAMILY", fam),
-                ("NFTA_NAT_REG_ADDR_MIN", 1),
-            ]
-            if len(st.data) == 2:
+        attrs: list[tuple[str, int]] = [("NFTA_NAT_TYPE", 1), ("NFTA_NAT_FAMILY", _FAMILIES[self.family]),
+                                        ("NFTA_NAT_REG_ADDR_MIN", 1)]
+        if type(d.to) is x.MapLookup:
+            data = self.dnat_map(d.to, addr_field)
+            if len(data) == 2:
                 attrs.append(("NFTA_NAT_REG_PROTO_MIN", _reg(-(-addr_field.size // 4))))
-            self.exprs.append(_expr("nat", *attrs))
-            return i + 2
-        dest = toks[i]
-        m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)", dest) if self.family == "ip6" else re.fullmatch(
-            r"([0-9.]+)(?::(\d+))?", dest
-        )
-        if m is None:
-            if self.family == "ip6" and re.fullmatch(r"[0-9A-Fa-f:.]+", dest):
-                addr, port = dest, None
-            else:
-                raise self.fail(f"dnat destination {dest!r}")
         else:
-            addr, port = m.group(1), m.group(2)
-        self.exprs.append(
-            _expr(
-                "immediate",
-                ("NFTA_IMMEDIATE_DREG", 1),
-                ("NFTA_IMMEDIATE_DATA", _data(encode_value(addr, addr_field, self.command)), NLA_F_NESTED),
-            )
-        )
-        attrs = [("NFTA_NAT_TYPE", 1), ("NFTA_NAT_FAMILY", fam), ("NFTA_NAT_REG_ADDR_MIN", 1)]
-        if port is not None:
-            self.exprs.append(
-                _expr(
-                    "immediate",
-                    ("NFTA_IMMEDIATE_DREG", 2),
-                    ("NFTA_IMMEDIATE_DATA", _data(int(port).to_bytes(2, "big")), NLA_F_NESTED),
-                )
-            )
-            attrs += [("NFTA_NAT_REG_PROTO_MIN", 2), ("NFTA_NAT_FLAGS", 2)]  # PROTO_SPECIFIED
+            self.immediate(1, encode_value(d.to, addr_field, self.command))  # type: ignore[arg-type]
+            if d.port is not None:
+                if not 0 <= d.port < 1 << 16:
+                    raise self.fail(f"dnat port {d.port}")
+                self.immediate(2, d.port.to_bytes(2, "big"))
+                attrs += [("NFTA_NAT_REG_PROTO_MIN", 2), ("NFTA_NAT_FLAGS", 2)]  # PROTO_SPECIFIED
         self.exprs.append(_expr("nat", *attrs))
-        return i + 1
 
-    def update(self, toks: list[str], i: int) -> int:
-        """`update @set { sel }`: the affinity record (no timeout, no data)."""
-        if not toks[i].startswith("@") or toks[i + 1 : i + 2] != ["{"]:
-            raise self.fail("update without @set { key }")
-        name = bare_name(toks[i][1:], self.command)
-        found = self.selectors(toks, i + 2)
-        if found is None or toks[found[1] : found[1] + 1] != ["}"]:
-            raise self.fail("update key outside the vocabulary")
-        self.load(found[0])
-        self.exprs.append(
-            _expr(
-                "dynset",
-                ("NFTA_DYNSET_SREG_KEY", 1),
-                ("NFTA_DYNSET_OP", 1),  # NFT_DYNSET_OP_UPDATE
-                ("NFTA_DYNSET_SET_NAME", name),
-            )
-        )
-        return found[1] + 1
-
-    # -- the base chains' fixed words: connection tracking, marks, named counters, reject, masquerade
-    def fixed(self, toks: list[str], i: int) -> tuple[int, bool] | None:
-        """One of the words at toks[i] (where it ends, whether it ends the rule), or None."""
-        t, nxt = toks[i], toks[i + 1] if i + 1 < len(toks) else ""
-        if t == "ct" and nxt in _CT_BITS:
-            return self.ct_bits(toks, i + 1), False
-        if toks[i : i + 5] == ["meta", "mark", "set", "meta", "mark"] and i + 6 < len(toks):
-            op, value = toks[i + 5], int.from_bytes(self.literal(_MARK, toks[i + 6]), HOST)
-            if op not in ("and", "or", "xor"):
-                raise self.fail(f"meta mark set meta mark {op}")
-            mask, xor = {"and": (value, 0), "or": (~value, value), "xor": (-1, value)}[op]
-            self.exprs.append(_MARK.load(0))
-            self.bitwise((mask & 0xFFFFFFFF).to_bytes(4, HOST), xor.to_bytes(4, HOST), boolean=True)
-            self.exprs.append(_expr("meta", ("NFTA_META_KEY", _META_MARK), ("NFTA_META_SREG", 1)))
-            return i + 7, False
-        if t == "counter" and nxt == "name":
-            name = bare_name(toks[i + 2] if i + 2 < len(toks) else "", self.command)
-            self.exprs.append(_expr("objref", ("NFTA_OBJREF_IMM_TYPE", NFT_OBJECT_COUNTER), ("NFTA_OBJREF_IMM_NAME", name)))
-            return i + 3, False
-        if t == "reject" and nxt in ("", "comment"):
-            code = _REJECT_PORT_UNREACHABLE[self.family]
-            self.exprs.append(_expr("reject", ("NFTA_REJECT_TYPE", 0), ("NFTA_REJECT_ICMP_CODE", code)))  # ICMP_UNREACH
-            return i + 1, True
-        if t == "masquerade" and nxt == "fully-random":
-            self.exprs.append(_expr("masq", ("NFTA_MASQ_FLAGS", frozenset({"NF_NAT_RANGE_PROTO_RANDOM_FULLY"}))))
-            return i + 2, True
-        return None
-
-    def ct_bits(self, toks: list[str], i: int) -> int:
-        """`ct state new`, `ct status dnat`, `ct state established,related`: any of the bits set."""
-        key, bits = _CT_BITS[toks[i]]
-        names, i = toks[i + 1 : i + 2], i + 2
-        while toks[i : i + 1] == [","]:
-            names, i = names + toks[i + 1 : i + 2], i + 2
-        if not names or any(n not in bits for n in names):
-            raise self.fail(f"ct {' '.join(names)} outside the vocabulary")
-        self.exprs.append(_expr("ct", ("NFTA_CT_KEY", key), ("NFTA_CT_DREG", 1)))
-        self.bitwise(sum({bits[n] for n in names}).to_bytes(4, HOST), bytes(4))
-        self.cmp(1, bytes(4))  # != 0
-        return i
-
-    def masked(self, sels: list[_Selector], toks: list[str], i: int) -> int:
-        """`meta mark and 0x4000 == 0`, after its `and`."""
-        if len(sels) != 1 or sels[0].field.type != TYPE_MARK or i + 2 >= len(toks) or toks[i + 1] not in ("==", "!="):
-            raise self.fail("a bit operation outside the vocabulary")
+    def dnat_map(self, lookup: x.MapLookup, addr_field: Field) -> tuple[Field, ...]:
+        """The address (and port) a data map holds for the key, into registers 1 (and on)."""
+        st = self.set_type(self.name(lookup.map))
+        if st.data is None or st.verdict or not st.data or st.data[0] != addr_field:
+            raise self.fail(f"dnat through map {st.name} whose data is not an address")
+        if len(st.data) not in (1, 2) or (len(st.data) == 2 and st.data[1].type != TYPE_INET_SERVICE):
+            raise self.fail(f"dnat through map {st.name} of unexpected data")
+        sels = self.selectors(lookup.key)
         self.load(sels)
-        self.bitwise(self.literal(sels[0], toks[i]), bytes(4), boolean=True)
-        self.cmp(int(toks[i + 1] == "!="), self.literal(sels[0], toks[i + 2]))
-        return i + 3
+        if st.interval:  # an interval map holds its keys in network order, as nft swaps them
+            if len(sels) != 1 or not sels[0].field.host_order or sels[0].field.size != 4:
+                raise self.fail(f"interval map {st.name} keyed by something other than a 32-bit host-order value")
+            self.hton()
+        self.exprs.append(_lookup(1, st.name, dreg=1))
+        return st.data
 
-    def bitwise(self, mask: bytes, xor: bytes, boolean: bool = False) -> None:
-        """reg 1 = (reg 1 & mask) ^ xor; nft names the operation (boolean) for a mark's
-        arithmetic, not for a prefix or a flag test."""
-        attrs: list[tuple[str, Any]] = [("NFTA_BITWISE_SREG", 1), ("NFTA_BITWISE_DREG", 1)]
-        attrs += [("NFTA_BITWISE_OP", 0)] if boolean else []  # NFT_BITWISE_BOOL
-        attrs += [("NFTA_BITWISE_LEN", len(mask)), ("NFTA_BITWISE_MASK", _data(mask), NLA_F_NESTED),
-                  ("NFTA_BITWISE_XOR", _data(xor), NLA_F_NESTED)]
-        self.exprs.append(_expr("bitwise", *attrs))
+    def immediate(self, reg: int, value: bytes) -> None:
+        self.exprs.append(_expr("immediate", ("NFTA_IMMEDIATE_DREG", reg), ("NFTA_IMMEDIATE_DATA", _data(value), NLA_F_NESTED)))
 
-    def compile(self, toks: list[str]) -> None:
-        i = 0
-        terminal = False
-        while i < len(toks):
-            if terminal and toks[i] != "comment":
-                raise self.fail("statements after a verdict")
-            t = toks[i]
-            if t == "comment":
-                if i + 2 != len(toks) or not toks[i + 1].startswith('"'):
-                    raise self.fail("comment that is not the last, quoted word")
-                self.comment = toks[i + 1][1:-1]
-                i += 2
-                continue
-            if t in CHAIN_VERDICTS:
-                self.verdict(CHAIN_VERDICTS[t], bare_name(toks[i + 1] if i + 1 < len(toks) else "", self.command))
-                i += 2
-                terminal = True
-                continue
-            if t in VERDICT_CODES:
-                self.verdict(VERDICT_CODES[t], None)
-                i += 1
-                terminal = True
-                continue
-            if t == "dnat":
-                i = self.dnat(toks, i + 1)
-                terminal = True
-                continue
-            if t == "update":
-                i = self.update(toks, i + 1)
-                continue
-            fixed = self.fixed(toks, i)
-            if fixed is not None:
-                i, ends = fixed
-                terminal = terminal or ends
-                continue
-            if t == "counter":  # an anonymous rule counter (per-endpoint chains' DNAT)
-                self.exprs.append(_expr("counter", ("NFTA_COUNTER_BYTES", 0), ("NFTA_COUNTER_PACKETS", 0)))
-                i += 1
-                continue
-            found = self.selectors(toks, i)
-            if found is None:
-                raise self.fail(f"{t!r} is outside the netlink vocabulary")
-            sels, i = found
-            if i >= len(toks):
-                raise self.fail("a selector without a value")
-            if toks[i] == "vmap":
-                if toks[i + 1 : i + 2] == ["{"]:
-                    i = self.anon_vmap(sels, toks, i + 1)
-                elif toks[i + 1 : i + 2] and toks[i + 1].startswith("@"):
-                    self.load(sels)
-                    self.exprs.append(
-                        _expr(
-                            "lookup",
-                            ("NFTA_LOOKUP_SREG", 1),
-                            ("NFTA_LOOKUP_DREG", 0),
-                            ("NFTA_LOOKUP_SET", bare_name(toks[i + 1][1:], self.command)),
-                        )
-                    )
-                    i += 2
-                else:
-                    raise self.fail("vmap of something outside the vocabulary")
-                terminal = True
-                continue
-            if toks[i] == "and":
-                i = self.masked(sels, toks, i + 1)
-                continue
-            negate = False
-            if toks[i] in ("!=", "=="):
-                negate = toks[i] == "!="
-                i += 1
-            if i < len(toks) and toks[i] == "{":
-                try:
-                    end = toks.index("}", i)
-                except ValueError:
-                    raise self.fail("unterminated anonymous set") from None
-                self.anon_set_relation(sels, negate, _split_commas(toks[i + 1 : end]))
-                i = end + 1
-                continue
-            if i >= len(toks) or toks[i] in ("{", "}") or toks[i] in ("<", ">", "<=", ">=", "&", "|"):
-                raise self.fail("relation outside the vocabulary (anonymous set, range or bit operation)")
-            self.relation(sels, negate, toks[i])
-            i += 1
-        if not self.exprs:
-            raise self.fail("an empty rule")
+    def update(self, u: x.SetUpdate) -> None:
+        """`update @set { sel }`: the affinity record (no timeout, no data)."""
+        name = self.name(u.set)
+        self.load(self.selectors(u.key))
+        self.exprs.append(
+            _expr("dynset", ("NFTA_DYNSET_SREG_KEY", 1), ("NFTA_DYNSET_OP", 1), ("NFTA_DYNSET_SET_NAME", name))  # OP_UPDATE
+        )
+
+    def counter(self, name: str | None) -> None:
+        """An anonymous rule counter (per-endpoint chains' DNAT), or a reference to a named one."""
+        if name is None:
+            self.exprs.append(_expr("counter", ("NFTA_COUNTER_BYTES", 0), ("NFTA_COUNTER_PACKETS", 0)))
+        else:
+            self.exprs.append(_expr("objref", ("NFTA_OBJREF_IMM_TYPE", NFT_OBJECT_COUNTER), ("NFTA_OBJREF_IMM_NAME", self.name(name))))
+
+    def mark_set(self, ms: x.MetaSet) -> None:
+        """`meta mark set meta mark or 0x4000` (and, xor): the mark's arithmetic."""
+        bw = ms.value
+        if ms.meta != x.MARK or type(bw) is not x.Bitwise or bw.left != x.MARK or bw.op not in ("and", "or", "xor"):
+            raise self.fail(f"{ms!s} outside the vocabulary")
+        value = int.from_bytes(self.literal(_MARK, bw.value), HOST)
+        mask, xor = {"and": (value, 0), "or": (~value, value), "xor": (-1, value)}[bw.op]
+        self.exprs.append(_MARK.load(0))
+        self.bitwise((mask & 0xFFFFFFFF).to_bytes(4, HOST), xor.to_bytes(4, HOST), boolean=True)
+        self.exprs.append(_expr("meta", ("NFTA_META_KEY", _META_MARK), ("NFTA_META_SREG", 1)))
 
 
 def _udata(kind: int, value: bytes) -> bytes:
@@ -818,14 +686,31 @@ def _udata(kind: int, value: bytes) -> bytes:
     return bytes((kind, len(value))) + value
 
 
-def _split_commas(body: list[str]) -> list[list[str]]:
-    items: list[list[str]] = [[]]
-    for tok in body:
-        if tok == ",":
-            items.append([])
-        else:
-            items[-1].append(tok)
-    return [x for x in items if x]
+def _interval_set_udata(desc: int, fld: int) -> bytes:
+    """An anonymous address set's user data: big-endian keys, merged, typeof a payload field."""
+    typeof = _udata(0, (7).to_bytes(4, HOST)) + _udata(1, _udata(0, desc.to_bytes(4, HOST)) + _udata(1, fld.to_bytes(4, HOST)))
+    return (
+        _udata(0, (2).to_bytes(4, HOST))  # key byte order: big endian
+        + _udata(2, (1).to_bytes(4, HOST))  # merge elements
+        + _udata(3, typeof)  # key typeof: a payload expression
+    )
+
+
+def _interval_elements(merged: list[tuple[int, int]], size: int) -> list[dict[str, Any]]:
+    """An interval set's elements as libnftnl sends them: a range's start, its end the value
+    after it, and a first end element when the set does not start at zero."""
+    top = (1 << (8 * size)) - 1
+    elements: list[dict[str, Any]] = []
+    if merged[0][0] != 0:
+        elements.append({"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data(bytes(size)), NLA_F_NESTED)]})
+    for lo, hi in merged:
+        start: list[Any] = [("NFTA_SET_ELEM_KEY", _data(lo.to_bytes(size, "big")), NLA_F_NESTED)]
+        if hi == top:  # open interval: no end element fits; libnftnl flags it instead
+            start.append(("NFTA_SET_ELEM_USERDATA", bytes((1, 4)) + (1).to_bytes(4, HOST)))
+        elements.append({"attrs": start})
+        if hi != top:
+            elements.append({"attrs": [_INTERVAL_END, ("NFTA_SET_ELEM_KEY", _data((hi + 1).to_bytes(size, "big")), NLA_F_NESTED)]})
+    return elements
 
 
 # The user data libnftables 1.0.6 gives an anonymous `numgen ... vmap { ... }`: key byte order
@@ -838,11 +723,24 @@ _ANON_VMAP_UDATA = bytes.fromhex("0004010000000104000000000408000401000000010006
 # Commands to messages.
 
 
+def statements(body: str | Iterable[x.Statement], command: str) -> tuple[x.Statement, ...]:
+    """A rule body's typed statements. A body still held as text is read into them first, by
+    the reader of nftables/script.py: nothing in the kernel layer reads rule text."""
+    if not isinstance(body, str):
+        return tuple(body)
+    try:
+        return rule_body(body)
+    except ValueError as exc:
+        raise Unsupported(f"{exc}: {command}") from None
+
+
 def rule_messages(
     rule: Rule, family: str, table: str, set_type: Callable[[str], SetType], command: str, set_ids: Any
 ) -> list[Message]:
+    """One rule's messages: the anonymous sets it declares, their elements, the rule. Raw text
+    in the body (expr.Raw) is Unsupported: libnftables says it."""
     rc = _RuleCompiler(family, table, set_type, command, next_set_id=lambda: next(set_ids))
-    rc.compile(tokens(rule.body))
+    rc.compile(statements(rule.body, command))
     out: list[Message] = []
     for set_attrs, set_name, set_id, elements in rc.set_messages:
         out.append(Message(nft_set_msg, NFT_MSG_NEWSET, NLM_F_CREATE, set_attrs, command))

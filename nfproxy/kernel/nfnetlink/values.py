@@ -1,5 +1,5 @@
 """The nf_tables vocabulary every part of the nfnetlink room shares: datatypes and how a
-literal becomes bytes, a set's declared types, nft's tokens, verdicts, and one message of a
+literal becomes bytes, a set's declared types, names, verdicts, and one message of a
 batch. It imports nothing else of the room, so the encoders, the batch compiler, the sender
 and the dump reader all build on it and none of them on each other's internals (issue Q)."""
 
@@ -137,13 +137,7 @@ def set_type_from_kernel(name: str, attrs: dict[str, Any]) -> SetType:
     return SetType(name, key, data, verdict, "NFT_SET_INTERVAL" in flags)
 
 
-# nft's tokens. Names are bare (nfproxy never quotes one), strings are double-quoted.
-
-TOKEN = re.compile(r'"[^"]*"|[{},]|[^\s{},]+')
-
-
-def tokens(text: str) -> list[str]:
-    return TOKEN.findall(text)
+# Names are bare: nfproxy never quotes one.
 
 
 def bare_name(token: str, what: str) -> str:
