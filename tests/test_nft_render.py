@@ -32,6 +32,7 @@ from nfproxy.backends.nft.render import (
     service_chain_base,
 )
 from nfproxy.nftables import Chain, Map, Rule, Verb
+from nfproxy.nftables.expr import Body
 from nfproxy.core.categorize import categorize
 from nfproxy.core.model import (
     ClusterState,
@@ -454,15 +455,15 @@ def test_forward_and_input_test_new_connections_once(drop_invalid: bool) -> None
                       service_cidrs=("172.16.0.0/12",), drop_invalid=drop_invalid)
     rs = render(ClusterState(node=node, services={}, endpoints={}), IPFamily.V4)
     invalid = ("ct state invalid counter name ct_state_invalid_dropped_pkts drop",) if drop_invalid else ()
-    assert rs.chains["filter-forward"] == (*invalid, "ct state new jump forward-new")
+    assert _texts(rs.chains["filter-forward"]) == (*invalid, "ct state new jump forward-new")
     # kube-proxy's two forward checks: one no-endpoint map for cluster, external and LB IPs.
-    assert rs.chains["forward-new"] == ("jump service-endpoints-check", "jump cluster-ips-check")
-    assert rs.chains["filter-input"] == ("ct state new jump input-new",)
-    assert rs.chains["input-new"] == ("jump nodeport-endpoints-check", "jump service-endpoints-check")
+    assert _texts(rs.chains["forward-new"]) == ("jump service-endpoints-check", "jump cluster-ips-check")
+    assert _texts(rs.chains["filter-input"]) == ("ct state new jump input-new",)
+    assert _texts(rs.chains["input-new"]) == ("jump nodeport-endpoints-check", "jump service-endpoints-check")
     # Output's checks sit on either side of the node's own DNAT: they stay inline, the
     # no-endpoint check after it (as kube-proxy's filter-output, priority filter).
-    assert rs.chains["filter-output"] == ("ct state new jump firewall-check",)
-    assert rs.chains["filter-output-post-dnat"] == (
+    assert _texts(rs.chains["filter-output"]) == ("ct state new jump firewall-check",)
+    assert _texts(rs.chains["filter-output-post-dnat"]) == (
         "ct state new jump service-endpoints-check", "ct state new jump cluster-ips-check",
     )
 
@@ -479,6 +480,11 @@ def test_duplicate_element_key_first_service_wins() -> None:
 
 _REF = re.compile(r"(?:goto|jump) (\S+)")
 _SETREF = re.compile(r"@([A-Za-z0-9_./-]+)")
+def _texts(bodies: tuple[Body, ...]) -> tuple[str, ...]:
+    """Rule bodies as nft text."""
+    return tuple(map(str, bodies))
+
+
 _NUMGEN = re.compile(r"numgen random mod (\d+) vmap \{ (.*) \}$")
 _DNAT_MAP = re.compile(r"dnat ip6? to numgen random mod (\d+) offset (\d+) map @(\S+)$")
 PROPS = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
@@ -516,9 +522,9 @@ def test_every_reference_is_declared_and_names_are_unique(state: ClusterState) -
         assert len(chains) == len(set(chains))
         assert len(sets) == len(set(sets))
         declared_chains, declared_sets = set(chains), set(sets)
-        rules = [r for rules in rs.chains.values() for r in rules]
+        rules = [str(r) for rules in rs.chains.values() for r in rules]
         for owned in rs.services.values():
-            rules += [r for rules in owned.chains.values() for r in rules]
+            rules += [str(r) for rules in owned.chains.values() for r in rules]
         values = [el.value for els in rs.all_elements().values() for el in els.values()]
         for text in rules + values:
             for target in _REF.findall(text):
@@ -548,7 +554,7 @@ def test_numgen_covers_each_endpoint_once(state: ClusterState) -> None:
                 if not svc.affinity_timeout:
                     # Lanes: the values offset..offset+mod-1 of one interval map, one range per
                     # endpoint in endpoint order, each 1/n of the lane, nothing else in it.
-                    (m,) = [m for rule in owned.chains[chain] if (m := _DNAT_MAP.search(rule))]
+                    (m,) = [m for rule in owned.chains[chain] if (m := _DNAT_MAP.search(str(rule)))]
                     mod, first, shard = int(m.group(1)), int(m.group(2)), m.group(3)
                     spans = sorted(
                         (lo, hi, el.value) for k, el in rs.all_elements()[shard].items()
@@ -561,7 +567,7 @@ def test_numgen_covers_each_endpoint_once(state: ClusterState) -> None:
                     assert mod % len(eps) == 0 and (mod == nft.LANE or mod == len(eps))
                     assert first % nft.LANE == 0 and first + mod <= nft.LANES_PER_MAP * nft.LANE
                     continue
-                (m,) = [m for rule in owned.chains[chain] if (m := _NUMGEN.search(rule))]
+                (m,) = [m for rule in owned.chains[chain] if (m := _NUMGEN.search(str(rule)))]
                 n = int(m.group(1))
                 slots = m.group(2).split(" , ")
                 assert n == len(eps) == len(slots)
@@ -643,7 +649,7 @@ def _slots_of(rs: NftRuleset, key) -> list[str]:  # noqa: ANN001
     owned = rs.services[key]
     ((chain, _lane),) = owned.blocks.items()
     (shard,) = owned.shards
-    m = re.search(r"numgen random mod (\d+) offset (\d+)", owned.chains[chain][-1])
+    m = re.search(r"numgen random mod (\d+) offset (\d+)", str(owned.chains[chain][-1]))
     mod, first = int(m.group(1)), int(m.group(2))
     spans = sorted((*_span(k), el.value) for k, el in rs.all_elements()[shard].items())
     return [v for lo, hi, v in spans if first <= lo and hi < first + mod]
@@ -693,14 +699,14 @@ def test_partial_update_of_a_hash_chain() -> None:
     key = sorted(state.services, key=str)[2]
     (chain,) = rs.services[key].blocks
     assert rs.services[key].shards == ("endpoints-counted-tcp-hash-0",)
-    assert "numgen random mod 10 offset " in rs.services[key].chains[chain][-1]
+    assert "numgen random mod 10 offset " in str(rs.services[key].chains[chain][-1])
     eps = list(state.endpoints[key])
     before = _slots_of(rs, key)
     gone = eps.pop(3)
     shrunk = dataclasses.replace(state, endpoints={**state.endpoints, key: tuple(eps)})
     new = nft.render_update(rs, shrunk, [key])
     d = nft.delta(rs, new, [key])
-    assert "numgen random mod 9 offset " in new.services[key].chains[chain][-1]
+    assert "numgen random mod 9 offset " in str(new.services[key].chains[chain][-1])
     others = [(v, o) for v, o in d.transaction.operations() if not isinstance(o, Element)]
     assert others[0] == (Verb.FLUSH, Chain(chain))
     assert [o for _, o in others[1:]] == [Rule(chain, body) for body in new.services[key].chains[chain]]

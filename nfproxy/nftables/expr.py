@@ -8,9 +8,8 @@ of text: each printer (nft script text here, `nft -j` JSON in json.py, netlink m
 kernel) walks the same objects.
 
 `str()` of an expression, and of a Body, is its nft syntax exactly as `nft -f` takes it; it is
-the one text printer. `Raw` is the escape hatch: nft text that none of the other printers can
-say (only the script text and the netlink compiler, which reads text, take it). nfproxy's
-renderers never write one.
+the one text printer. `Raw` is the escape hatch: nft text for a rule that must go through
+libnftables, which only the script text says. nfproxy's renderers never write one.
 
 Rules are many (two per service port, 20 000 at 10 000 × 10) and a daemon keeps the last
 ruleset it wrote, so values are small, hashable and shared: the fixed ones are module constants
@@ -174,12 +173,13 @@ class Match:
     op: str = "=="  # or "!="
 
     def __str__(self) -> str:
-        right = self.right
-        if type(right) is str and type(self.left) is Meta and self.left.key in STRING_META:
+        left, right = self.left, self.right
+        kind = type(left)
+        if kind is Meta and left.key in STRING_META and type(right) is str:  # type: ignore[union-attr]
             right = f'"{right}"'
-        if self.op == "==" and type(self.left) is not Bitwise:
-            return f"{self.left!s} {right!s}"
-        return f"{self.left!s} {self.op} {right!s}"
+        if kind is Bitwise or self.op != "==":
+            return f"{left!s} {self.op} {right!s}"
+        return f"{left!s} {right!s}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,8 +294,8 @@ class Comment:
 
 @dataclass(frozen=True, slots=True)
 class Raw:
-    """nft rule text kept as text: the escape hatch for a rule no typed statement says. Only the
-    script text (libnftables) and the netlink compiler, which reads text, can carry it."""
+    """nft rule text kept as text: the escape hatch for a rule no typed statement says, which
+    must go through libnftables (only the script text carries it)."""
 
     text: str
 
@@ -311,13 +311,13 @@ STATEMENTS: tuple[type, ...] = (
 
 
 class Body(tuple):  # type: ignore[type-arg]
-    """A rule body: its statements in order. `str()` is the body's nft text, so a reader of text
-    (the netlink compiler, a log line) takes a Body where it took a string."""
+    """A rule body: its statements in order. `str()` is the body's nft text (the script, a log
+    line, the command an error names)."""
 
     __slots__ = ()
 
     def __str__(self) -> str:
-        return text(self)
+        return " ".join(map(str, self))
 
     def __repr__(self) -> str:
         return f"Body({tuple.__repr__(self)})"
@@ -435,3 +435,4 @@ def names(b: Iterable[Statement]) -> Names:
     if not (chains or sets or counters):
         return NO_NAMES
     return Names(tuple(chains), tuple(sets), tuple(counters))
+

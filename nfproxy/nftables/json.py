@@ -1,29 +1,23 @@
 """nft's JSON for nfproxy's objects: what `nft -j list table` prints after they are applied.
 
 The in-memory kernel dumps it so that analysis/ (which reads kernel JSON) works without a
-kernel. Rule bodies are read for the statement vocabulary nfproxy writes (selectors, relations,
-verdicts, NAT, mark arithmetic, anonymous sets and vmaps); a body outside it raises ValueError
-naming it, rather than producing JSON the kernel would not print. The output follows nft 1.0.6,
-quirks included (ct state matches print op "in", chain and table comments are not printed, a
-dynamic set prints flags ["timeout"] and size 65535); a kernel test checks it against the
-kernel.
+kernel. Rule bodies are printed from their statements (expr.py); a body of text has no JSON
+here and raises ValueError naming it, rather than producing JSON the kernel would not print. The
+output follows nft 1.0.6, quirks included (ct matches print op "in", chain and table comments
+are not printed, a dynamic set prints flags ["timeout"] and size 65535, a numgen offset of
+2^31 and more prints negative); a kernel test checks it against the kernel.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from typing import Any
 
+from nfproxy.nftables import expr as x
 from nfproxy.nftables.objects import Chain, Element, Map, Set
 
-_TOKEN = re.compile(r'"[^"]*"|[{},]|[^\s{},]+')
 _INT_TYPES = {"inet_service", "integer", "mark"}
-_SELECTORS = {
-    ("ip", "saddr"), ("ip", "daddr"), ("ip6", "saddr"), ("ip6", "daddr"), ("th", "dport"), ("th", "sport"),
-    ("tcp", "dport"), ("udp", "dport"), ("sctp", "dport"),
-}
-_VERDICTS = ("accept", "drop", "return", "continue")
+_MANGLE_OPS = {"or": "|", "xor": "^", "and": "&"}
 
 
 def _scalar(text: str, kind: str | None = None) -> Any:
@@ -43,224 +37,115 @@ def _scalar(text: str, kind: str | None = None) -> Any:
     return text
 
 
+def _value(v: x.Value) -> Any:
+    return v if type(v) is int else _scalar(v)  # type: ignore[arg-type]
+
+
 def _concat(texts: list[str], kinds: list[str | None]) -> Any:
     values = [_scalar(t, k) for t, k in zip(texts, kinds)]
     return values[0] if len(values) == 1 else {"concat": values}
 
 
-class _Body:
-    """Reads one rule body into nft JSON statements."""
+def expression(e: x.Expr) -> Any:
+    """A selector (or a concatenation, or bitwise) as nft's JSON prints it."""
+    kind = type(e)
+    if kind is x.Payload:
+        return {"payload": {"protocol": e.protocol, "field": e.field}}  # type: ignore[union-attr]
+    if kind is x.Meta:
+        return {"meta": {"key": e.key}}  # type: ignore[union-attr]
+    if kind is x.Ct:
+        return {"ct": {"key": e.key}}  # type: ignore[union-attr]
+    if kind is x.Fib:
+        return {"fib": {"result": e.result, "flags": [e.field]}}  # type: ignore[union-attr]
+    if kind is x.Numgen:
+        offset = e.offset or 0  # type: ignore[union-attr]
+        # nft 1.0.6 prints the u32 offset as a signed 32-bit number (2^31 and above negative)
+        signed = offset - (1 << 32) if offset >= 1 << 31 else offset
+        return {"numgen": {"mode": "random", "mod": e.mod, "offset": signed}}  # type: ignore[union-attr]
+    if kind is x.Concat:
+        return {"concat": [expression(p) for p in e.parts]}  # type: ignore[union-attr]
+    if kind is x.Bitwise:
+        return {_MANGLE_OPS[e.op]: [expression(e.left), e.value]}  # type: ignore[union-attr]
+    raise ValueError(f"not an nft expression: {e!r}")
 
-    def __init__(self, body: str, family: str) -> None:
-        self.toks = _TOKEN.findall(body)
-        self.i = 0
-        self.family = family
-        self.body = body
-        self.comment: str | None = None
 
-    def fail(self, why: str) -> ValueError:
-        return ValueError(f"rule body outside the JSON vocabulary ({why}): {self.body}")
+def verdict(v: x.Verdict) -> Any:
+    return {v.kind: None} if v.chain is None else {v.kind: {"target": v.chain}}
 
-    def peek(self, k: int = 0) -> str | None:
-        j = self.i + k
-        return self.toks[j] if j < len(self.toks) else None
 
-    def take(self) -> str:
-        t = self.peek()
-        if t is None:
-            raise self.fail("unexpected end")
-        self.i += 1
-        return t
+def _anon_set(s: x.AnonSet) -> Any:
+    # The kernel keeps an anonymous interval set sorted and prints a lone element bare.
+    texts = sorted(map(str, s.items), key=lambda t: ipaddress.ip_network(t, strict=False) if t[0].isdigit() or ":" in t else t)
+    items = [_scalar(t) for t in texts]
+    return items[0] if len(items) == 1 else {"set": items}
 
-    def selector(self) -> Any | None:
-        a, b = self.peek(), self.peek(1)
-        if (a, b) in _SELECTORS:
-            self.i += 2
-            return {"payload": {"protocol": a, "field": b}}
-        if a == "meta" and b in ("l4proto", "mark"):
-            self.i += 2
-            return {"meta": {"key": b}}
-        if a == "ct" and b in ("state", "status"):
-            self.i += 2
-            return {"ct": {"key": b}}
-        if a == "fib" and b in ("saddr", "daddr") and self.peek(2) == "type":
-            self.i += 3
-            return {"fib": {"result": "type", "flags": [b]}}
-        if a == "numgen" and b == "random" and self.peek(2) == "mod":
-            self.i += 3
-            mod = int(self.take())
-            offset = 0
-            if self.peek() == "offset":
-                self.i += 1
-                offset = int(self.take())
-            # nft 1.0.6 prints the u32 offset as a signed 32-bit number (2^31 and above negative)
-            signed = offset - (1 << 32) if offset >= 1 << 31 else offset
-            return {"numgen": {"mode": "random", "mod": mod, "offset": signed}}
-        return None
 
-    def selectors(self) -> list[Any] | None:
-        first = self.selector()
-        if first is None:
-            return None
-        out = [first]
-        while self.peek() == ".":
-            self.i += 1
-            nxt = self.selector()
-            if nxt is None:
-                raise self.fail("a concatenation of something else")
-            out.append(nxt)
-        return out
+def _vmap_data(target: str | x.AnonMap) -> Any:
+    if type(target) is str:
+        return f"@{target}"
+    items = []
+    for key, v in target.items:  # type: ignore[union-attr]
+        items.append([{"range": [key.low, key.high]} if type(key) is x.Range else key, verdict(v)])
+    return {"set": items}
 
-    def verdict(self) -> Any | None:
-        t = self.peek()
-        if t in ("jump", "goto"):
-            self.i += 1
-            return {t: {"target": self.take()}}
-        if t in _VERDICTS:
-            self.i += 1
-            return {t: None}
-        return None
 
-    def anon_vmap(self) -> Any:
-        if self.take() != "{":
-            raise self.fail("vmap without braces")
-        items = []
-        while self.peek() != "}":
-            key = self.take()
-            if self.take() != ":":
-                raise self.fail("vmap element")
-            v = self.verdict()
-            if v is None:
-                raise self.fail("vmap value")
-            low, dash, high = key.partition("-")  # `LOW-HIGH`: an interval map's range
-            items.append([{"range": [int(low), int(high)]} if dash else int(key), v])
-            if self.peek() == ",":
-                self.i += 1
-        self.i += 1
-        return {"set": items}
+def _match(m: x.Match) -> Any:
+    right = _anon_set(m.right) if type(m.right) is x.AnonSet else _value(m.right)  # type: ignore[arg-type]
+    op = "in" if type(m.left) is x.Ct and m.op == "==" else m.op
+    return {"match": {"op": op, "left": expression(m.left), "right": right}}
 
-    def anon_set(self) -> Any:
-        self.i += 1  # {
-        texts = []
-        while self.peek() != "}":
-            t = self.take()
-            if t != ",":
-                texts.append(t)
-        self.i += 1
-        # The kernel keeps an anonymous interval set sorted and prints a lone element bare.
-        texts.sort(key=lambda t: ipaddress.ip_network(t, strict=False) if t[0].isdigit() or ":" in t else t)
-        items = [_scalar(t) for t in texts]
-        return items[0] if len(items) == 1 else {"set": items}
 
-    def statements(self) -> list[Any]:
-        out: list[Any] = []
-        while self.peek() is not None:
-            t = self.peek()
-            if t == "comment":
-                self.i += 1
-                self.comment = self.take().strip('"')
-                continue
-            v = self.verdict()
-            if v is not None:
-                out.append(v)
-                continue
-            if t == "counter":
-                self.i += 1
-                if self.peek() == "name":
-                    self.i += 1
-                    out.append({"counter": self.take()})
-                else:
-                    out.append({"counter": {"packets": 0, "bytes": 0}})
-                continue
-            if t == "reject":
-                self.i += 1
-                out.append({"reject": {"type": "icmp" if self.family == "ip" else "icmpv6", "expr": "port-unreachable"}})
-                continue
-            if t == "masquerade":
-                self.i += 1
-                stmt: dict[str, Any] = {}
-                if self.peek() == "fully-random":
-                    self.i += 1
-                    stmt["flags"] = "fully-random"
-                out.append({"masquerade": stmt or None})
-                continue
-            if t == "update":
-                self.i += 1
-                name = self.take()
-                if self.take() != "{":
-                    raise self.fail("update without an element")
-                elem = self.selectors()
-                if elem is None or self.take() != "}":
-                    raise self.fail("update element")
-                out.append({"set": {"op": "update", "elem": elem[0] if len(elem) == 1 else {"concat": elem}, "set": name}})
-                continue
-            if t == "dnat":
-                out.append(self.dnat())
-                continue
-            if t == "meta" and self.peek(1) == "mark" and self.peek(2) == "set":
-                self.i += 3
-                if self.take() != "meta" or self.take() != "mark":
-                    raise self.fail("mark arithmetic")
-                op = {"or": "|", "xor": "^", "and": "&"}.get(self.take())
-                if op is None:
-                    raise self.fail("mark operator")
-                out.append({"mangle": {"key": {"meta": {"key": "mark"}}, "value": {op: [{"meta": {"key": "mark"}}, _scalar(self.take())]}}})
-                continue
-            out.append(self.relation())
-        return out
+def _dnat(d: x.Dnat) -> Any:
+    to = d.to
+    if type(to) is x.MapLookup:
+        stmt: dict[str, Any] = {"addr": {"map": {"key": expression(to.key), "data": f"@{to.map}"}}}
+        return {"dnat": {"family": d.family, **stmt} if d.family else stmt}
+    out: dict[str, Any] = {"addr": to}
+    if d.port is not None:
+        out["port"] = d.port
+    return {"dnat": out}
 
-    def dnat(self) -> Any:
-        self.i += 1
-        family = None
-        if self.peek() in ("ip", "ip6"):
-            family = self.take()
-        if self.take() != "to":
-            raise self.fail("dnat without to")
-        if self.peek() == "numgen":
-            key = self.selector()
-            if self.take() != "map":
-                raise self.fail("dnat map")
-            stmt: dict[str, Any] = {"addr": {"map": {"key": key, "data": self.take()}}}
-            return {"dnat": {"family": family, **stmt} if family else stmt}
-        dest = self.take()
-        m = re.fullmatch(r"\[(.+)\]:(\d+)|([^:]+):(\d+)", dest)
-        if m is None:
-            raise self.fail("dnat destination")
-        addr, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-        return {"dnat": {"addr": addr, "port": int(port)}}
 
-    def relation(self) -> Any:
-        sels = self.selectors()
-        if sels is None:
-            raise self.fail(f"{self.peek()!r}")
-        left = sels[0] if len(sels) == 1 else {"concat": sels}
-        if self.peek() == "vmap":
-            self.i += 1
-            data = self.anon_vmap() if self.peek() == "{" else self.take()
-            return {"vmap": {"key": left, "data": data}}
-        if self.peek() == "and":
-            self.i += 1
-            mask = _scalar(self.take())
-            left = {"&": [left, mask]}
-        op = "=="
-        if self.peek() in ("==", "!="):
-            op = self.take()
-        if self.peek() == "{":
-            right = self.anon_set()
+def statement(s: x.Statement, family: str) -> Any:
+    """One statement of a rule body as nft's JSON prints it (a comment is the rule's, not one)."""
+    kind = type(s)
+    if kind is x.Match:
+        return _match(s)  # type: ignore[arg-type]
+    if kind is x.Verdict:
+        return verdict(s)  # type: ignore[arg-type]
+    if kind is x.Lookup:
+        return {"match": {"op": "==", "left": expression(s.key), "right": f"@{s.set}"}}  # type: ignore[union-attr]
+    if kind is x.VerdictMap:
+        return {"vmap": {"key": expression(s.key), "data": _vmap_data(s.map)}}  # type: ignore[union-attr]
+    if kind is x.Counter:
+        return {"counter": s.name if s.name is not None else {"packets": 0, "bytes": 0}}  # type: ignore[union-attr]
+    if kind is x.Dnat:
+        return _dnat(s)  # type: ignore[arg-type]
+    if kind is x.Masquerade:
+        return {"masquerade": {"flags": "fully-random"} if s.fully_random else None}  # type: ignore[union-attr]
+    if kind is x.Reject:
+        return {"reject": {"type": "icmp" if family == "ip" else "icmpv6", "expr": "port-unreachable"}}
+    if kind is x.MetaSet:
+        return {"mangle": {"key": expression(s.meta), "value": expression(s.value)}}  # type: ignore[union-attr]
+    if kind is x.SetUpdate:
+        return {"set": {"op": "update", "elem": expression(s.key), "set": f"@{s.set}"}}  # type: ignore[union-attr]
+    raise ValueError(f"not a statement nft's JSON prints: {s!r}")
+
+
+def rule(family: str, table: str, chain: str, body: x.Body | str, handle: int) -> dict[str, Any]:
+    if type(body) is str or x.is_raw(body):  # type: ignore[arg-type]
+        raise ValueError(f"rule body outside the JSON vocabulary (text): {body}")
+    comment = None
+    exprs = []
+    for s in body:
+        if type(s) is x.Comment:
+            comment = s.text  # type: ignore[union-attr]
         else:
-            right = _scalar(self.take())
-        if "ct" in sels[0] and op == "==":
-            op = "in"
-        return {"match": {"op": op, "left": left, "right": right}}
-
-
-def rule(family: str, table: str, chain: str, body: str, handle: int) -> dict[str, Any]:
-    b = _Body(body, family)
-    expr = b.statements()
+            exprs.append(statement(s, family))
     out: dict[str, Any] = {"family": family, "table": table, "chain": chain, "handle": handle}
-    if b.comment is not None:
-        out["comment"] = b.comment
-    out["expr"] = expr
+    if comment is not None:
+        out["comment"] = comment
+    out["expr"] = exprs
     return {"rule": out}
 
 

@@ -1,9 +1,9 @@
 """The nft objects nfproxy writes: plain values, one class per kind of kernel object.
 
-Rule bodies stay nft syntax (built by `rule()`, as knftables' `Concat`): nfproxy's rules are
-few shapes, and a typed expression tree would be a second nft grammar to keep. Everything else
-(names, types, flags, element keys and values) is a field, so a kernel path can encode it
-without reading text back.
+A rule's body is a tuple of typed statements (expr.py), as every other part of an object is a
+field (names, types, flags), so that each printer (script text, JSON, netlink) reads what the
+renderer meant instead of parsing it back out of text. Element keys and values are still nft
+text (` . `-joined values, `goto chain`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
+
+from nfproxy.nftables.expr import Body
 
 NAME_LENGTH_MAX = 256
 COMMENT_LENGTH_MAX = 128  # nft refuses longer comments ("comment too long")
@@ -46,11 +48,6 @@ def quote_comment(text: str) -> str:
     return f'"{text}"'
 
 
-def rule(*parts: str) -> str:
-    """One rule body from its parts, skipping empty ones: the one way rule text is joined."""
-    return " ".join(p for p in parts if p)
-
-
 @dataclass(frozen=True, slots=True)
 class Table:
     family: str  # "ip" or "ip6"
@@ -75,10 +72,13 @@ class Chain:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """One rule appended to `chain`; `body` is nft rule syntax (see `rule()`)."""
+    """One rule appended to `chain`. `body` is its statements (expr.Body), as the renderers
+    build it. A body of text (tests, benches) is nft syntax that only the rule compiler reads,
+    through nftables' reader (script.rule_body); the memory kernel and the JSON printer take
+    statements only."""
 
     chain: str
-    body: str
+    body: Body | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +127,9 @@ _el_set, _el_key = Element.set.__set__, Element.key.__set__  # type: ignore[attr
 _el_value, _el_comment = Element.value.__set__, Element.comment.__set__  # type: ignore[attr-defined]
 
 
-def _rule_init(self: Rule, chain: str, body: str) -> None:
+def _rule_init(self: Rule, chain: str, body: Body | tuple | str) -> None:  # type: ignore[type-arg]
     _rule_chain(self, chain)
-    _rule_body(self, body)
+    _rule_body(self, body if type(body) is Body or type(body) is str else Body(body))
 
 
 def _element_init(self: Element, set: str, key: str, value: str = "", comment: str = "") -> None:  # noqa: A002

@@ -3,8 +3,9 @@ Transactions, so that tools can apply it to the in-memory kernel and analyse it 
 
 Only what text.py writes is understood: `add|create|flush|delete` of tables, chains, sets and
 maps with their `{ ... }` specs, `add rule`, `add|delete element` (one line or one element per
-line), `#` notes and blank lines. Anything else is refused with its line number. `rule_body`
-reads a rule body into the statements of expr.py.
+line), `#` notes and blank lines. Anything else is refused with its line number. A rule body is
+read into the statements the renderers build (expr.py: the same objects, so a script read back
+is the transaction that wrote it); one outside that vocabulary is refused too.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _object(kind: str, family: str, table: str, rest: str, lineno: int, source: 
             return Table(family, table, _comment(fields.get("comment")))
         if kind == "rule":
             chain, _, body = rest.partition(" ")
-            return Rule(chain, body)
+            return Rule(chain, rule_body(body))
         if kind == "element":
             set_name, _, inner = rest.partition(" ")
             return _element(set_name, inner.strip().removeprefix("{").removesuffix("}").strip())

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 
+from nfproxy.nftables.expr import STATEMENTS, Body, Raw
 from nfproxy.nftables.objects import (
     Chain,
     Element,
@@ -50,15 +51,33 @@ _VERBS: dict[type, frozenset[Verb]] = {
 }
 
 
+_STATEMENTS = frozenset(STATEMENTS)
+
+
+def _body_problem(body: tuple | str) -> str | None:  # type: ignore[type-arg]
+    """Why `body` cannot be one rule: empty, not statements, or text that would say more than
+    one command."""
+    if type(body) is str:
+        if not body or "\n" in body or ";" in body:
+            return f"rule body must be one statement list: {body!r}"
+        return None
+    if not body:
+        return f"rule body must be one statement list: {body!r}"
+    for s in body:
+        kind = type(s)
+        if kind not in _STATEMENTS:
+            return f"rule body must be one statement list: {body!r}"
+        if kind is Raw and (not s.text or "\n" in s.text or ";" in s.text):
+            return f"rule body must be one statement list: {s.text!r}"
+    return None
+
+
 def _rule_problem(verb: Verb, obj: Rule, names: set[str]) -> str | None:
     if obj.chain not in names:
         if (why := check_name(obj.chain)) is not None:
             return why
         names.add(obj.chain)
-    body = obj.body
-    if not body or "\n" in body or ";" in body:
-        return f"rule body must be one statement list: {body!r}"
-    return None
+    return _body_problem(obj.body)
 
 
 def _element_problem(verb: Verb, obj: Element, names: set[str]) -> str | None:
@@ -187,8 +206,8 @@ class Transaction:
     def add(self, obj: Object) -> None:
         self._queue(Verb.ADD, obj)
 
-    def add_rules(self, chain: str, bodies: Sequence[str]) -> None:
-        """`add` a Rule of `chain` for each body: the name checked once, the bodies in one pass."""
+    def add_rules(self, chain: str, bodies: Sequence[Body | str]) -> None:
+        """`add` a Rule of `chain` for each body: the name checked once, then each body."""
         if self.error is not None or not bodies:
             return
         names = self._names
@@ -197,20 +216,16 @@ class Transaction:
                 self.error = why
                 return
             names.add(chain)
-        try:
-            joined = "".join(bodies)
-        except TypeError:
-            self.error = f"rule bodies of {chain} must be text: {bodies!r}"
-            return
-        if "" in bodies or "\n" in joined or ";" in joined:
-            for body in bodies:  # latch the first bad body's error, as one `add` at a time would
-                self._queue(Verb.ADD, Rule(chain, body))
-            return
+        rules = [Rule(chain, body) for body in bodies]
+        for rule in rules:
+            if (why := _body_problem(rule.body)) is not None:
+                self.error = why
+                return
         add = Verb.ADD
-        self.ops.extend([(add, Rule(chain, body)) for body in bodies])
-        self._operations += len(bodies)
+        self.ops.extend([(add, rule) for rule in rules])
+        self._operations += len(rules)
 
-    def refill(self, chains: Mapping[str, Sequence[str]]) -> None:
+    def refill(self, chains: Mapping[str, Sequence[Body | str]]) -> None:
         """`add` and `flush` each plain chain of `chains`, then `add` its rules: a full sync's
         way of rewriting chains the kernel may or may not hold. One call per service port (10 000
         in a full sync): the same checks as one `add` at a time, each name once, bodies in bulk."""
@@ -229,11 +244,12 @@ class Transaction:
             append((flush, chain))
         n = 2 * len(chains)
         for name, bodies in chains.items():
-            for body in bodies:  # a service port's chain holds one or two rules: no bulk join
-                if not body or "\n" in body or ";" in body:
-                    self.error = _rule_problem(add, Rule(name, body), names)
+            for body in bodies:  # a service port's chain holds one or two rules
+                rule = Rule(name, body)
+                if (why := _body_problem(rule.body)) is not None:
+                    self.error = why
                     return
-                append((add, Rule(name, body)))
+                append((add, rule))
             n += len(bodies)
         self._operations += n
 

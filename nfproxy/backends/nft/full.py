@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from nfproxy import nftables as nft
+from nfproxy.nftables import expr as x
+from nfproxy.nftables.expr import Body, body
 from nfproxy.backends.nft.names import (
     AFFINITY_PREFIX,
     CLUSTER_IPS_CHECK_CHAIN,
@@ -111,24 +113,35 @@ OFF_BASE_CHAINS = tuple(
     nft.Chain(c.name, c.type, c.hook, str(int(c.priority or 0) + 1)) for c in BASE_CHAINS
 )
 
+# The words of the static rules and of most service rules, one object each.
+_NEW = (x.Match(x.CT_STATE, "new"),)
+_JUMP_MASQ = x.jump(MARK_MASQ_CHAIN)
+_MARK_FOR_MASQUERADE = body(_JUMP_MASQ)
+_LOCAL_SOURCE = x.Match(x.Fib("saddr"), "local")
+_POD_SHORT_CIRCUIT = x.Comment("short-circuit pod traffic")
+_LOCAL_MASQUERADE = x.Comment("masquerade local traffic")
+_LOCAL_SHORT_CIRCUIT = x.Comment("short-circuit local traffic")
+_PORT_KEY = x.Concat((x.L4PROTO, x.TH_DPORT))
+_L4PROTO_IS = {proto: x.Match(x.L4PROTO, proto) for proto in ("tcp", "udp", "sctp")}
+
 # (target, from base chain, gate): kube-proxy's nftablesJumpChains without the cluster-ips-check
 # entries. Reject only works from input/forward/output, hence no endpoint checks in prerouting;
 # node ports are only checked on input because only locally addressed traffic can reach one.
 _JUMPS = (
-    (NODEPORT_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
-    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-input", "ct state new "),
-    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-forward", "ct state new "),
+    (NODEPORT_ENDPOINTS_CHECK_CHAIN, "filter-input", _NEW),
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-input", _NEW),
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-forward", _NEW),
     # As kube-proxy's nftables mode, one no-endpoint map for cluster, external and LB IPs,
     # checked on output after the node's own DNAT: a node's packet to an external address that
     # its short-circuit DNATs is not rejected, and one no DNAT took is rejected or dropped.
-    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
-    (FIREWALL_CHECK_CHAIN, "filter-prerouting", "ct state new "),
-    (FIREWALL_CHECK_CHAIN, "filter-output", "ct state new "),
-    (SERVICES_CHAIN, "nat-output", ""),
-    (SERVICES_CHAIN, "nat-prerouting", ""),
-    (MASQUERADING_CHAIN, "nat-postrouting", ""),
-    (CLUSTER_IPS_CHECK_CHAIN, "filter-forward", "ct state new "),
-    (CLUSTER_IPS_CHECK_CHAIN, "filter-output-post-dnat", "ct state new "),
+    (SERVICE_ENDPOINTS_CHECK_CHAIN, "filter-output-post-dnat", _NEW),
+    (FIREWALL_CHECK_CHAIN, "filter-prerouting", _NEW),
+    (FIREWALL_CHECK_CHAIN, "filter-output", _NEW),
+    (SERVICES_CHAIN, "nat-output", ()),
+    (SERVICES_CHAIN, "nat-prerouting", ()),
+    (MASQUERADING_CHAIN, "nat-postrouting", ()),
+    (CLUSTER_IPS_CHECK_CHAIN, "filter-forward", _NEW),
+    (CLUSTER_IPS_CHECK_CHAIN, "filter-output-post-dnat", _NEW),
 )
 
 # Base chains whose several `ct state new` checks run from one sub-chain, behind one test: every
@@ -155,10 +168,12 @@ class _Context:
     family: IPFamily
     ipx: str
     addr_type: str
-    # Match for "source is a pod" and its negation, "" when no pod CIDR is known.
-    from_pod: str
-    not_from_pod: str
-    mark: str
+    # Match for "source is a pod" and its negation, None when no pod CIDR is known.
+    from_pod: x.Match | None
+    not_from_pod: x.Match | None
+    mark: int
+    saddr: x.Payload
+    daddr: x.Payload
     # Count each endpoint's new connections (docs/metrics.md): `counter` on the endpoint data
     # maps (one per element, bumped by the lookup) and before each per-endpoint chain's DNAT.
     counters: bool = True
@@ -169,17 +184,19 @@ class _Context:
 _IFNAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 
 
-def _pod_matches(ipx: str, match: PodMatch | None) -> tuple[str, str]:
-    """(if from a pod, if not from a pod) as nft matches; ("", "") without a detector."""
+def _pod_matches(ipx: str, match: PodMatch | None) -> tuple[x.Match | None, x.Match | None]:
+    """(if from a pod, if not from a pod) as nft matches; (None, None) without a detector."""
     if match is None:
-        return "", ""
+        return None, None
     if match.kind is PodMatchKind.CIDR:
         cidr = nft_address(match.value)
-        return f"{ipx} saddr {cidr}", f"{ipx} saddr != {cidr}"
+        saddr = x.payload(ipx, "saddr")
+        return x.Match(saddr, cidr), x.Match(saddr, cidr, "!=")
     if _IFNAME_RE.fullmatch(match.value) is None:
         raise ValueError(f"not an interface name: {match.value!r}")
     name = match.value + ("*" if match.kind is PodMatchKind.INTERFACE_PREFIX else "")
-    return f'iifname "{name}"', f'iifname != "{name}"'
+    iifname = x.Meta("iifname")
+    return x.Match(iifname, name), x.Match(iifname, name, "!=")
 
 
 def build_context(node: NodeConfig, family: IPFamily, counters: bool = True) -> tuple[_Context, tuple[str, ...]]:
@@ -192,7 +209,9 @@ def build_context(node: NodeConfig, family: IPFamily, counters: bool = True) -> 
         addr_type="ipv4_addr" if family is IPFamily.V4 else "ipv6_addr",
         from_pod=from_pod,
         not_from_pod=not_from_pod,
-        mark=f"{node.masquerade_mark:#x}",
+        mark=node.masquerade_mark,
+        saddr=x.payload(ipx, "saddr"),
+        daddr=x.payload(ipx, "daddr"),
         counters=counters,
         localhost_rejects=localhost_rejects(node, family),
     )
@@ -201,23 +220,24 @@ def build_context(node: NodeConfig, family: IPFamily, counters: bool = True) -> 
 
 def _static(
     ctx: _Context, service_cidrs: tuple[str, ...], table: str = TABLE
-) -> tuple[dict[str, tuple[str, ...]], dict[str, Declaration], dict[str, Declaration], dict[str, dict[str, Element]]]:
-    ipx, addr = ctx.ipx, ctx.addr_type
+) -> tuple[dict[str, tuple[Body, ...]], dict[str, Declaration], dict[str, Declaration], dict[str, dict[str, Element]]]:
+    addr = ctx.addr_type
+    saddr, daddr = ctx.saddr, ctx.daddr
     loopback = "127.0.0.0/8" if ctx.family is IPFamily.V4 else "::1"
     nodeports = _collapse(nodeport_cidrs(ctx.node, ctx.family, primary_by_default=True))
     # nfproxy resolves --nodeport-addresses CIDRs in the kernel (an interval set, intersected
     # with "is a local address") instead of listing interface addresses at render time, so the
     # rules stay right when addresses come and go. Loopback is excluded either way, as
     # kube-proxy's nftables mode does: DNAT of 127/8 traffic to a remote pod cannot work.
-    nodeport_match = f"fib daddr type local {ipx} daddr != {loopback}"
+    nodeport_match: tuple[x.Statement, ...] = (x.Match(x.Fib("daddr"), "local"), x.Match(daddr, loopback, "!="))
     if nodeports:
-        nodeport_match = f"{ipx} daddr @{NODEPORT_IPS_SET} {nodeport_match}"
+        nodeport_match = (x.Lookup(daddr, NODEPORT_IPS_SET), *nodeport_match)
 
-    chains: dict[str, list[str]] = {bc.name: [] for bc in BASE_CHAINS}
+    chains: dict[str, list[Body]] = {bc.name: [] for bc in BASE_CHAINS}
     # KUBE-FORWARD in the iptables backend drops INVALID packets; keep the two equal (once:
     # the off table's frame is the same but for this rule and its counter).
     if ctx.node.drop_invalid and table == TABLE:
-        chains["filter-forward"].append(f"ct state invalid counter name {INVALID_DROP_COUNTER} drop")
+        chains["filter-forward"].append(body(x.Match(x.CT_STATE, "invalid"), x.Counter(INVALID_DROP_COUNTER), x.DROP))
     for name in (
         NODEPORT_ENDPOINTS_CHECK_CHAIN,
         SERVICE_ENDPOINTS_CHECK_CHAIN,
@@ -235,40 +255,40 @@ def _static(
     # affinity ports too, as kube-proxy 1.37's nftables mode does with its hairpin-connections
     # set (its iptables mode marks every endpoint, local or not, in its KUBE-SEP chain).
     chains["nat-postrouting"].append(
-        f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN_SET} jump {MARK_MASQ_CHAIN}"
+        body(x.Match(x.CT_STATUS, "dnat"), x.Lookup(x.Concat((saddr, daddr)), HAIRPIN_SET), _JUMP_MASQ)
     )
     for target, base, gate in _JUMPS:
         sub = NEW_CONNECTION_CHAINS.get(base) if gate else None
         if sub is None:
-            chains[base].append(f"{gate}jump {target}")
+            chains[base].append(body(*gate, x.jump(target)))
             continue
         if sub not in chains:
             chains[sub] = []
-            chains[base].append(f"{gate}jump {sub}")
-        chains[sub].append(f"jump {target}")
-    chains[MARK_MASQ_CHAIN].append(f"meta mark set meta mark or {ctx.mark}")
+            chains[base].append(body(*gate, x.jump(sub)))
+        chains[sub].append(body(x.jump(target)))
+    chains[MARK_MASQ_CHAIN].append(body(x.MetaSet(x.MARK, x.Bitwise(x.MARK, "or", ctx.mark))))
     chains[MASQUERADING_CHAIN] += [
-        f"meta mark and {ctx.mark} == 0 return",
-        f"meta mark set meta mark xor {ctx.mark}",
-        "masquerade fully-random",
+        body(x.Match(x.Bitwise(x.MARK, "and", ctx.mark), 0), x.RETURN),
+        body(x.MetaSet(x.MARK, x.Bitwise(x.MARK, "xor", ctx.mark))),
+        body(x.Masquerade(fully_random=True)),
     ]
-    chains[REJECT_CHAIN].append("reject")
-    chains[CLUSTER_IPS_CHECK_CHAIN] += _cluster_ips_check(ipx, service_cidrs)
-    dispatch = f"{ipx} daddr . meta l4proto . th dport vmap"
-    chains[FIREWALL_CHECK_CHAIN].append(f"{dispatch} @{FIREWALL_IPS_MAP}")
-    chains[SERVICE_ENDPOINTS_CHECK_CHAIN].append(f"{dispatch} @{NO_ENDPOINT_SERVICES_MAP}")
+    chains[REJECT_CHAIN].append(body(x.REJECT))
+    chains[CLUSTER_IPS_CHECK_CHAIN] += _cluster_ips_check(daddr, service_cidrs)
+    dispatch = x.Concat((daddr, x.L4PROTO, x.TH_DPORT))
+    chains[FIREWALL_CHECK_CHAIN].append(body(x.VerdictMap(dispatch, FIREWALL_IPS_MAP)))
+    chains[SERVICE_ENDPOINTS_CHECK_CHAIN].append(body(x.VerdictMap(dispatch, NO_ENDPOINT_SERVICES_MAP)))
     chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(
-        f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}"
+        body(*nodeport_match, x.VerdictMap(_PORT_KEY, NO_ENDPOINT_NODEPORTS_MAP))
     )
     chains[SERVICES_CHAIN] += [
-        f"{dispatch} @{SERVICE_IPS_MAP}",
-        f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
+        body(x.VerdictMap(dispatch, SERVICE_IPS_MAP)),
+        body(*nodeport_match, x.VerdictMap(_PORT_KEY, SERVICE_NODEPORTS_MAP)),
     ]
     for proto in sorted(ctx.localhost_rejects):
-        chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(
-            f"{ipx} daddr {loopback} meta l4proto {proto} th dport @{localhost_reject_set(proto)}"
-            f" counter name {localhost_reject_counter(proto)} reject"
-        )
+        chains[NODEPORT_ENDPOINTS_CHECK_CHAIN].append(body(
+            x.Match(daddr, loopback), x.Match(x.L4PROTO, proto), x.Lookup(x.TH_DPORT, localhost_reject_set(proto)),
+            x.Counter(localhost_reject_counter(proto)), x.REJECT,
+        ))
 
     ip_key = f"{addr} . inet_proto . inet_service : verdict"
     port_key = "inet_proto . inet_service : verdict"
@@ -305,42 +325,40 @@ def _static(
     return {k: tuple(v) for k, v in chains.items()}, sets, unused, elements
 
 
-def _cluster_ips_check(ipx: str, service_cidrs: tuple[str, ...]) -> list[str]:
+def _cluster_ips_check(daddr: x.Payload, service_cidrs: tuple[str, ...]) -> list[Body]:
     """What reaches a cluster IP undispatched: it matched no service port (kube-proxy's
     cluster-ips-check). The drop needs the service CIDRs; the reject does not."""
-    rules = [f'{ipx} daddr @{CLUSTER_IPS_SET} reject comment "Reject traffic to invalid ports of ClusterIPs"']
+    rules = [body(x.Lookup(daddr, CLUSTER_IPS_SET), x.REJECT, x.Comment("Reject traffic to invalid ports of ClusterIPs"))]
     if service_cidrs:
-        rules.append(
-            f"{ipx} daddr {{ {', '.join(service_cidrs)} }} drop"
-            ' comment "Drop traffic to unallocated ClusterIPs"'
-        )
+        rules.append(body(x.Match(daddr, x.AnonSet(service_cidrs)), x.DROP, x.Comment("Drop traffic to unallocated ClusterIPs")))
     return rules
 
 
 def _policy_rules(
-    ipx: str,
-    masquerade: str,
+    saddr: x.Payload,
+    masquerade: Body | None,
     chains: list[str],
     sets: list[str],
     affinity: bool,
     counts: tuple[int, ...] | None = None,
-) -> tuple[str, ...]:
+) -> tuple[Body, ...]:
     """A policy chain: optional masquerade rule, affinity lookups, then one random choice
     (over `counts[i]` consecutive values per endpoint when weighted, one range each, so the
     map holds an element per endpoint whatever the weights: core.categorize.slot_counts)."""
     rules = [masquerade] if masquerade else []
     if affinity:
-        rules += [f"{ipx} saddr @{aset} goto {chain}" for chain, aset in zip(chains, sets)]
+        rules += [body(x.Lookup(saddr, aset), x.goto(chain)) for chain, aset in zip(chains, sets)]
     if counts is None:
-        slots = " , ".join([f"{i} : goto {chain}" for i, chain in enumerate(chains)])
-        rules.append(f"numgen random mod {len(chains)} vmap {{ {slots} }}")
+        slots = tuple([(i, x.goto(chain)) for i, chain in enumerate(chains)])
+        rules.append(body(x.VerdictMap(x.numgen(len(chains)), x.AnonMap(slots))))
         return tuple(rules)
-    items, low = [], 0
+    items: list[tuple[int | x.Range, x.Verdict]] = []
+    low = 0
     for chain, k in zip(chains, counts):
         if k:
-            items.append(f"{low}-{low + k - 1} : goto {chain}" if k > 1 else f"{low} : goto {chain}")
+            items.append((x.Range(low, low + k - 1) if k > 1 else low, x.goto(chain)))
             low += k
-    rules.append(f"numgen random mod {low} vmap {{ {' , '.join(items)} }}")
+    rules.append(body(x.VerdictMap(x.numgen(low), x.AnonMap(tuple(items)))))
     return tuple(rules)
 
 
@@ -465,8 +483,9 @@ def render_service(
     reachable = r.reachable
     lanes: list[Lane] = []
     hairpin = hairpin_pairs(reachable, ctx.node.name)
+    l4proto = _L4PROTO_IS.get(proto) or x.Match(x.L4PROTO, proto)
 
-    def selection(chain: str, subset: tuple[Endpoint, ...]) -> str:
+    def selection(chain: str, subset: tuple[Endpoint, ...]) -> Body:
         """One random value of the chain's lane, looked up in a shared data map (a key per
         endpoint in a hash map, or a range per endpoint sized by weight in an interval map); no
         per-endpoint chains."""
@@ -479,17 +498,17 @@ def render_service(
         if not kept_before and chain in slots.kept and not weighted(subset):
             subset = slots.arrange(shard, keys, subset)
         lanes.append(Lane(chain, block, shard, keys, subset))
-        return f"meta l4proto {proto} dnat {ipx} to numgen random mod {modulus} offset {offset} map @{shard}"
+        return body(l4proto, x.Dnat(x.MapLookup(x.numgen(modulus, offset), shard), None, ipx))
 
     # Affinity needs to know which endpoint a client got, so those ports keep kube-proxy's
     # per-endpoint chains. The hot loop (names once per endpoint) runs only for them.
     ep_chain_names: list[str] = []
     ep_set_names: list[str] = []
-    ep_chains: dict[str, tuple[str, ...]] = {}
+    ep_chains: dict[str, tuple[Body, ...]] = {}
     affinity_sets: dict[str, nft.Set] = {}
     svc_part = f"{spn.namespace}/{spn.name}/{proto}/{spn.port}__"
-    dnat_head = f"meta l4proto {proto} {'counter ' if ctx.counters else ''}dnat to "
-    update = f" {{ {ipx} saddr }}"
+    dnat_head = (l4proto, x.COUNTER) if ctx.counters else (l4proto,)
+    saddr, daddr = ctx.saddr, ctx.daddr
     addr_type, timeout = ctx.addr_type, svc.affinity_timeout
     for ep in reachable if affinity else ():
         ip = ep.ip
@@ -501,60 +520,61 @@ def render_service(
             # address is all that can still carry syntax into the chain name and the rules.
             raise ValueError(f"not an endpoint address: {ip!r}")
         ep_chain_names.append(chain)
-        dest = f"[{ip}]:{ep_port}" if ":" in ip else f"{ip}:{ep_port}"
+        dnat = body(*dnat_head, x.Dnat(ip, ep_port))
         if affinity:
             aset = AFFINITY_PREFIX + ep_base
             ep_set_names.append(aset)
             affinity_sets[aset] = nft.Set(aset, addr_type, flags=("dynamic", "timeout"), timeout=timeout)
-            ep_chains[chain] = (f"update @{aset}{update}", dnat_head + dest)
+            ep_chains[chain] = (body(x.SetUpdate(aset, saddr)), dnat)
         else:
-            ep_chains[chain] = (dnat_head + dest,)
+            ep_chains[chain] = (dnat,)
 
     if ctx.node.masquerade_all:
-        masquerade = f"{ipx} daddr {cluster_ip} jump {MARK_MASQ_CHAIN}"
-    elif ctx.not_from_pod:
+        masquerade: Body | None = body(x.Match(daddr, cluster_ip), _JUMP_MASQ)
+    elif ctx.not_from_pod is not None:
         # Off-cluster sources reaching a cluster IP (a static route to the service range via
         # some node) may be answered from another node: masquerade them.
-        masquerade = f"{ipx} daddr {cluster_ip} {ctx.not_from_pod} jump {MARK_MASQ_CHAIN}"
+        masquerade = body(x.Match(daddr, cluster_ip), ctx.not_from_pod, _JUMP_MASQ)
     else:
-        masquerade = ""
+        masquerade = None
     internal_local = svc.internal_policy_local
-    chains: dict[str, tuple[str, ...]] = {}
+    chains: dict[str, tuple[Body, ...]] = {}
     # The masquerade rule goes where cluster-IP traffic enters: the local chain under
     # internalTrafficPolicy=Local, else the cluster chain.
     for chain, subset, masq in (
-        (cluster_chain, r.cluster, "" if internal_local else masquerade),
-        (local_chain, r.local, masquerade if internal_local else ""),
+        (cluster_chain, r.cluster, None if internal_local else masquerade),
+        (local_chain, r.local, masquerade if internal_local else None),
     ):
         if not subset:
             continue
         if affinity:
             counts = slot_counts(subset) if weighted(subset) else None
-            chains[chain] = _policy_rules(ipx, masq, *_pick(subset, reachable, ep_chain_names, ep_set_names), affinity, counts)
+            chains[chain] = _policy_rules(saddr, masq, *_pick(subset, reachable, ep_chain_names, ep_set_names), affinity, counts)
         else:
             chains[chain] = (masq, selection(chain, subset)) if masq else (selection(chain, subset),)
 
     external_no_endpoints = r.external_no_endpoints
     if r.uses_external_chain:
-        ext: list[str] = []
+        ext: list[Body] = []
         if not svc.external_policy_local:
             # Cluster policy may forward to another node: the reply must come back through us.
-            ext.append(f"jump {MARK_MASQ_CHAIN}")
+            ext.append(_MARK_FOR_MASQUERADE)
         else:
             # Pods and the node itself reaching an external address behave as if they went out
             # to the load balancer and came back in: neither traffic policy applies to them.
             # (The service chain exists: see ServicePort.uses_cluster_endpoints.)
-            if ctx.from_pod:
-                ext.append(f'{ctx.from_pod} goto {cluster_chain} comment "short-circuit pod traffic"')
-            ext.append(f'fib saddr type local jump {MARK_MASQ_CHAIN} comment "masquerade local traffic"')
-            ext.append(f'fib saddr type local goto {cluster_chain} comment "short-circuit local traffic"')
+            to_cluster = x.goto(cluster_chain)
+            if ctx.from_pod is not None:
+                ext.append(body(ctx.from_pod, to_cluster, _POD_SHORT_CIRCUIT))
+            ext.append(body(_LOCAL_SOURCE, _JUMP_MASQ, _LOCAL_MASQUERADE))
+            ext.append(body(_LOCAL_SOURCE, to_cluster, _LOCAL_SHORT_CIRCUIT))
         if external_no_endpoints is None:
-            ext.append(f"goto {local_chain if svc.external_policy_local else cluster_chain}")
+            ext.append(body(x.goto(local_chain if svc.external_policy_local else cluster_chain)))
         chains[external_chain] = tuple(ext)
 
     if r.fenced:  # with or without endpoints, as kube-proxy's nftables mode
-        ranges = [nft_address(c) for c in firewall_sources(svc, ctx.node)]
-        chains[firewall_chain] = (f"{ipx} saddr != {{ {', '.join(ranges)} }} drop",)
+        ranges = tuple([nft_address(c) for c in firewall_sources(svc, ctx.node)])
+        chains[firewall_chain] = (body(x.Match(saddr, x.AnonSet(ranges), "!="), x.DROP),)
 
     chains.update(ep_chains)
 

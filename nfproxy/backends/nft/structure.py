@@ -26,6 +26,7 @@ from nfproxy.backends.nft.names import (
 )
 from nfproxy.core.gc_pause import gc_paused
 from nfproxy.nftables import text as nft_text
+from nfproxy.nftables.expr import Body
 from nfproxy.core.model import Endpoint, IPFamily, ServicePortKey
 
 
@@ -81,7 +82,7 @@ class ServiceRules:
     the elements this port adds to the shared maps, `lanes` its ranges in the endpoint maps.
     """
 
-    chains: Mapping[str, tuple[str, ...]]
+    chains: Mapping[str, tuple[Body, ...]]
     affinity_sets: Mapping[str, nft.Set]
     elements: tuple[Element, ...]
     # Empty for ports that keep per-endpoint chains (affinity).
@@ -233,7 +234,7 @@ class NftRuleset:
     family: IPFamily
     table: str
     base_chains: tuple[nft.Chain, ...]
-    chains: Mapping[str, tuple[str, ...]]
+    chains: Mapping[str, tuple[Body, ...]]
     sets: Mapping[str, Declaration]
     unused_sets: Mapping[str, Declaration]
     elements: Mapping[str, Mapping[str, Element]]

@@ -20,6 +20,7 @@ from nfproxy.core.owned import Owned
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import OFF_TABLE, TABLE, Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
+from nfproxy.nftables.expr import Body
 
 _CHAIN_REF = re.compile(r"\b(?:jump|goto)\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
 _SET_REF = re.compile(r"@([A-Za-z_.][A-Za-z0-9_./-]*)")
@@ -29,7 +30,7 @@ _COUNTER_REF = re.compile(r"\bcounter\s+name\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
 @dataclass(slots=True)
 class _Chain:
     decl: Chain
-    rules: list[str] = field(default_factory=list)
+    rules: list[Body] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -183,7 +184,7 @@ class MemoryNft:
         return {"nftables": out}
 
     # -- reading back --------------------------------------------------------------------------
-    def rules(self, chain: str) -> list[str]:
+    def rules(self, chain: str) -> list[Body]:
         assert self.table is not None
         return list(self.table.chains[chain].rules)
 
@@ -277,7 +278,7 @@ def _set_op(t: _Table, verb: Verb, obj: Set | Map) -> None:
     if verb is Verb.FLUSH:
         held.elements.clear()
         return
-    if any(obj.name in _SET_REF.findall(body) for c in t.chains.values() for body in c.rules):
+    if any(obj.name in _SET_REF.findall(str(body)) for c in t.chains.values() for body in c.rules):
         raise _Refused(f"Device or resource busy (set {obj.name} is referenced)")
     del t.sets[obj.name]
 
@@ -291,7 +292,7 @@ def _counter_op(t: _Table, verb: Verb, obj: Counter) -> None:
         return
     if held is None:
         raise _Refused(f"No such file or directory (counter {obj.name})")
-    if any(obj.name in _COUNTER_REF.findall(body) for c in t.chains.values() for body in c.rules):
+    if any(obj.name in _COUNTER_REF.findall(str(body)) for c in t.chains.values() for body in c.rules):
         raise _Refused(f"Device or resource busy (counter {obj.name} is referenced)")
     del t.counters[obj.name]
 
@@ -343,8 +344,9 @@ def _references(t: _Table) -> tuple[set[str], set[str]]:
     sets: set[str] = set()
     for c in t.chains.values():
         for body in c.rules:
-            chains.update(_CHAIN_REF.findall(body))
-            sets.update(_SET_REF.findall(body))
+            text = str(body)
+            chains.update(_CHAIN_REF.findall(text))
+            sets.update(_SET_REF.findall(text))
     for s in t.sets.values():
         if isinstance(s.decl, Map) and s.decl.type is not None and s.decl.type.endswith(": verdict"):
             for el in s.elements.values():
@@ -361,7 +363,7 @@ def _dangling(t: _Table) -> str | None:
     missing_chains = sorted(chains - set(t.chains))
     missing_sets = sorted(sets - set(t.sets))
     missing_counters = sorted(
-        {n for c in t.chains.values() for body in c.rules for n in _COUNTER_REF.findall(body)}
+        {n for c in t.chains.values() for body in c.rules for n in _COUNTER_REF.findall(str(body))}
         - set(t.counters)
     )
     if missing_counters:
