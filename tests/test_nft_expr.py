@@ -10,6 +10,8 @@ import pytest
 
 from nfproxy.backends.nft import render as nft
 from nfproxy.core.model import IPFamily
+from nfproxy.kernel.memory.nft import MemoryNft
+from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Rule, Table, Transaction, Verb
 from nfproxy.nftables import expr as x
 from nfproxy.nftables import json as nft_json
@@ -140,7 +142,7 @@ def test_a_body_outside_the_vocabulary_is_refused_by_the_reader() -> None:
 def test_text_is_for_libnftables_and_the_rule_compiler_only() -> None:
     """Raw is the named escape hatch (text the script carries to libnftables); a body given as
     text (tests, benches) is read by the rule compiler alone. The transaction still refuses text
-    that would be more than one rule; the JSON printer takes statements."""
+    that would be more than one rule; the memory kernel and the JSON printer take statements."""
     raw = Rule("c", x.raw("tcp dport 80 log"))
     assert x.is_raw(raw.body) and str(raw.body) == "tcp dport 80 log"
     text = Rule("c", "ip daddr 10.0.0.1 drop")
@@ -152,6 +154,8 @@ def test_text_is_for_libnftables_and_the_rule_compiler_only() -> None:
         tx.add(Chain("c"))
         tx.add(rule)
         tx.check()
+        with pytest.raises(KernelError, match="a rule body of text"):
+            MemoryNft(IPFamily.V4, table="t").apply(tx)
         with pytest.raises(ValueError, match="outside the JSON vocabulary"):
             nft_json.rule("ip", "t", "c", rule.body, 1)
     for body in ("accept; flush ruleset", x.raw("accept\nflush ruleset"), x.body()):

@@ -19,6 +19,7 @@ from nfproxy.core.owned import Owned
 from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.nftables import TABLE, Chain, Counter, Element, Map, Rule, Set, Transaction
+from nfproxy.nftables import expr as x
 from nfproxy.testing import uniform_cluster
 
 V4 = IPFamily.V4
@@ -47,10 +48,10 @@ def litter() -> Transaction:
     tx.add(Set("old-set", "ipv4_addr"))
     tx.add(Map("old-map", "ipv4_addr : verdict"))
     tx.add(Chain("old-chain"))
-    tx.add(Rule("old-chain", 'ip saddr @old-set counter name "old-counter" drop'))
-    tx.add(Rule("old-chain", "ip daddr vmap @old-map"))
+    tx.add(Rule("old-chain", x.body(x.Lookup(x.payload("ip", "saddr"), "old-set"), x.Counter("old-counter"), x.DROP)))
+    tx.add(Rule("old-chain", x.body(x.VerdictMap(x.payload("ip", "daddr"), "old-map"))))
     tx.add(Element("old-set", "10.9.9.9"))
-    tx.add(Rule(nft_render.SERVICES_CHAIN, "jump old-chain"))
+    tx.add(Rule(nft_render.SERVICES_CHAIN, x.body(x.jump("old-chain"))))
     return tx
 
 

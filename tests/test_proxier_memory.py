@@ -23,6 +23,7 @@ from nfproxy.daemon.proxier import Proxier
 from nfproxy.kernel.memory.nft import MemoryNft
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import Chain, Element, Rule, Transaction, Verb
+from nfproxy.nftables import expr as x
 from nfproxy.nftables import text as nft_text
 from nfproxy.testing import random_cluster, uniform_cluster
 
@@ -170,7 +171,7 @@ def test_a_refused_transaction_changes_nothing_and_the_next_sync_is_full() -> No
     real = MemoryNft.apply
 
     def broken(self: MemoryNft, tx: Transaction) -> None:
-        tx.add(Rule("services", "jump no-such-chain"))
+        tx.add(Rule("services", x.body(x.jump("no-such-chain"))))
         real(self, tx)
 
     MemoryNft.apply = broken  # type: ignore[method-assign]
@@ -221,7 +222,7 @@ def test_memory_kernel_existence_semantics() -> None:
         ("delete", Chain("a"), "referenced"),
         ("delete", Element("m", "10.0.0.2"), "No such file"),
         ("add", Element("m", "10.0.0.1", "goto b"), "File exists"),
-        ("add", Rule("a", "ip saddr @nope drop"), "@nope"),
+        ("add", Rule("a", x.body(x.Lookup(x.payload("ip", "saddr"), "nope"), x.DROP)), "@nope"),
     ]:
         tx = Transaction("ip", "nfproxy")
         tx.add(Chain("c"))

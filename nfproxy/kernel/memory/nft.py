@@ -3,7 +3,8 @@
 `apply` runs a Transaction on a copy and commits only if every operation succeeds: `add` is
 idempotent, `create` fails on an existing object, `flush` and `delete` need the object, a chain
 is deleted only empty and unreferenced, an element key is held once, and at commit every
-`jump`/`goto` and `@set` a rule or element names must exist, and no two ranges of an interval
+chain, set and counter a rule names (read from its statements, expr.names; a body of text is
+refused) or a verdict map's element jumps to must exist, and no two ranges of an interval
 set may overlap (checked at commit, as the kernel checks them against the next generation: a
 range deleted and an overlapping one added in one batch is fine). `dump` is canonical sorted text:
 the table as the `add` commands that would rebuild it, chains and sets in name order, rules in
@@ -12,7 +13,6 @@ chain order, elements sorted.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from nfproxy.core.model import IPFamily
@@ -20,17 +20,22 @@ from nfproxy.core.owned import Owned
 from nfproxy.kernel.process import KernelError
 from nfproxy.nftables import OFF_TABLE, TABLE, Chain, Counter, Element, Map, Rule, Set, Table, Transaction, Verb
 from nfproxy.nftables import text as nft_text
-from nfproxy.nftables.expr import Body
+from nfproxy.nftables.expr import Body, Names, is_raw, names
 
-_CHAIN_REF = re.compile(r"\b(?:jump|goto)\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
-_SET_REF = re.compile(r"@([A-Za-z_.][A-Za-z0-9_./-]*)")
-_COUNTER_REF = re.compile(r"\bcounter\s+name\s+([A-Za-z_.][A-Za-z0-9_./-]*)")
+_VERDICT_JUMPS = ("jump", "goto")
 
 
 @dataclass(slots=True)
 class _Chain:
+    """A chain's rules, and what each names (read once, when the rule is added)."""
+
     decl: Chain
     rules: list[Body] = field(default_factory=list)
+    names: list[Names] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.rules.clear()
+        self.names.clear()
 
 
 @dataclass(slots=True)
@@ -49,7 +54,7 @@ class _Table:
     def copy(self) -> _Table:
         return _Table(
             self.decl,
-            {n: _Chain(c.decl, list(c.rules)) for n, c in self.chains.items()},
+            {n: _Chain(c.decl, list(c.rules), list(c.names)) for n, c in self.chains.items()},
             {n: _Set(s.decl, dict(s.elements)) for n, s in self.sets.items()},
             dict(self.counters),
         )
@@ -209,7 +214,10 @@ def _run(t: _Table | None, verb: Verb, obj: object) -> _Table | None:
         chain = t.chains.get(obj.chain)
         if chain is None:
             raise _Refused(f"No such file or directory (chain {obj.chain})")
+        if type(obj.body) is not Body or is_raw(obj.body):
+            raise _Refused("Operation not supported (a rule body of text: the memory kernel reads statements)")
         chain.rules.append(obj.body)
+        chain.names.append(names(obj.body))
     elif isinstance(obj, (Set, Map)):
         _set_op(t, verb, obj)
     elif isinstance(obj, Element):
@@ -232,7 +240,7 @@ def _table_op(t: _Table | None, verb: Verb, obj: Table) -> _Table | None:
         raise _Refused("No such file or directory (table)")
     if verb is Verb.FLUSH:
         for c in t.chains.values():
-            c.rules.clear()
+            c.clear()
         for s in t.sets.values():
             s.elements.clear()
         return t
@@ -252,13 +260,13 @@ def _chain_op(t: _Table, verb: Verb, obj: Chain) -> None:
     if held is None:
         raise _Refused(f"No such file or directory (chain {obj.name})")
     if verb is Verb.FLUSH:
-        held.rules.clear()
+        held.clear()
         return
     # The kernel deletes a chain's own rules with it; a jump or goto from elsewhere holds it.
-    rules = held.rules
-    held.rules = []
+    own = held.names
+    held.names = []
     if _chain_referenced(t, obj.name):
-        held.rules = rules
+        held.names = own
         raise _Refused(f"Device or resource busy (chain {obj.name} is referenced)")
     del t.chains[obj.name]
 
@@ -278,7 +286,7 @@ def _set_op(t: _Table, verb: Verb, obj: Set | Map) -> None:
     if verb is Verb.FLUSH:
         held.elements.clear()
         return
-    if any(obj.name in _SET_REF.findall(str(body)) for c in t.chains.values() for body in c.rules):
+    if any(obj.name in n.sets for c in t.chains.values() for n in c.names):
         raise _Refused(f"Device or resource busy (set {obj.name} is referenced)")
     del t.sets[obj.name]
 
@@ -292,7 +300,7 @@ def _counter_op(t: _Table, verb: Verb, obj: Counter) -> None:
         return
     if held is None:
         raise _Refused(f"No such file or directory (counter {obj.name})")
-    if any(obj.name in _COUNTER_REF.findall(str(body)) for c in t.chains.values() for body in c.rules):
+    if any(obj.name in n.counters for c in t.chains.values() for n in c.names):
         raise _Refused(f"Device or resource busy (counter {obj.name} is referenced)")
     del t.counters[obj.name]
 
@@ -339,19 +347,23 @@ def _overlapping(t: _Table, names: set[str]) -> str | None:
     return None
 
 
-def _references(t: _Table) -> tuple[set[str], set[str]]:
+def _references(t: _Table) -> tuple[set[str], set[str], set[str]]:
+    """The chains, sets and counters that the table's rules and verdict map elements name."""
     chains: set[str] = set()
     sets: set[str] = set()
+    counters: set[str] = set()
     for c in t.chains.values():
-        for body in c.rules:
-            text = str(body)
-            chains.update(_CHAIN_REF.findall(text))
-            sets.update(_SET_REF.findall(text))
+        for n in c.names:
+            chains.update(n.chains)
+            sets.update(n.sets)
+            counters.update(n.counters)
     for s in t.sets.values():
         if isinstance(s.decl, Map) and s.decl.type is not None and s.decl.type.endswith(": verdict"):
             for el in s.elements.values():
-                chains.update(_CHAIN_REF.findall(el.value))
-    return chains, sets
+                verdict, _, chain = el.value.partition(" ")  # an element's value is still text
+                if verdict in _VERDICT_JUMPS:
+                    chains.add(chain)
+    return chains, sets, counters
 
 
 def _chain_referenced(t: _Table, name: str) -> bool:
@@ -359,13 +371,10 @@ def _chain_referenced(t: _Table, name: str) -> bool:
 
 
 def _dangling(t: _Table) -> str | None:
-    chains, sets = _references(t)
+    chains, sets, counters = _references(t)
     missing_chains = sorted(chains - set(t.chains))
     missing_sets = sorted(sets - set(t.sets))
-    missing_counters = sorted(
-        {n for c in t.chains.values() for body in c.rules for n in _COUNTER_REF.findall(str(body))}
-        - set(t.counters)
-    )
+    missing_counters = sorted(counters - set(t.counters))
     if missing_counters:
         return f"No such file or directory (counter {missing_counters[0]})"
     if missing_chains:
